@@ -1,0 +1,289 @@
+// Command capi is the C ABI of p2pcomm, built with -buildmode=c-shared into
+// libp2pcomm.so. Every export takes plain integers and pointers, returns a
+// status code (golib/status), recovers panics, and records a message that
+// p2p_last_error returns on the same thread.
+package main
+
+/*
+#include <stdint.h>
+#include <string.h>
+#include <stdlib.h>
+
+typedef int (*p2p_allgather_fn)(void* ctx, const void* send, int64_t nbytes, void* recv);
+typedef int (*p2p_barrier_fn)(void* ctx);
+
+static int call_allgather(p2p_allgather_fn f, void* ctx, const void* send, int64_t n, void* recv) {
+	return f(ctx, send, n, recv);
+}
+static int call_barrier(p2p_barrier_fn f, void* ctx) { return f(ctx); }
+*/
+import "C"
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"runtime/debug"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/comm"
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// abiVersion changes whenever an export's signature or meaning changes;
+// the Python loader refuses a library with another version.
+const abiVersion = 1
+
+var loadPid = os.Getpid()
+
+func main() {}
+
+//export p2p_abi_version
+func p2p_abi_version() C.int { return abiVersion }
+
+//export p2p_last_error
+func p2p_last_error(buf *C.char, capacity C.int64_t) C.int64_t {
+	msg := lastErrors.get()
+	if buf != nil && capacity > 0 {
+		n := min(int(capacity)-1, len(msg))
+		dst := unsafe.Slice((*byte)(unsafe.Pointer(buf)), int(capacity))
+		copy(dst, msg[:n])
+		dst[n] = 0
+	}
+	return C.int64_t(len(msg))
+}
+
+//export p2p_init
+func p2p_init(configJSON *C.char, allgather C.p2p_allgather_fn, barrier C.p2p_barrier_fn, ctx unsafe.Pointer, out *C.uint64_t) C.int {
+	return guard(func() error {
+		var cfg comm.Config
+		if err := json.Unmarshal([]byte(C.GoString(configJSON)), &cfg); err != nil {
+			return status.Errorf(status.InvalidArgument, "bad init config: %v", err)
+		}
+		var torchBS bootstrap.Bootstrap
+		if allgather != nil {
+			rank, size, err := rankSize(cfg)
+			if err != nil {
+				return err
+			}
+			torchBS, err = bootstrap.NewCallback(rank, size,
+				func(send, recv []byte) error { return callAllGather(allgather, ctx, send, recv) },
+				func() error { return callBarrier(barrier, ctx) })
+			if err != nil {
+				return err
+			}
+		}
+		c, err := comm.New(cfg, torchBS)
+		if err != nil {
+			return err
+		}
+		*out = C.uint64_t(handles.add(c))
+		return nil
+	})
+}
+
+func rankSize(cfg comm.Config) (int, int, error) {
+	var rank, size int
+	_, err1 := fmt.Sscan(cfg.Env["P2PCOMM_GROUP_RANK"], &rank)
+	_, err2 := fmt.Sscan(cfg.Env["P2PCOMM_GROUP_SIZE"], &size)
+	if err1 != nil || err2 != nil {
+		return 0, 0, status.Errorf(status.InvalidArgument, "torch bootstrap needs P2PCOMM_GROUP_RANK and P2PCOMM_GROUP_SIZE in the config")
+	}
+	return rank, size, nil
+}
+
+// The callbacks get C copies: C code must never keep or receive Go pointers
+// to memory that holds Go pointers, and these buffers outlive no call.
+func callAllGather(f C.p2p_allgather_fn, ctx unsafe.Pointer, send, recv []byte) error {
+	cs := C.CBytes(send)
+	defer C.free(cs)
+	cr := C.malloc(C.size_t(max(len(recv), 1)))
+	defer C.free(cr)
+	if rc := C.call_allgather(f, ctx, cs, C.int64_t(len(send)), cr); rc != 0 {
+		return status.Errorf(status.Bootstrap, "torch.distributed all_gather failed (see the Python exception above)")
+	}
+	copy(recv, unsafe.Slice((*byte)(cr), len(recv)))
+	return nil
+}
+
+func callBarrier(f C.p2p_barrier_fn, ctx unsafe.Pointer) error {
+	if rc := C.call_barrier(f, ctx); rc != 0 {
+		return status.Errorf(status.Bootstrap, "torch.distributed barrier failed (see the Python exception above)")
+	}
+	return nil
+}
+
+//export p2p_finalize
+func p2p_finalize(h C.uint64_t) C.int {
+	return guard(func() error {
+		c, err := handles.take(uint64(h))
+		if err != nil {
+			return err
+		}
+		return c.Close()
+	})
+}
+
+//export p2p_rank
+func p2p_rank(h C.uint64_t, out *C.int32_t) C.int {
+	return withComm(h, func(c *comm.Comm) error { *out = C.int32_t(c.Rank()); return nil })
+}
+
+//export p2p_world_size
+func p2p_world_size(h C.uint64_t, out *C.int32_t) C.int {
+	return withComm(h, func(c *comm.Comm) error { *out = C.int32_t(c.Size()); return nil })
+}
+
+//export p2p_alloc
+func p2p_alloc(h C.uint64_t, nbytes C.int64_t, out *C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		p, err := b.Alloc(int64(nbytes))
+		*out = C.uint64_t(p)
+		return err
+	})
+}
+
+//export p2p_free
+func p2p_free(h C.uint64_t, ptr C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error { return b.Free(uintptr(ptr)) })
+}
+
+//export p2p_register
+func p2p_register(h C.uint64_t, ptr C.uint64_t, nbytes C.int64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error { return b.Register(uintptr(ptr), int64(nbytes)) })
+}
+
+//export p2p_deregister
+func p2p_deregister(h C.uint64_t, ptr C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error { return b.Deregister(uintptr(ptr)) })
+}
+
+//export p2p_all_reduce
+func p2p_all_reduce(h C.uint64_t, src, dst C.uint64_t, count C.int64_t, dtype, op, algo C.int32_t, stream C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		return b.AllReduce(collective.AllReduce{
+			Src: uintptr(src), Dst: uintptr(dst), Count: int64(count),
+			DType: reduce.DType(dtype), Op: reduce.Op(op), Algo: collective.Algorithm(algo), Stream: uintptr(stream),
+		})
+	})
+}
+
+// p2p_all_reduce_reject takes part in an all-reduce on behalf of a rank
+// whose arguments Python rejected, so its peers fail with a mismatch
+// instead of waiting for it; it returns code with message.
+//
+//export p2p_all_reduce_reject
+func p2p_all_reduce_reject(h C.uint64_t, code C.int32_t, message *C.char) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		reject := status.Errorf(status.Code(code), "%s", C.GoString(message))
+		return b.AllReduce(collective.AllReduce{Reject: reject})
+	})
+}
+
+//export p2p_barrier
+func p2p_barrier(h C.uint64_t) C.int {
+	return withComm(h, func(c *comm.Comm) error { return c.Barrier() })
+}
+
+//export p2p_check
+func p2p_check(h C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error { return b.Check() })
+}
+
+func withComm(h C.uint64_t, f func(*comm.Comm) error) C.int {
+	return guard(func() error {
+		c, err := handles.get(uint64(h))
+		if err != nil {
+			return err
+		}
+		return f(c)
+	})
+}
+
+func withBackend(h C.uint64_t, f func(collective.Backend) error) C.int {
+	return withComm(h, func(c *comm.Comm) error { return c.Do(f) })
+}
+
+// guard runs f, turning its error or panic into a status code and a
+// message for p2p_last_error. No Go panic crosses the C boundary.
+func guard(f func() error) (rc C.int) {
+	defer func() {
+		if p := recover(); p != nil {
+			lastErrors.set(fmt.Sprintf("p2pcomm internal error: %v\n%s", p, debug.Stack()))
+			rc = C.int(status.Internal)
+		}
+	}()
+	if pid := syscall.Getpid(); pid != loadPid {
+		lastErrors.set(fmt.Sprintf("p2pcomm was called from a forked child (pid %d, loaded in %d); create communicators after fork", pid, loadPid))
+		return C.int(status.Fork)
+	}
+	err := f()
+	if err != nil {
+		lastErrors.set(err.Error())
+	}
+	return C.int(status.CodeOf(err))
+}
+
+// handleTable maps opaque handles to communicators: C never holds a Go
+// pointer.
+type handleTable struct {
+	mu   sync.Mutex
+	next uint64
+	m    map[uint64]*comm.Comm
+}
+
+var handles = handleTable{m: map[uint64]*comm.Comm{}}
+
+func (t *handleTable) add(c *comm.Comm) uint64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.next++
+	t.m[t.next] = c
+	return t.next
+}
+
+func (t *handleTable) get(h uint64) (*comm.Comm, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if c, ok := t.m[h]; ok {
+		return c, nil
+	}
+	return nil, status.Errorf(status.State, "communicator handle %d is not open (closed or never created)", h)
+}
+
+func (t *handleTable) take(h uint64) (*comm.Comm, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	c, ok := t.m[h]
+	if !ok {
+		return nil, status.Errorf(status.State, "communicator handle %d is not open (closed or never created)", h)
+	}
+	delete(t.m, h)
+	return c, nil
+}
+
+// errorTable keeps the last error per OS thread: exports run on the
+// caller's thread, so a Python thread reads back its own call's message.
+type errorTable struct {
+	mu sync.Mutex
+	m  map[int]string
+}
+
+var lastErrors = errorTable{m: map[int]string{}}
+
+func (t *errorTable) set(msg string) {
+	t.mu.Lock()
+	t.m[syscall.Gettid()] = msg
+	t.mu.Unlock()
+}
+
+func (t *errorTable) get() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.m[syscall.Gettid()]
+}

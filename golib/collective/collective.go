@@ -1,0 +1,90 @@
+// Package collective defines what a communicator asks of a backend: the
+// all-reduce request, the algorithms, and the Backend interface that the CPU
+// (hostcoll) and GPU (gpucoll) backends implement.
+package collective
+
+import (
+	"fmt"
+
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+)
+
+// Algorithm selects how an all-reduce moves data. The numbers are part of
+// the C ABI.
+type Algorithm int32
+
+const (
+	Auto Algorithm = 0
+	// OneShot: every rank reads every peer's whole input and reduces it.
+	OneShot Algorithm = 1
+	// TwoShot: reduce-scatter (rank r reduces slice r), then all-gather.
+	TwoShot Algorithm = 2
+	// Ring: reduce-scatter and all-gather passed around the ring of ranks.
+	Ring Algorithm = 3
+	// RecursiveDoubling: log2(world) pairwise exchange steps.
+	RecursiveDoubling Algorithm = 4
+	numAlgorithms               = 5
+)
+
+var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling"}
+
+// Valid reports whether a is a known algorithm.
+func (a Algorithm) Valid() bool { return a >= 0 && a < numAlgorithms }
+
+func (a Algorithm) String() string {
+	if !a.Valid() {
+		return fmt.Sprintf("algorithm(%d)", int32(a))
+	}
+	return algoNames[a]
+}
+
+// ParseAlgorithm maps a name ("oneshot", "ring", ...) to its Algorithm.
+func ParseAlgorithm(name string) (Algorithm, bool) {
+	for i, n := range algoNames {
+		if n == name {
+			return Algorithm(i), true
+		}
+	}
+	return 0, false
+}
+
+// AllReduce is one all-reduce call. Src and Dst are addresses in the
+// backend's memory space (host for CPU, device for GPU); Src == Dst means in
+// place. Stream is a CUDA stream (0 = legacy default) and ignored on CPU.
+type AllReduce struct {
+	Src, Dst uintptr
+	Count    int64 // elements
+	DType    reduce.DType
+	Op       reduce.Op
+	Algo     Algorithm
+	Stream   uintptr
+	// Reject, when set, is this rank's own validation failure: the backend
+	// still takes part in the collective, so every peer learns of it and
+	// fails too instead of waiting, and then returns Reject here.
+	Reject error
+}
+
+// Bytes is the payload size of the call.
+func (a AllReduce) Bytes() int64 { return a.Count * int64(a.DType.Size()) }
+
+// Backend runs collectives for one communicator. Calls are collective where
+// noted; a backend is used from one goroutine at a time (the communicator
+// serializes calls).
+type Backend interface {
+	// Alloc collectively allocates nbytes of symmetric memory on every rank
+	// and returns the local address.
+	Alloc(nbytes int64) (uintptr, error)
+	// Free collectively releases memory returned by Alloc.
+	Free(ptr uintptr) error
+	// Register collectively makes [ptr, ptr+nbytes) usable in place.
+	Register(ptr uintptr, nbytes int64) error
+	// Deregister collectively undoes Register.
+	Deregister(ptr uintptr) error
+	// AllReduce runs one collective all-reduce.
+	AllReduce(req AllReduce) error
+	// Check returns an error recorded asynchronously (e.g. by a device
+	// kernel that timed out), or nil.
+	Check() error
+	// Close releases every resource. Not collective; idempotent.
+	Close() error
+}

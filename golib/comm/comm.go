@@ -1,0 +1,172 @@
+// Package comm is the communicator: it joins a bootstrap to a backend and
+// serializes calls into it.
+package comm
+
+import (
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/hostcoll"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// Config says how to build a communicator. Env holds the environment as
+// Python saw it at construction time: the Go runtime copies the process
+// environment once, when the library is loaded, and would miss later changes.
+type Config struct {
+	Bootstrap string            `json:"bootstrap"` // auto, tcp, torch, mpi
+	Device    int               `json:"device"`    // CUDA ordinal, or -1 for the CPU backend
+	Env       map[string]string `json:"env"`
+}
+
+// Lookup reads a variable from the config's environment.
+func (c Config) Lookup(key string) (string, bool) {
+	v, ok := c.Env[key]
+	return v, ok
+}
+
+func (c Config) int64Env(key string, def int64) (int64, error) {
+	v, ok := c.Env[key]
+	if !ok || v == "" {
+		return def, nil
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, status.Errorf(status.InvalidArgument, "%s=%q: want a positive integer", key, v)
+	}
+	return n, nil
+}
+
+// GPUBackend builds the GPU backend; set by the gpucoll package's init so
+// that this package does not depend on CUDA code.
+var GPUBackend func(bs bootstrap.Bootstrap, device int, cfg Config) (collective.Backend, error)
+
+// Comm is one communicator.
+type Comm struct {
+	mu      sync.Mutex
+	bs      bootstrap.Bootstrap
+	backend collective.Backend
+	device  int
+	closed  bool
+}
+
+// New builds a communicator collectively. torchBS is the bootstrap over a
+// torch.distributed group, or nil.
+func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
+	bs, err := pickBootstrap(cfg, torchBS)
+	if err != nil {
+		return nil, err
+	}
+	timeoutMs, err := cfg.int64Env("P2PCOMM_TIMEOUT_MS", 60_000)
+	if err != nil {
+		bs.Close()
+		return nil, err
+	}
+	var be collective.Backend
+	if cfg.Device < 0 {
+		staging, err := cfg.int64Env("P2PCOMM_STAGING_BYTES", hostcoll.DefaultStagingBytes)
+		if err != nil {
+			bs.Close()
+			return nil, err
+		}
+		token, _ := strconv.ParseUint(cfg.Env["P2PCOMM_JOB_TOKEN"], 16, 64)
+		be, err = hostcoll.New(bs, hostcoll.Options{
+			Job: token, StagingBytes: staging, Timeout: time.Duration(timeoutMs) * time.Millisecond,
+		})
+	} else if GPUBackend == nil {
+		err = status.Errorf(status.Unsupported, "this build of p2pcomm has no GPU backend")
+	} else {
+		be, err = GPUBackend(bs, cfg.Device, cfg)
+	}
+	if err != nil {
+		bs.Close()
+		return nil, err
+	}
+	return &Comm{bs: bs, backend: be, device: cfg.Device}, nil
+}
+
+func pickBootstrap(cfg Config, torchBS bootstrap.Bootstrap) (bootstrap.Bootstrap, error) {
+	kind := cfg.Bootstrap
+	if v, ok := cfg.Lookup("P2PCOMM_BOOTSTRAP"); ok && v != "" {
+		kind = v
+	}
+	if kind == "" || kind == "auto" {
+		switch {
+		case torchBS != nil:
+			kind = "torch"
+		case bootstrap.MPIBuilt() && bootstrap.LaunchedByMPI(cfg.Lookup):
+			kind = "mpi"
+		default:
+			kind = "tcp"
+		}
+	}
+	switch kind {
+	case "torch":
+		if torchBS == nil {
+			return nil, status.Errorf(status.Bootstrap, "torch bootstrap requested but no torch.distributed group was given")
+		}
+		return torchBS, nil
+	case "mpi":
+		return bootstrap.NewMPI()
+	case "tcp":
+		tc, err := bootstrap.TCPConfigFromEnv(cfg.Lookup)
+		if err != nil {
+			return nil, err
+		}
+		return bootstrap.NewTCP(tc)
+	}
+	return nil, status.Errorf(status.InvalidArgument, "unknown bootstrap %q (want auto, torch, mpi or tcp)", kind)
+}
+
+// Rank is this process's rank.
+func (c *Comm) Rank() int { return c.bs.Rank() }
+
+// Size is the number of ranks.
+func (c *Comm) Size() int { return c.bs.Size() }
+
+// Device is the CUDA ordinal, or -1 on the CPU backend.
+func (c *Comm) Device() int { return c.device }
+
+// Do runs f on the backend with the communicator locked; it fails once the
+// communicator is closed.
+func (c *Comm) Do(f func(collective.Backend) error) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return status.Errorf(status.State, "communicator is closed")
+	}
+	return f(c.backend)
+}
+
+// Barrier waits for every rank, through the backend when it has a faster
+// barrier than the bootstrap.
+func (c *Comm) Barrier() error {
+	return c.Do(func(b collective.Backend) error {
+		if fb, ok := b.(interface{ Barrier() error }); ok {
+			return fb.Barrier()
+		}
+		return c.bs.Barrier()
+	})
+}
+
+// Close releases everything. Not collective; idempotent.
+func (c *Comm) Close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil
+	}
+	c.closed = true
+	err := c.backend.Close()
+	if berr := c.bs.Close(); err == nil {
+		err = berr
+	}
+	if err != nil {
+		return fmt.Errorf("close communicator: %w", err)
+	}
+	return nil
+}

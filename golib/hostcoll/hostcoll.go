@@ -1,0 +1,232 @@
+// Package hostcoll is the CPU backend: all-reduce among the processes of
+// one host through POSIX shared memory.
+package hostcoll
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/shm"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// Options configure a Comm; zero values take the defaults.
+type Options struct {
+	Job          uint64        // names segments; the same on every rank of a job
+	StagingBytes int64         // per-rank staging capacity (default 64 MiB)
+	Timeout      time.Duration // bound on every wait for a peer (default 60 s)
+	// OneShotMaxBytes: at or below this size Auto picks one-shot.
+	OneShotMaxBytes int64
+}
+
+// DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
+const DefaultStagingBytes = 64 << 20
+
+var commCounter atomic.Uint64
+
+var _ collective.Backend = (*Comm)(nil)
+
+// Comm is the CPU backend of one communicator. It implements
+// collective.Backend.
+type Comm struct {
+	bs      bootstrap.Bootstrap
+	rank    int
+	size    int
+	opts    Options
+	prefix  string
+	own     *shm.Segment   // this rank's control block + staging
+	peers   []*shm.Segment // every rank's, own included at [rank]
+	ctl     []ctlView
+	staging [][]byte
+	allocs  map[uintptr]*alloc
+	nextID  int64
+	seq     uint64
+	broken  error
+	scratch []byte
+}
+
+type alloc struct {
+	id    int64
+	size  int
+	segs  []*shm.Segment // [rank]
+	local uintptr
+}
+
+// New creates the CPU backend collectively: every rank maps every other
+// rank's control block and staging area.
+func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
+	if opts.StagingBytes <= 0 {
+		opts.StagingBytes = DefaultStagingBytes
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 60 * time.Second
+	}
+	if opts.OneShotMaxBytes <= 0 {
+		opts.OneShotMaxBytes = 256 << 10
+	}
+	opts.StagingBytes = (opts.StagingBytes + stagingAlign - 1) / stagingAlign * stagingAlign
+	shm.CleanStale()
+	c := &Comm{bs: bs, rank: bs.Rank(), size: bs.Size(), opts: opts, allocs: map[uintptr]*alloc{}}
+	// Rank 0 picks a per-communicator id so two communicators of one job
+	// never share names.
+	var id [8]byte
+	binary.LittleEndian.PutUint64(id[:], uint64(os.Getpid())<<20|commCounter.Add(1))
+	ids, err := bs.AllGather(id[:])
+	if err != nil {
+		return nil, fmt.Errorf("agree on communicator id: %w", err)
+	}
+	c.prefix = fmt.Sprintf("c%x", binary.LittleEndian.Uint64(ids[0]))
+	segBytes := ctlBytes + int(opts.StagingBytes)
+	segs, err := c.openSymmetric("ctl", segBytes)
+	if err != nil {
+		return nil, err
+	}
+	c.peers = segs
+	c.own = segs[c.rank]
+	for _, s := range segs {
+		c.ctl = append(c.ctl, ctlView{unsafe.Pointer(&s.Data[0])})
+		c.staging = append(c.staging, s.Data[ctlBytes:])
+	}
+	c.ctl[c.rank].store(offPid, uint64(os.Getpid()))
+	if err := bs.Barrier(); err != nil { // every pid is published
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+// openSymmetric creates this rank's segment named tag, maps every peer's,
+// and unlinks its own once all have mapped it, so a crash leaves no file.
+func (c *Comm) openSymmetric(tag string, size int) ([]*shm.Segment, error) {
+	name := shm.Name(c.opts.Job, os.Getpid(), fmt.Sprintf("%s.%s.r%d", c.prefix, tag, c.rank))
+	own, err := shm.Create(name, size)
+	// Everyone reports success or failure, so one rank's failure fails all.
+	msg := []byte(name)
+	if err != nil {
+		msg = []byte("!" + err.Error())
+	}
+	names, gerr := c.bs.AllGather(msg)
+	if gerr != nil {
+		own.Close()
+		shm.Unlink(name)
+		return nil, gerr
+	}
+	if err != nil {
+		return nil, err
+	}
+	segs := make([]*shm.Segment, c.size)
+	segs[c.rank] = own
+	var openErr error
+	for r, n := range names {
+		if r == c.rank {
+			continue
+		}
+		if len(n) > 0 && n[0] == '!' {
+			openErr = status.Errorf(status.Capacity, "rank %d could not create shared memory: %s", r, n[1:])
+			break
+		}
+		if segs[r], err = shm.Open(string(n), size); err != nil {
+			openErr = fmt.Errorf("map rank %d's %s segment: %w", r, tag, err)
+			break
+		}
+	}
+	// Unlink only after every rank has tried to map.
+	if err := c.bs.Barrier(); err != nil && openErr == nil {
+		openErr = err
+	}
+	shm.Unlink(name)
+	if openErr != nil {
+		for _, s := range segs {
+			s.Close()
+		}
+		return nil, openErr
+	}
+	return segs, nil
+}
+
+// Alloc collectively allocates symmetric memory: nbytes in every rank's own
+// segment, each mapped by all ranks.
+func (c *Comm) Alloc(nbytes int64) (uintptr, error) {
+	if err := c.usable(); err != nil {
+		return 0, err
+	}
+	if nbytes <= 0 {
+		return 0, status.Errorf(status.InvalidArgument, "symmetric allocation of %d bytes", nbytes)
+	}
+	size := int((nbytes + stagingAlign - 1) / stagingAlign * stagingAlign)
+	id := c.nextID
+	c.nextID++
+	segs, err := c.openSymmetric(fmt.Sprintf("a%d", id), size)
+	if err != nil {
+		return 0, err
+	}
+	a := &alloc{id: id, size: size, segs: segs, local: uintptr(unsafe.Pointer(&segs[c.rank].Data[0]))}
+	c.allocs[a.local] = a
+	return a.local, nil
+}
+
+// Free collectively releases a symmetric allocation.
+func (c *Comm) Free(ptr uintptr) error {
+	a, ok := c.allocs[ptr]
+	if !ok {
+		return status.Errorf(status.InvalidArgument, "%#x is not a symmetric allocation of this communicator", ptr)
+	}
+	// Peers may still read this rank's memory until everyone stops using it.
+	err := c.bs.Barrier()
+	delete(c.allocs, ptr)
+	for _, s := range a.segs {
+		s.Close()
+	}
+	return err
+}
+
+// Register accepts any host range: CPU tensors outside symmetric memory go
+// through the staging area, so there is nothing to map.
+func (c *Comm) Register(ptr uintptr, nbytes int64) error { return c.usable() }
+
+// Deregister is the inverse of Register.
+func (c *Comm) Deregister(ptr uintptr) error { return c.usable() }
+
+// Check returns the error that broke the communicator, if any.
+func (c *Comm) Check() error { return c.broken }
+
+// Close unmaps everything. Not collective.
+func (c *Comm) Close() error {
+	for _, a := range c.allocs {
+		for _, s := range a.segs {
+			s.Close()
+		}
+	}
+	c.allocs = map[uintptr]*alloc{}
+	for _, s := range c.peers {
+		s.Close()
+	}
+	c.peers, c.ctl, c.staging = nil, nil, nil
+	if c.broken == nil {
+		c.broken = status.Errorf(status.State, "communicator is closed")
+	}
+	return nil
+}
+
+func (c *Comm) usable() error {
+	if c.broken != nil {
+		return c.broken
+	}
+	return nil
+}
+
+// find returns the symmetric allocation holding [p, p+n) and p's offset in it.
+func (c *Comm) find(p uintptr, n int64) (*alloc, int64) {
+	for base, a := range c.allocs {
+		if p >= base && p+uintptr(n) <= base+uintptr(a.size) {
+			return a, int64(p - base)
+		}
+	}
+	return nil, 0
+}

@@ -1,0 +1,297 @@
+"""The Communicator: one per process group, constructed collectively."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import json
+import math
+import os
+import weakref
+from typing import Optional, Sequence, Union
+
+import torch
+
+from . import _lib
+from .errors import InvalidArgumentError, StateError, UnsupportedError, P2PCommError, BootstrapError
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operators; the values are the C ABI's."""
+
+    SUM = 0
+    PROD = 1
+    MIN = 2
+    MAX = 3
+    AVG = 4
+
+
+_DTYPES = {
+    torch.float32: 0, torch.float64: 1, torch.float16: 2,
+    torch.bfloat16: 3, torch.int32: 4, torch.int64: 5,
+}
+ALGORITHMS = ("auto", "oneshot", "twoshot", "ring", "recursive_doubling")
+_ENV_PREFIXES = ("P2PCOMM_", "OMPI_", "PMI_", "PMIX_")
+_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID")
+
+
+def _parse_op(op) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp[op.upper()]
+        except KeyError:
+            pass
+    else:
+        name = getattr(op, "name", None) or str(op).rsplit(".", 1)[-1]  # torch.distributed.ReduceOp
+        if name.upper() in ReduceOp.__members__:
+            return ReduceOp[name.upper()]
+    raise UnsupportedError(f"unknown reduce op {op!r}: use one of {', '.join(o.name.lower() for o in ReduceOp)}")
+
+
+def _parse_algorithm(algorithm) -> int:
+    if algorithm in ALGORITHMS:
+        return ALGORITHMS.index(algorithm)
+    raise UnsupportedError(f"unknown algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
+
+
+def _parse_device(device) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            local = os.environ.get("LOCAL_RANK")
+            return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device {dev} is neither cpu nor cuda")
+    return dev
+
+
+class _TorchBootstrap:
+    """Hands Go an all-gather and a barrier over a torch.distributed group,
+    as ctypes callbacks. Exceptions cannot cross into Go: they are kept and
+    re-raised as the cause of the BootstrapError."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.dist, self.group = dist, group
+        self.error: Optional[BaseException] = None
+        backend = str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        self.allgather = _lib.ALLGATHER_FN(self._allgather)
+        self.barrier = _lib.BARRIER_FN(self._barrier)
+
+    def _allgather(self, _ctx, send, nbytes, recv):
+        try:
+            world = self.dist.get_world_size(self.group)
+            mine = torch.frombuffer(bytearray(ctypes.string_at(send, nbytes)), dtype=torch.uint8) if nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+            mine = mine.to(self.device)
+            parts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(world)]
+            self.dist.all_gather(parts, mine, group=self.group)
+            if nbytes:
+                data = torch.cat(parts).cpu().numpy().tobytes()
+                ctypes.memmove(recv, data, len(data))
+            return 0
+        except BaseException as e:  # noqa: BLE001 - must not unwind into Go
+            self.error = e
+            return 1
+
+    def _barrier(self, _ctx):
+        try:
+            self.dist.barrier(group=self.group)
+            return 0
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+            return 1
+
+
+class Communicator:
+    """A group of ranks that all-reduce through peer memory.
+
+    Collective: every rank of ``group`` constructs it with the same
+    arguments. ``group`` is a ``torch.distributed`` process group; when None
+    and torch.distributed is initialized the default group is used, else the
+    ranks meet through MPI (under mpirun) or TCP (torchrun's environment:
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; see README). ``device`` is
+    "cpu", "cuda", "cuda:N", an int or a torch.device; None picks the GPU of
+    LOCAL_RANK when CUDA is available, else the CPU backend.
+    """
+
+    def __init__(self, group=None, device=None, *, bootstrap: str = "auto"):
+        _lib.check_not_forked()
+        self._handle = 0
+        self._pid = os.getpid()
+        self.device = _parse_device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        env = {k: v for k, v in os.environ.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
+        torch_bs = None
+        import torch.distributed as dist
+
+        if group is None and bootstrap in ("auto", "torch") and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        if group is not None:
+            torch_bs = _TorchBootstrap(group)
+            env["P2PCOMM_GROUP_RANK"] = str(dist.get_rank(group))
+            env["P2PCOMM_GROUP_SIZE"] = str(dist.get_world_size(group))
+        config = {"bootstrap": bootstrap, "device": self.device.index if self.device.type == "cuda" else -1, "env": env}
+        handle = ctypes.c_uint64()
+        lib = _lib.lib()
+        rc = lib.p2p_init(
+            json.dumps(config).encode(),
+            torch_bs.allgather if torch_bs else _lib.ALLGATHER_FN(),
+            torch_bs.barrier if torch_bs else _lib.BARRIER_FN(),
+            None, ctypes.byref(handle),
+        )
+        try:
+            _lib.check(rc)
+        except BootstrapError as e:
+            if torch_bs is not None and torch_bs.error is not None:
+                raise e from torch_bs.error
+            raise
+        self._handle = handle.value
+        self._bootstrap = torch_bs  # the callbacks must outlive the handle
+        self._allocations: dict[int, object] = {}
+        r, w = ctypes.c_int32(), ctypes.c_int32()
+        _lib.check(lib.p2p_rank(self._handle, ctypes.byref(r)))
+        _lib.check(lib.p2p_world_size(self._handle, ctypes.byref(w)))
+        self.rank, self.world_size = r.value, w.value
+        self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
+        self._all_reduce = lib.p2p_all_reduce
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def _h(self) -> int:
+        _lib.check_not_forked()
+        if not self._handle:
+            raise StateError("communicator is closed")
+        return self._handle
+
+    def close(self) -> None:
+        """Release this rank's resources. Not collective; idempotent. Tensors
+        from :meth:`empty` must not be used afterwards."""
+        if self._handle:
+            self._allocations.clear()
+            self._finalizer.detach()
+            h, self._handle = self._handle, 0
+            _lib.check(_lib.lib().p2p_finalize(h))
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._handle else "closed"
+        return f"Communicator(rank={getattr(self, 'rank', '?')}, world_size={getattr(self, 'world_size', '?')}, device={self.device}, {state})"
+
+    # -- memory --------------------------------------------------------------------------------------
+
+    def empty(self, shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Collective. A tensor in symmetric memory (every rank allocates the
+        same size, and peers can read it directly), so all-reduce on it needs
+        no staging copy. Lives until :meth:`close`."""
+        if dtype not in _DTYPES:
+            raise UnsupportedError(f"dtype {dtype} is not supported; use one of {sorted(map(str, _DTYPES))}")
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        numel = math.prod(shape)
+        if numel < 0 or any(d < 0 for d in shape):
+            raise InvalidArgumentError(f"negative dimension in shape {shape}")
+        used = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = max(used, 1)
+        ptr = ctypes.c_uint64()
+        _lib.check(_lib.lib().p2p_alloc(self._h(), nbytes, ctypes.byref(ptr)))
+        if self.device.type == "cpu":
+            buf = (ctypes.c_char * nbytes).from_address(ptr.value)
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+        else:
+            flat = torch.as_tensor(_CudaArray(ptr.value, nbytes), device=self.device)
+        self._allocations[ptr.value] = flat
+        return flat[:used].view(dtype).view(shape)
+
+    def register_buffer(self, tensor: torch.Tensor) -> None:
+        """Collective. Make ``tensor`` usable in place by peers (GPU: opens its
+        IPC handle on every rank once; CPU tensors outside symmetric memory are
+        staged through shared memory, so this only validates)."""
+        self._check_tensor(tensor)
+        _lib.check(_lib.lib().p2p_register(self._h(), tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+
+    def deregister_buffer(self, tensor: torch.Tensor) -> None:
+        """Collective. Undo :meth:`register_buffer`."""
+        _lib.check(_lib.lib().p2p_deregister(self._h(), tensor.data_ptr()))
+
+    # -- collectives ---------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
+        """Collective. Return a new tensor holding the reduction of ``tensor``
+        over all ranks; ``tensor`` is unchanged. ``op``: sum, prod, min, max,
+        avg (a string, :class:`ReduceOp` or ``torch.distributed.ReduceOp``);
+        avg on integers floors like ``torch.div(rounding_mode="floor")``.
+        Results are bit-identical on every rank."""
+        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        self._reduce(tensor, out, op, algorithm)
+        return out
+
+    def all_reduce_(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
+        """Collective. Like :meth:`all_reduce` but in place; returns ``tensor``."""
+        self._reduce(tensor, tensor, op, algorithm)
+        return tensor
+
+    def _reduce(self, src: torch.Tensor, dst: torch.Tensor, op, algorithm) -> None:
+        h = self._h()
+        try:
+            code = _parse_op(op).value
+            algo = _parse_algorithm(algorithm)
+            self._check_tensor(src)
+            dtype = _DTYPES[src.dtype]
+        except P2PCommError as e:
+            # Take part anyway, so that peers fail with a mismatch instead of waiting.
+            rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode())
+            if rc not in (0, e.code):
+                _lib.check(rc)
+            raise
+        stream = torch.cuda.current_stream(src.device).cuda_stream if src.is_cuda else 0
+        _lib.check(self._all_reduce(h, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream))
+
+    def barrier(self) -> None:
+        """Collective. Return once every rank has called it."""
+        _lib.check(_lib.lib().p2p_barrier(self._h()))
+
+    def check(self) -> None:
+        """Raise an error recorded asynchronously (e.g. a GPU kernel whose
+        peer never arrived), if any."""
+        _lib.check(_lib.lib().p2p_check(self._h()))
+
+    def _check_tensor(self, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise UnsupportedError(f"dtype {t.dtype} is not supported; use one of {', '.join(sorted(map(str, _DTYPES)))}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError("tensor is not contiguous: call .contiguous() first")
+        if t.device.type != self.device.type or (self.device.type == "cuda" and t.device.index != self.device.index):
+            raise InvalidArgumentError(f"tensor is on {t.device} but this communicator is on {self.device}")
+
+
+class _CudaArray:
+    """Exposes a raw device allocation to torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+
+
+def _finalize(handle: int, pid: int) -> None:
+    # Best effort at garbage collection or exit: not collective, never raises.
+    if os.getpid() == pid and _lib._lib is not None:
+        _lib._lib.p2p_finalize(handle)
