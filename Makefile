@@ -1,0 +1,70 @@
+# p2pcomm: `make test` runs every test that needs no GPU; `make gpu-test` the
+# GPU ones (on a machine with GPUs); `make demo` shows it working.
+SHELL := /bin/bash
+GO ?= go
+PYTHON ?= python3
+TORCHRUN ?= $(PYTHON) -m torch.distributed.run
+# MPI=auto links the MPI bootstrap when pkg-config finds OpenMPI; MPI=0 makes a
+# library that loads where OpenMPI is absent (what the GPU machines get).
+MPI ?= auto
+ifeq ($(MPI),auto)
+MPI_TAGS := $(shell pkg-config --exists ompi 2>/dev/null && echo -tags mpi)
+else ifeq ($(MPI),1)
+MPI_TAGS := -tags mpi
+endif
+LIB := build/libp2pcomm.so
+GO_SOURCES := $(shell find golib native -name '*.go' -o -name '*.cu' -o -name '*.cuh') go.mod go.sum
+NPROC_GPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
+export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
+export P2PCOMM_LIB ?= $(CURDIR)/$(LIB)
+export OMPI_ALLOW_RUN_AS_ROOT ?= 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
+# Never let NCCL, torch or NVSHMEM use NVLink multicast on shared machines.
+export NCCL_NVLS_ENABLE := 0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST := 1
+export NVSHMEM_DISABLE_NVLS := 1
+
+.PHONY: lib test test-go test-mpi test-python test-dist gpu-test demo bench fuzz vet clean
+
+lib: $(LIB)
+
+$(LIB): $(GO_SOURCES)
+	@mkdir -p build
+	$(GO) build -buildmode=c-shared -trimpath $(MPI_TAGS) -o $@ ./golib/capi
+
+vet:
+	$(GO) vet ./...
+	@test -z "$$(gofmt -l golib native tests/go)" || { gofmt -l golib native tests/go; echo "gofmt needed"; exit 1; }
+
+test-go:
+	$(GO) test -race -count=1 ./...
+
+fuzz:
+	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 10s ./golib/bootstrap
+
+test-mpi:
+	$(GO) test -c -tags mpi -o build/mpi.test ./tests/go/mpi
+	mpirun --allow-run-as-root --oversubscribe -np 2 build/mpi.test -test.v -test.count=1
+
+test-python: lib
+	$(PYTHON) -m pytest -q tests/python --ignore=tests/python/dist
+
+test-dist: lib
+	$(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
+	$(TORCHRUN) --nproc_per_node=4 -m pytest -q -x tests/python/dist
+
+test: vet test-go fuzz test-mpi test-python test-dist
+
+gpu-test: lib
+	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }
+	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=$(NPROC_GPU) -m pytest -q -x tests/python/dist
+	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
+
+demo: lib
+	$(TORCHRUN) --nproc_per_node=$(if $(filter-out 0 1,$(NPROC_GPU)),$(NPROC_GPU),2) -m p2pcomm.demo
+
+bench: lib
+	$(TORCHRUN) --nproc_per_node=$(if $(filter-out 0 1,$(NPROC_GPU)),$(NPROC_GPU),2) -m p2pcomm.bench
+
+clean:
+	rm -rf build dist

@@ -1,0 +1,76 @@
+"""Fixtures for tests that run on every rank under torchrun.
+
+Every rank runs the same tests in the same order, so collectives match up.
+GPU variants run only with P2PCOMM_TEST_GPU=1 on a machine with GPUs
+(`make gpu-test`); elsewhere they skip and say why.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+import p2pcomm  # noqa: E402
+
+WANT_GPU = os.environ.get("P2PCOMM_TEST_GPU") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if "RANK" not in os.environ:
+        skip = pytest.mark.skip(reason="distributed tests run under torchrun (make test-dist)")
+        for item in items:
+            item.add_marker(skip)
+
+
+def gpu_skip_reason():
+    if not WANT_GPU:
+        return "GPU tests run only with P2PCOMM_TEST_GPU=1 (make gpu-test on a GPU machine)"
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+        return "fewer GPUs than local ranks"
+    return None
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))),
+]
+
+
+@pytest.fixture(scope="session")
+def group():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    yield dist.group.WORLD
+
+
+@pytest.fixture(scope="session")
+def comms(group):
+    made = {}
+
+    def get(device):
+        if device not in made:
+            if device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                made[device] = p2pcomm.Communicator(group, device=torch.cuda.current_device())
+            else:
+                made[device] = p2pcomm.Communicator(group, device="cpu")
+        return made[device]
+
+    yield get
+    for c in made.values():
+        c.close()
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    """True when every rank holds bit-identical bytes."""
+    mine = t.detach().cpu().contiguous().view(torch.uint8).flatten()
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return all(torch.equal(p, parts[0]) for p in parts)

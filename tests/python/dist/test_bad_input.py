@@ -1,0 +1,101 @@
+"""Bad input raises a specific exception on every rank and leaves them usable."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import p2pcomm
+from conftest import DEVICES
+
+
+def still_works(comm, device):
+    out = comm.all_reduce(torch.ones(3, device=device) * (comm.rank + 1))
+    assert torch.equal(out.cpu(), torch.ones(3) * sum(range(1, comm.world_size + 1)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda d: torch.zeros(4, 4, device=d).t(), p2pcomm.InvalidArgumentError),
+        (lambda d: torch.zeros(4, dtype=torch.complex64, device=d), p2pcomm.UnsupportedError),
+        (lambda d: torch.zeros(4, dtype=torch.uint8, device=d), p2pcomm.UnsupportedError),
+        (lambda d: torch.zeros(4, device="meta"), p2pcomm.InvalidArgumentError),
+    ],
+    ids=["non_contiguous", "complex", "uint8", "wrong_device"],
+)
+def test_bad_tensor_on_every_rank(comms, device, make, error):
+    comm = comms(device)
+    with pytest.raises(error):
+        comm.all_reduce(make(device))
+    still_works(comm, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unknown_op_and_algorithm(comms, device):
+    comm = comms(device)
+    with pytest.raises(p2pcomm.UnsupportedError, match="unknown reduce op"):
+        comm.all_reduce(torch.ones(2, device=device), op="xor")
+    with pytest.raises(p2pcomm.UnsupportedError, match="unknown algorithm"):
+        comm.all_reduce(torch.ones(2, device=device), algorithm="telepathy")
+    still_works(comm, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_tensor_on_one_rank_fails_everyone(comms, device):
+    comm = comms(device)
+    x = torch.zeros(4, 4, device=device)
+    if comm.rank == 1:
+        x = x.t()
+    expected = p2pcomm.InvalidArgumentError if comm.rank == 1 else p2pcomm.MismatchError
+    with pytest.raises(expected, match="contiguous" if comm.rank == 1 else "rank 1"):
+        comm.all_reduce(x)
+    still_works(comm, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mismatched_sizes_and_dtypes(comms, device):
+    comm = comms(device)
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        comm.all_reduce(torch.ones(10 + comm.rank, device=device))
+    dtype = torch.float32 if comm.rank == 0 else torch.float64
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        comm.all_reduce(torch.ones(10, dtype=dtype, device=device))
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        comm.all_reduce(torch.ones(10, device=device), op="sum" if comm.rank == 0 else "max")
+    still_works(comm, device)
+
+
+def test_oversize_tensor_raises_capacity_error(group, monkeypatch):
+    monkeypatch.setenv("P2PCOMM_STAGING_BYTES", str(64 << 10))
+    with p2pcomm.Communicator(group, device="cpu") as comm:
+        with pytest.raises(p2pcomm.CapacityError, match="staging capacity"):
+            comm.all_reduce(torch.ones(64 << 10))
+        # One rank over capacity: the others learn of it.
+        n = (64 << 10) if comm.rank == 0 else 16
+        with pytest.raises(p2pcomm.CapacityError if comm.rank == 0 else p2pcomm.MismatchError):
+            comm.all_reduce(torch.ones(n))
+        still_works(comm, "cpu")
+        big = comm.empty(64 << 10)  # symmetric memory has no staging limit
+        big.fill_(1)
+        comm.all_reduce_(big)
+        assert torch.equal(big, torch.full_like(big, comm.world_size))
+
+
+def test_use_after_close(group):
+    comm = p2pcomm.Communicator(group, device="cpu")
+    comm.close()
+    comm.close()  # idempotent
+    with pytest.raises(p2pcomm.StateError):
+        comm.all_reduce(torch.ones(2))
+    with pytest.raises(p2pcomm.StateError):
+        comm.barrier()
+
+
+def test_barrier_and_context_manager(group):
+    with p2pcomm.Communicator(group, device="cpu") as comm:
+        for _ in range(50):
+            comm.barrier()
+    with pytest.raises(p2pcomm.StateError):
+        comm.empty(4)
+    dist.barrier()
