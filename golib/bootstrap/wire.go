@@ -106,11 +106,16 @@ var errBadMessage = errors.New("bad bootstrap message")
 // returned as is. An invalid header returns a status.Bootstrap error.
 func Decode(r io.Reader, maxPayload int) (Message, error) {
 	var hdr [HeaderSize]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+	// The magic first, so a stray client is turned away without waiting
+	// for a whole header it may never send.
+	if _, err := io.ReadFull(r, hdr[:4]); err != nil {
 		return Message{}, err
 	}
 	if [4]byte(hdr[0:4]) != wireMagic {
 		return Message{}, badMessage("magic %q, want %q (not a p2pcomm peer?)", hdr[0:4], wireMagic[:])
+	}
+	if _, err := io.ReadFull(r, hdr[4:]); err != nil {
+		return Message{}, unexpectedEOF(err)
 	}
 	if v := binary.LittleEndian.Uint16(hdr[4:]); v != WireVersion {
 		return Message{}, badMessage("wire version %d, want %d (mixed p2pcomm versions?)", v, WireVersion)
@@ -135,13 +140,18 @@ func Decode(r io.Reader, maxPayload int) (Message, error) {
 	if n > 0 {
 		m.Payload = make([]byte, n)
 		if _, err := io.ReadFull(r, m.Payload); err != nil {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return Message{}, err
+			return Message{}, unexpectedEOF(err)
 		}
 	}
 	return m, nil
+}
+
+// unexpectedEOF reports a stream that ended inside a message.
+func unexpectedEOF(err error) error {
+	if err == io.EOF {
+		return io.ErrUnexpectedEOF
+	}
+	return err
 }
 
 func badMessage(format string, args ...any) error {

@@ -61,6 +61,8 @@ func TestDecodeRejects(t *testing.T) {
 		want    string // substring of the error
 	}{
 		{"empty", nil, MaxPayload, io.EOF, ""},
+		{"truncated magic", valid[:2], MaxPayload, io.ErrUnexpectedEOF, ""},
+		{"magic only", valid[:4], MaxPayload, io.ErrUnexpectedEOF, ""},
 		{"truncated header", valid[:HeaderSize-1], MaxPayload, io.ErrUnexpectedEOF, ""},
 		{"truncated payload", valid[:len(valid)-1], MaxPayload, io.ErrUnexpectedEOF, ""},
 		{"bad magic", patch(0, 'H', 'T', 'T', 'P'), MaxPayload, errBadMessage, "magic"},

@@ -118,6 +118,14 @@ func callBarrier(f C.p2p_barrier_fn, ctx unsafe.Pointer) error {
 	return nil
 }
 
+// p2p_shutdown ends process-wide state (MPI) once no communicator is
+// left; call it at process exit. Safe to call when MPI was never used.
+//
+//export p2p_shutdown
+func p2p_shutdown() C.int {
+	return guard(bootstrap.FinalizeMPI)
+}
+
 //export p2p_finalize
 func p2p_finalize(h C.uint64_t) C.int {
 	return guard(func() error {

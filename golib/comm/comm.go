@@ -10,6 +10,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
 	"github.com/p2pcomm/p2pcomm/golib/hostcoll"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
@@ -40,10 +41,6 @@ func (c Config) int64Env(key string, def int64) (int64, error) {
 	}
 	return n, nil
 }
-
-// GPUBackend builds the GPU backend; set by the gpucoll package's init so
-// that this package does not depend on CUDA code.
-var GPUBackend func(bs bootstrap.Bootstrap, device int, cfg Config) (collective.Backend, error)
 
 // Comm is one communicator.
 type Comm struct {
@@ -77,16 +74,35 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		be, err = hostcoll.New(bs, hostcoll.Options{
 			Job: token, StagingBytes: staging, Timeout: time.Duration(timeoutMs) * time.Millisecond,
 		})
-	} else if GPUBackend == nil {
-		err = status.Errorf(status.Unsupported, "this build of p2pcomm has no GPU backend")
 	} else {
-		be, err = GPUBackend(bs, cfg.Device, cfg)
+		be, err = newGPU(bs, cfg, time.Duration(timeoutMs)*time.Millisecond)
 	}
 	if err != nil {
 		bs.Close()
 		return nil, err
 	}
 	return &Comm{bs: bs, backend: be, device: cfg.Device}, nil
+}
+
+func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration) (collective.Backend, error) {
+	staging, err := cfg.int64Env("P2PCOMM_STAGING_BYTES", gpucoll.DefaultStagingBytes)
+	if err != nil {
+		return nil, err
+	}
+	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging}
+	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {
+		algo, ok := collective.ParseAlgorithm(name)
+		if !ok {
+			return nil, status.Errorf(status.InvalidArgument, "P2PCOMM_ALGO=%q: want one of auto, oneshot, twoshot, ring, recursive_doubling", name)
+		}
+		opts.ForceAlgo = algo
+	}
+	if path, ok := cfg.Lookup("P2PCOMM_TUNE_FILE"); ok && path != "" {
+		if opts.Tune, err = gpucoll.LoadTable(path, bs.Size()); err != nil {
+			return nil, err
+		}
+	}
+	return gpucoll.New(bs, cfg.Device, opts)
 }
 
 func pickBootstrap(cfg Config, torchBS bootstrap.Bootstrap) (bootstrap.Bootstrap, error) {

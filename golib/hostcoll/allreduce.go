@@ -2,7 +2,6 @@ package hostcoll
 
 import (
 	"fmt"
-	"runtime"
 	"time"
 	"unsafe"
 
@@ -288,15 +287,18 @@ func (c *Comm) waitPeers(off int, seq uint64, phase string) error {
 		}
 		v := c.ctl[r]
 		for i := 0; v.load(off) < seq; i++ {
+			// Raw system calls: the thread belongs to the caller (Python),
+			// and Go's scheduler must not hand it off mid-wait, which costs
+			// milliseconds.
 			switch {
-			case i < 256:
+			case i < 512:
 				continue
-			case i < 2048:
-				unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+			case i < 4096:
+				unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 				continue
 			}
-			runtime.Gosched()
-			time.Sleep(20 * time.Microsecond)
+			nap := unix.Timespec{Nsec: 20_000}
+			unix.RawSyscall(unix.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&nap)), 0, 0)
 			if i%64 != 0 {
 				continue
 			}

@@ -43,8 +43,8 @@ func newMem(size int) []bootstrap.Bootstrap {
 	return bs
 }
 
-func (b *memBootstrap) Rank() int { return b.rank }
-func (b *memBootstrap) Size() int { return b.hub.size }
+func (b *memBootstrap) Rank() int    { return b.rank }
+func (b *memBootstrap) Size() int    { return b.hub.size }
 func (b *memBootstrap) Close() error { return nil }
 func (b *memBootstrap) Barrier() error {
 	_, err := b.AllGather(nil)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import pathlib
@@ -32,6 +33,7 @@ _SIGNATURES = {
     "p2p_all_reduce_reject": ([_u64, _i32, ctypes.c_char_p], ctypes.c_int),
     "p2p_barrier": ([_u64], ctypes.c_int),
     "p2p_check": ([_u64], ctypes.c_int),
+    "p2p_shutdown": ([], ctypes.c_int),
 }
 
 _lock = threading.Lock()
@@ -73,11 +75,18 @@ def _load() -> ctypes.CDLL:
         version = handle.p2p_abi_version()
         if version != ABI_VERSION:
             raise P2PCommError(f"{path} has C ABI version {version}, this package needs {ABI_VERSION}: rebuild it")
+        atexit.register(_shutdown, handle)
         return handle
     raise P2PCommError(
         "libp2pcomm.so not found; tried " + ", ".join(tried)
         + ". Build it with `make lib` or reinstall p2pcomm (`pip install .`), or set P2PCOMM_LIB."
     )
+
+
+def _shutdown(handle) -> None:
+    # MPI must be finalized before exit or mpirun reports the rank as failed.
+    if os.getpid() == _LOAD_PID:
+        handle.p2p_shutdown()
 
 
 def check_not_forked() -> None:

@@ -142,6 +142,11 @@ class Communicator:
             torch_bs = _TorchBootstrap(group)
             env["P2PCOMM_GROUP_RANK"] = str(dist.get_rank(group))
             env["P2PCOMM_GROUP_SIZE"] = str(dist.get_world_size(group))
+        if self.device.type == "cuda" and "P2PCOMM_TUNE_FILE" not in env:
+            from .tune import default_path
+
+            if default_path().exists():
+                env["P2PCOMM_TUNE_FILE"] = str(default_path())
         config = {"bootstrap": bootstrap, "device": self.device.index if self.device.type == "cuda" else -1, "env": env}
         handle = ctypes.c_uint64()
         lib = _lib.lib()
@@ -166,6 +171,9 @@ class Communicator:
         self.rank, self.world_size = r.value, w.value
         self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
         self._all_reduce = lib.p2p_all_reduce
+        from . import ops
+
+        ops.track(self)
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -236,13 +244,26 @@ class Communicator:
         over all ranks; ``tensor`` is unchanged. ``op``: sum, prod, min, max,
         avg (a string, :class:`ReduceOp` or ``torch.distributed.ReduceOp``);
         avg on integers floors like ``torch.div(rounding_mode="floor")``.
-        Results are bit-identical on every rank."""
+        Results are bit-identical on every rank. On GPU the work is ordered on
+        the current stream and may be captured in a CUDA graph; under
+        torch.compile it is the custom op ``torch.ops.p2pcomm.all_reduce``."""
+        if torch.compiler.is_compiling():
+            return torch.ops.p2pcomm.all_reduce(tensor, self._h(), _parse_op(op).name.lower(), algorithm)
+        return self._eager_all_reduce(tensor, op, algorithm)
+
+    def all_reduce_(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
+        """Collective. Like :meth:`all_reduce` but in place; returns ``tensor``."""
+        if torch.compiler.is_compiling():
+            torch.ops.p2pcomm.all_reduce_(tensor, self._h(), _parse_op(op).name.lower(), algorithm)
+            return tensor
+        return self._eager_all_reduce_(tensor, op, algorithm)
+
+    def _eager_all_reduce(self, tensor, op, algorithm):
         out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         self._reduce(tensor, out, op, algorithm)
         return out
 
-    def all_reduce_(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
-        """Collective. Like :meth:`all_reduce` but in place; returns ``tensor``."""
+    def _eager_all_reduce_(self, tensor, op, algorithm):
         self._reduce(tensor, tensor, op, algorithm)
         return tensor
 

@@ -1,0 +1,102 @@
+package gpucoll
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// Table picks an algorithm by payload size: the first entry whose MaxBytes
+// is at least the payload wins; the last entry covers everything larger.
+type Table []TableEntry
+
+// TableEntry is one row of a Table.
+type TableEntry struct {
+	MaxBytes  int64  `json:"max_bytes"`
+	Algorithm string `json:"algorithm"`
+}
+
+// tuneFile is what `python -m p2pcomm.tune` writes: one table per world size.
+type tuneFile struct {
+	Device string           `json:"device"`
+	Tables map[string]Table `json:"tables"` // world size -> table
+}
+
+// LoadTable reads the table for world from a tune file. A missing file is
+// not an error: the defaults apply.
+func LoadTable(path string, world int) (Table, error) {
+	data, err := os.ReadFile(path)
+	if os.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var f tuneFile
+	if err := json.Unmarshal(data, &f); err != nil {
+		return nil, status.Errorf(status.InvalidArgument, "tune file %s: %v", path, err)
+	}
+	t := f.Tables[fmt.Sprint(world)]
+	for _, e := range t {
+		if a, ok := collective.ParseAlgorithm(e.Algorithm); !ok || a == collective.Auto {
+			return nil, status.Errorf(status.InvalidArgument, "tune file %s: unknown algorithm %q", path, e.Algorithm)
+		}
+	}
+	return t, nil
+}
+
+// defaultTable: one-shot while latency dominates (it moves (world-1) times
+// more data than two-shot but syncs once), two-shot once bandwidth does.
+func defaultTable(world int) Table {
+	limit := int64(256 << 10)
+	if world <= 2 {
+		limit = 1 << 20
+	}
+	return Table{{limit, "oneshot"}, {1 << 62, "twoshot"}}
+}
+
+func (b *Backend) choose(requested collective.Algorithm, nbytes int64) collective.Algorithm {
+	algo := requested
+	if algo == collective.Auto {
+		algo = b.opts.ForceAlgo
+	}
+	if algo == collective.Auto {
+		table := b.opts.Tune
+		if len(table) == 0 {
+			table = defaultTable(b.size)
+		}
+		algo = collective.TwoShot
+		for _, e := range table {
+			a, _ := collective.ParseAlgorithm(e.Algorithm)
+			algo = a
+			if nbytes <= e.MaxBytes {
+				break
+			}
+		}
+	}
+	// Recursive doubling pairs ranks by XOR: it needs a power-of-two world.
+	if algo == collective.RecursiveDoubling && b.size&(b.size-1) != 0 {
+		algo = collective.TwoShot
+	}
+	if b.size == 1 {
+		algo = collective.OneShot
+	}
+	return algo
+}
+
+// grid gives every rank the same grid for the same call: about 16 KiB of
+// each input per block, rounded up to a power of two so that calls of
+// slightly different sizes still pair their blocks (and a mismatch is then
+// reported as such, not as a timeout).
+func (b *Backend) grid(algo collective.Algorithm, dt reduce.DType, count int64) uint32 {
+	nbytes := count * int64(dt.Size())
+	g := int64(1)
+	for g < kMaxBlocks && g*(16<<10) < nbytes {
+		g *= 2
+	}
+	return uint32(g)
+}

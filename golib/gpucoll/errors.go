@@ -1,0 +1,39 @@
+package gpucoll
+
+import (
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// Error codes of ErrorWord (p2p_common.cuh ErrCode).
+const (
+	errTimeout   = 1
+	errBadParams = 2
+	errHostAbort = 3
+	errMismatch  = 4
+)
+
+var phaseNames = []string{"start", "middle", "end", "step"}
+
+func phaseName(p int32) string {
+	if p >= 0 && int(p) < len(phaseNames) {
+		return phaseNames[p] + " barrier"
+	}
+	return "barrier"
+}
+
+// describe turns what a kernel recorded into an error naming the peer.
+func describe(e errorWord) error {
+	switch e.Code {
+	case errTimeout:
+		return status.Errorf(status.Timeout,
+			"rank %d never arrived at the %s of an all-reduce (block %d, step %d, waited for flag %d, saw %d); the communicator cannot continue (P2PCOMM_TIMEOUT_MS)",
+			e.Peer, phaseName(e.Phase), e.Block, e.Step, e.Expected, e.Seen)
+	case errMismatch:
+		return status.Errorf(status.Mismatch,
+			"rank %d called all-reduce with different arguments (size, dtype, op or algorithm) or rejected its own; nothing was reduced",
+			e.Peer)
+	case errBadParams:
+		return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d)", e.Rank, e.Block)
+	}
+	return status.Errorf(status.Internal, "kernel reported error code %d (peer %d, phase %d)", e.Code, e.Peer, e.Phase)
+}

@@ -1,0 +1,301 @@
+// Package gpucoll is the GPU backend: all-reduce through CUDA IPC peer
+// memory with kernels compiled by NVRTC at run time.
+package gpucoll
+
+import (
+	"fmt"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/symm"
+)
+
+// Options configure the GPU backend; zero values take the defaults.
+type Options struct {
+	Timeout      time.Duration // bound on every device-side wait (default 60 s)
+	StagingBytes int64         // per-rank staging and scratch capacity (default 256 MiB)
+	Tune         Table         // algorithm choice by size; nil: built-in defaults
+	ForceAlgo    collective.Algorithm
+}
+
+// DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
+const DefaultStagingBytes = 256 << 20
+
+// Backend implements collective.Backend on one GPU.
+type Backend struct {
+	drv     *cuda.Driver
+	space   *symm.Space
+	rank    int
+	size    int
+	device  int
+	arch    int
+	sms     int
+	opts    Options
+	signal  *symm.Buffer
+	staging *symm.Buffer
+	scratch *symm.Buffer
+	errHost unsafe.Pointer // *errorWord in pinned host memory
+	errDev  uintptr
+	kernels *kernelCache
+	broken  error
+	params  allReduceParams // reused per launch: no allocation on the hot path
+}
+
+var _ collective.Backend = (*Backend)(nil)
+
+// New creates the GPU backend collectively on CUDA device ordinal device.
+func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
+	if opts.Timeout <= 0 {
+		opts.Timeout = 60 * time.Second
+	}
+	if opts.StagingBytes <= 0 {
+		opts.StagingBytes = DefaultStagingBytes
+	}
+	opts.StagingBytes = (opts.StagingBytes + 4095) &^ 4095
+	if bs.Size() > kMaxRanks {
+		return nil, status.Errorf(status.Unsupported, "world size %d exceeds the GPU backend's limit of %d ranks", bs.Size(), kMaxRanks)
+	}
+	drv, err := cuda.Load()
+	if err != nil {
+		return nil, fmt.Errorf("GPU backend needs the CUDA driver: %w", err)
+	}
+	if err := drv.EnsureContext(device); err != nil {
+		return nil, fmt.Errorf("make device %d current: %w", device, err)
+	}
+	dev, err := drv.Device(device)
+	if err != nil {
+		return nil, err
+	}
+	cc, err := drv.ComputeCapability(dev)
+	if err != nil {
+		return nil, err
+	}
+	sms, err := drv.DeviceAttribute(cuda.AttrMultiprocessorCount, dev)
+	if err != nil {
+		return nil, err
+	}
+	space, err := symm.New(drv, bs, device)
+	if err != nil {
+		return nil, err
+	}
+	b := &Backend{drv: drv, space: space, rank: bs.Rank(), size: bs.Size(), device: device, arch: cc, sms: sms, opts: opts}
+	if err := b.allocWorkspace(); err != nil {
+		b.Close()
+		return nil, err
+	}
+	b.kernels = newKernelCache(drv, cc)
+	// Every rank's signals are zero before any kernel can write a peer's.
+	if err := bs.Barrier(); err != nil {
+		b.Close()
+		return nil, err
+	}
+	return b, nil
+}
+
+func (b *Backend) allocWorkspace() error {
+	var err error
+	if b.signal, err = b.space.Alloc(signalBytes); err != nil {
+		return fmt.Errorf("allocate signals: %w", err)
+	}
+	if b.staging, err = b.space.Alloc(uint64(b.opts.StagingBytes)); err != nil {
+		return fmt.Errorf("allocate %d bytes of staging: %w", b.opts.StagingBytes, err)
+	}
+	if b.scratch, err = b.space.Alloc(uint64(b.opts.StagingBytes)); err != nil {
+		return fmt.Errorf("allocate %d bytes of scratch: %w", b.opts.StagingBytes, err)
+	}
+	hm, err := b.space.HostMapped(uint64(unsafe.Sizeof(errorWord{})))
+	if err != nil {
+		return fmt.Errorf("allocate the error word: %w", err)
+	}
+	b.errHost, b.errDev = hm.Host, hm.Device
+	*(*errorWord)(hm.Host) = errorWord{}
+	return nil
+}
+
+// Alloc allocates symmetric device memory.
+func (b *Backend) Alloc(nbytes int64) (uintptr, error) {
+	if err := b.usable(); err != nil {
+		return 0, err
+	}
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return 0, err
+	}
+	buf, err := b.space.Alloc(uint64(nbytes))
+	if err != nil {
+		return 0, err
+	}
+	return buf.Local, nil
+}
+
+// Free is not supported one allocation at a time: symmetric memory lives
+// until the communicator closes.
+func (b *Backend) Free(ptr uintptr) error {
+	return status.Errorf(status.Unsupported, "GPU symmetric memory is released when the communicator closes")
+}
+
+// Register opens peers' IPC mappings of [ptr, ptr+nbytes) so all-reduce on
+// it runs in place without staging.
+func (b *Backend) Register(ptr uintptr, nbytes int64) error {
+	if err := b.usable(); err != nil {
+		return err
+	}
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return err
+	}
+	_, err := b.space.Register(ptr, uint64(nbytes))
+	return err
+}
+
+// Deregister forgets a registration.
+func (b *Backend) Deregister(ptr uintptr) error { return b.space.Deregister(ptr) }
+
+// Check reports what a kernel recorded in the error word. A timeout breaks
+// the communicator for good: the ranks' counters no longer agree.
+func (b *Backend) Check() error {
+	if b.broken != nil {
+		return b.broken
+	}
+	if b.errHost == nil {
+		return nil
+	}
+	w := (*errorWord)(b.errHost)
+	code := atomic.LoadUint32(&w.Code)
+	if code == 0 {
+		return nil
+	}
+	e := *w
+	err := describe(e)
+	if code == errMismatch {
+		// Nothing was reduced and every rank finished its barriers: usable.
+		atomic.StoreUint32(&w.Code, 0)
+		return err
+	}
+	b.broken = fmt.Errorf("communicator unusable: %w", err)
+	return err
+}
+
+// Close frees everything. Not collective; idempotent.
+func (b *Backend) Close() error {
+	if b.space != nil {
+		b.space.Close() // also frees the host-mapped error word
+		b.space = nil
+	}
+	b.errHost = nil
+	if b.broken == nil {
+		b.broken = status.Errorf(status.State, "communicator is closed")
+	}
+	return nil
+}
+
+func (b *Backend) usable() error {
+	if b.broken != nil {
+		return b.broken
+	}
+	return nil
+}
+
+// AllReduce enqueues one all-reduce on req.Stream. It does not wait for the
+// GPU: a peer that never arrives is reported by the kernel through the
+// error word, and raised at the next call or Check.
+func (b *Backend) AllReduce(req collective.AllReduce) error {
+	if err := b.Check(); err != nil {
+		return err
+	}
+	if req.Reject != nil {
+		return b.reject(req)
+	}
+	if err := reduce.Check(req.DType, req.Op); err != nil {
+		return err
+	}
+	if req.Count < 0 {
+		return status.Errorf(status.InvalidArgument, "negative element count %d", req.Count)
+	}
+	// The caller's thread may have another device's context current.
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return err
+	}
+	nbytes := req.Bytes()
+	algo := b.choose(req.Algo, nbytes)
+	p := &b.params
+	*p = allReduceParams{
+		LocalSrc: uint64(req.Src), Out: uint64(req.Dst), Err: uint64(b.errDev), Count: req.Count,
+		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size),
+		Op: int32(req.Op),
+	}
+	for r := range b.size {
+		p.PeerSignal[r] = uint64(b.signal.Peers[r])
+		p.PeerScratch[r] = uint64(b.scratch.Peers[r])
+		p.PeerIn[r] = uint64(b.staging.Peers[r])
+	}
+	// Registered input is read in place by peers; anything else the kernel
+	// copies into its staging buffer itself, fused into the same launch.
+	// Only two-shot may write its output over its input while peers still
+	// read it (they stop before its middle barrier); the others must stage.
+	buf, registered := b.space.Lookup(req.Src, uint64(nbytes))
+	if registered && (req.Src != req.Dst || algo == collective.TwoShot) {
+		off := req.Src - buf.Local
+		for r := range b.size {
+			p.PeerIn[r] = uint64(buf.Peers[r] + off)
+		}
+		p.LocalSrc = 0
+	} else if nbytes > b.opts.StagingBytes {
+		return status.Errorf(status.Capacity,
+			"tensor of %d bytes exceeds the staging capacity of %d bytes: register it (comm.register_buffer) or raise P2PCOMM_STAGING_BYTES",
+			nbytes, b.opts.StagingBytes)
+	}
+	if need := scratchBytes(algo, nbytes, b.size); need > b.opts.StagingBytes {
+		return status.Errorf(status.Capacity,
+			"%s all-reduce of %d bytes needs %d bytes of scratch, more than the %d available: use algorithm='twoshot' or raise P2PCOMM_STAGING_BYTES",
+			algo, nbytes, need, b.opts.StagingBytes)
+	}
+	if req.Count == 0 {
+		return nil
+	}
+	return b.launch(algo, req.DType, req.Count, req.Stream)
+}
+
+// reject returns this rank's validation error. Peers that did launch wait
+// for this rank until their timeout, then report it by rank.
+func (b *Backend) reject(req collective.AllReduce) error {
+	return req.Reject
+}
+
+func (b *Backend) launch(algo collective.Algorithm, dt reduce.DType, count int64, stream uintptr) error {
+	return b.launchGrid(algo, dt, b.grid(algo, dt, count), stream)
+}
+
+func (b *Backend) launchGrid(algo collective.Algorithm, dt reduce.DType, grid uint32, stream uintptr) error {
+	fn, err := b.kernels.function(algo, dt)
+	if err != nil {
+		return err
+	}
+	if err := b.drv.Launch(fn, grid, kThreads, 0, stream, b.params.bytes()); err != nil {
+		return fmt.Errorf("launch %s all-reduce: %w", algo, err)
+	}
+	return nil
+}
+
+// scratchBytes is the scratch each algorithm needs per rank
+// (native/kernels/LAYOUT.md), R being the payload rounded up to 128 bytes.
+func scratchBytes(algo collective.Algorithm, nbytes int64, world int) int64 {
+	r := (nbytes + 127) &^ 127
+	switch algo {
+	case collective.TwoShot:
+		return r
+	case collective.Ring:
+		return 2 * r
+	case collective.RecursiveDoubling:
+		steps := int64(0)
+		for w := world; w > 1; w >>= 1 {
+			steps++
+		}
+		return max(steps-1, 0) * r
+	}
+	return 0
+}

@@ -1,0 +1,102 @@
+package gpucoll
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/native/kernels"
+)
+
+// Launch geometry shared with p2p_common.cuh.
+const (
+	kThreads   = 512
+	kMaxBlocks = 64
+)
+
+// kernelFile names the source of each algorithm's kernels; the kernel is
+// the file's base name templated on the element type.
+var kernelFile = map[collective.Algorithm]string{
+	collective.OneShot:           "allreduce_oneshot",
+	collective.TwoShot:           "allreduce_twoshot",
+	collective.Ring:              "allreduce_ring",
+	collective.RecursiveDoubling: "allreduce_rd",
+}
+
+// kernelCache compiles each source once per process (NVRTC, with the disk
+// cache shared by all processes) and keeps every function it looked up.
+type kernelCache struct {
+	drv   *cuda.Driver
+	arch  int
+	mu    sync.Mutex
+	funcs map[[2]int32]cuda.Function
+}
+
+func newKernelCache(drv *cuda.Driver, arch int) *kernelCache {
+	return &kernelCache{drv: drv, arch: arch, funcs: map[[2]int32]cuda.Function{}}
+}
+
+func (k *kernelCache) function(algo collective.Algorithm, dt reduce.DType) (cuda.Function, error) {
+	key := [2]int32{int32(algo), int32(dt)}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if fn, ok := k.funcs[key]; ok {
+		return fn, nil
+	}
+	base, ok := kernelFile[algo]
+	if !ok {
+		return 0, fmt.Errorf("no kernel for algorithm %s", algo)
+	}
+	if err := k.load(base); err != nil {
+		return 0, err
+	}
+	fn, ok := k.funcs[key]
+	if !ok {
+		return 0, fmt.Errorf("%s.cu does not instantiate %s<%s>", base, base, cType[dt])
+	}
+	return fn, nil
+}
+
+// load compiles base.cu and records every instantiation it declares.
+func (k *kernelCache) load(base string) error {
+	nv, err := cuda.LoadNVRTC()
+	if err != nil {
+		return fmt.Errorf("GPU kernels need NVRTC: %w", err)
+	}
+	src, err := kernels.Source(base + ".cu")
+	if err != nil {
+		return err
+	}
+	exprs := kernels.Instantiations(src)
+	res, err := nv.CompileCached(cuda.CompileRequest{
+		Name: base + ".cu", Source: src, Headers: kernels.Headers(), Arch: k.arch,
+		Options: []string{"-std=c++17", "-default-device"}, NameExpressions: exprs,
+	})
+	if err != nil {
+		return fmt.Errorf("compile %s.cu for sm_%d: %w", base, k.arch, err)
+	}
+	mod, err := k.drv.ModuleLoadData(res.CUBIN)
+	if err != nil {
+		return fmt.Errorf("load %s.cu: %w", base, err)
+	}
+	for algo, file := range kernelFile {
+		if file != base {
+			continue
+		}
+		for dt, ct := range cType {
+			expr := fmt.Sprintf("%s<%s>", base, ct)
+			name, ok := res.Lowered[expr]
+			if !ok {
+				continue
+			}
+			fn, err := k.drv.ModuleFunction(mod, name)
+			if err != nil {
+				return fmt.Errorf("find %s in %s.cu: %w", expr, base, err)
+			}
+			k.funcs[[2]int32{int32(algo), int32(dt)}] = fn
+		}
+	}
+	return nil
+}

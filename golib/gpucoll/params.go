@@ -1,0 +1,53 @@
+package gpucoll
+
+import (
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+)
+
+// kMaxRanks mirrors native/kernels/p2p_common.cuh.
+const kMaxRanks = 8
+
+// allReduceParams mirrors AllReduceParams in p2p_common.cuh byte for byte
+// (native/kernels/LAYOUT.md; layout_test.go pins the offsets). It holds no
+// Go pointers, so its bytes may be handed to C.
+type allReduceParams struct {
+	PeerIn      [kMaxRanks]uint64
+	PeerScratch [kMaxRanks]uint64
+	PeerSignal  [kMaxRanks]uint64
+	LocalSrc    uint64
+	Out         uint64
+	Err         uint64
+	Count       int64
+	TimeoutNs   uint64
+	Rank        int32
+	World       int32
+	Op          int32
+	Reserved    int32
+}
+
+func (p *allReduceParams) bytes() []byte {
+	return unsafe.Slice((*byte)(unsafe.Pointer(p)), unsafe.Sizeof(*p))
+}
+
+// errorWord mirrors ErrorWord: what a kernel records when a wait times out.
+type errorWord struct {
+	Code     uint32
+	Rank     int32
+	Peer     int32
+	Phase    int32
+	Block    int32
+	Step     int32
+	Expected uint64
+	Seen     uint64
+}
+
+// signalBytes is sizeof(Signal) in p2p_common.cuh.
+const signalBytes = 17024
+
+// cType names each dtype as the kernels' templates spell it.
+var cType = map[reduce.DType]string{
+	reduce.Float32: "float", reduce.Float64: "double", reduce.Float16: "half16",
+	reduce.BFloat16: "bf16", reduce.Int32: "int", reduce.Int64: "long long",
+}

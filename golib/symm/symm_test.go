@@ -1,0 +1,234 @@
+package symm
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+func joinErrs(errs []error) error {
+	var out []error
+	for r, err := range errs {
+		if err != nil {
+			out = append(out, fmt.Errorf("rank %d: %w", r, err))
+		}
+	}
+	return errors.Join(out...)
+}
+
+func TestNewMapsPeers(t *testing.T) {
+	errs := runRanks(4, nil, func(rank int, s *Space, d *fakeDriver) error {
+		peers := s.Peers()
+		for r, p := range peers {
+			if p.Rank != r || p.LocalOrdinal != r || p.BusID != fmt.Sprintf("0000:%02X:00.0", 0x10+r) {
+				return fmt.Errorf("Peers()[%d] = %+v, want rank %d on GPU %d", r, p, r, r)
+			}
+		}
+		return s.Close()
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestNewPeerUnavailable(t *testing.T) {
+	errs := runRanks(4, func(d *fakeDriver) { d.noPeer = map[[2]int]bool{{1, 2}: true} },
+		func(int, *Space, *fakeDriver) error { return nil })
+	for r, err := range errs {
+		if status.CodeOf(err) != status.PeerUnavailable || !strings.Contains(err.Error(), "rank 1") ||
+			!strings.Contains(err.Error(), "rank 2") {
+			t.Errorf("rank %d: New() = %v, want PeerUnavailable naming ranks 1 and 2", r, err)
+		}
+	}
+}
+
+func TestNewTooManyRanks(t *testing.T) {
+	w := newWorld(MaxRanks + 1)
+	_, err := New(newFakeDriver(0), &fakeBootstrap{w: w, rank: 0}, 0)
+	if status.CodeOf(err) != status.Unsupported {
+		t.Errorf("New with %d ranks = %v, want Unsupported", MaxRanks+1, err)
+	}
+}
+
+// TestRegisterSharesSegmentMappings registers two tensors of one torch
+// segment per rank, at rank-dependent offsets, and checks the peer table and
+// that each peer segment was opened once.
+func TestRegisterSharesSegmentMappings(t *testing.T) {
+	const size = 4
+	errs := runRanks(size, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(8 << 20) // a torch caching-allocator segment
+		tensorOffsets := []uint64{uint64(rank) * 512, 4<<20 + uint64(rank)*256}
+		for i, off := range tensorOffsets {
+			ptr := seg + uintptr(off)
+			b, err := s.Register(ptr, 1<<20)
+			if err != nil {
+				return fmt.Errorf("Register(tensor %d) = %v", i, err)
+			}
+			if b.Local != ptr || b.Size != 1<<20 || b.Peers[rank] != ptr {
+				return fmt.Errorf("Register(tensor %d) = local %#x size %d self %#x, want %#x, %d, %#x",
+					i, b.Local, b.Size, b.Peers[rank], ptr, 1<<20, ptr)
+			}
+			for r := 0; r < size; r++ {
+				if r == rank {
+					continue
+				}
+				// Rank r's segment base, mapped here, plus r's own offset.
+				peerSeg := uintptr(0x7f0000000000+r<<36) + 0x100000000000
+				peerOff := []uint64{uint64(r) * 512, 4<<20 + uint64(r)*256}[i]
+				if want := peerSeg + uintptr(peerOff); b.Peers[r] != want {
+					return fmt.Errorf("tensor %d: Peers[%d] = %#x, want %#x", i, r, b.Peers[r], want)
+				}
+			}
+			if got, ok := s.Lookup(ptr+100, 1000); !ok || got != b {
+				return fmt.Errorf("Lookup(inside tensor %d) = %v, %v; want the buffer", i, got, ok)
+			}
+		}
+		if d.opens != size-1 {
+			return fmt.Errorf("IPC opens = %d, want %d (one per peer segment)", d.opens, size-1)
+		}
+		if _, ok := s.Lookup(seg+uintptr(tensorOffsets[0])+1<<20-10, 20); ok {
+			return fmt.Errorf("Lookup(range crossing the end of tensor 0) found a buffer, want none")
+		}
+		if err := s.Close(); err != nil {
+			return err
+		}
+		if d.closes != d.opens || len(d.opened) != 0 {
+			return fmt.Errorf("after Close: %d closes for %d opens, %d still open", d.closes, d.opens, len(d.opened))
+		}
+		if _, ok := d.allocs[seg]; !ok {
+			return fmt.Errorf("Close freed the registered (torch-owned) segment")
+		}
+		return nil
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestRegisterMismatch(t *testing.T) {
+	errs := runRanks(4, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(4 << 20)
+		n := uint64(1 << 20)
+		if rank == 2 {
+			n = 2 << 20
+		}
+		_, err := s.Register(seg, n)
+		return err
+	})
+	for r, err := range errs {
+		if status.CodeOf(err) != status.Mismatch || !strings.Contains(err.Error(), "rank 2 passed 2097152 bytes") {
+			t.Errorf("rank %d: Register = %v, want Mismatch naming rank 2", r, err)
+		}
+	}
+}
+
+func TestRegisterLocalErrorReachesEveryRank(t *testing.T) {
+	errs := runRanks(3, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(4 << 20)
+		if rank == 1 {
+			seg = 0xdead0000 // not device memory
+		}
+		_, err := s.Register(seg, 1<<20)
+		return err
+	})
+	for r, err := range errs {
+		if status.CodeOf(err) != status.InvalidArgument {
+			t.Errorf("rank %d: Register = %v, want InvalidArgument", r, err)
+		}
+		if r != 1 && !strings.Contains(fmt.Sprint(err), "rank 1 failed") {
+			t.Errorf("rank %d: Register = %v, want it to name rank 1", r, err)
+		}
+	}
+}
+
+func TestDeregisterKeepsMappings(t *testing.T) {
+	errs := runRanks(2, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(4 << 20)
+		if _, err := s.Register(seg, 1<<20); err != nil {
+			return err
+		}
+		if err := s.Deregister(seg); err != nil {
+			return fmt.Errorf("Deregister = %v", err)
+		}
+		if _, ok := s.Lookup(seg, 1); ok {
+			return fmt.Errorf("Lookup after Deregister found the buffer")
+		}
+		if _, err := s.Register(seg+4096, 1<<20); err != nil {
+			return err
+		}
+		if d.opens != 1 {
+			return fmt.Errorf("IPC opens after re-registering the same segment = %d, want 1", d.opens)
+		}
+		if err := s.Deregister(seg + 1); status.CodeOf(err) != status.InvalidArgument {
+			return fmt.Errorf("Deregister(unknown) = %v, want InvalidArgument", err)
+		}
+		return s.Close()
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAllocAndClose(t *testing.T) {
+	errs := runRanks(3, nil, func(rank int, s *Space, d *fakeDriver) error {
+		b, err := s.Alloc(1000)
+		if err != nil {
+			return fmt.Errorf("Alloc(1000) = %v", err)
+		}
+		if b.Size != Granularity || !d.zeroed[b.Local] || b.Peers[rank] != b.Local {
+			return fmt.Errorf("Alloc(1000) = size %d zeroed %v self %#x; want %d, true, %#x",
+				b.Size, d.zeroed[b.Local], b.Peers[rank], Granularity, b.Local)
+		}
+		for r := 0; r < 3; r++ {
+			if r != rank && b.Peers[r] == 0 {
+				return fmt.Errorf("Alloc: Peers[%d] not mapped", r)
+			}
+		}
+		h, err := s.HostMapped(64)
+		if err != nil {
+			return fmt.Errorf("HostMapped(64) = %v", err)
+		}
+		if got := unsafe.Slice((*byte)(h.Host), 64); got[0] != 0 || got[63] != 0 || h.Device == 0 {
+			return fmt.Errorf("HostMapped: first/last byte %d/%d device %#x; want zeroed and mapped", got[0], got[63], h.Device)
+		}
+		if err := s.Close(); err != nil {
+			return fmt.Errorf("Close = %v", err)
+		}
+		if len(d.allocs) != 0 || len(d.hostMem) != 0 || len(d.opened) != 0 {
+			return fmt.Errorf("after Close: %d allocs, %d host buffers, %d mappings left; want none",
+				len(d.allocs), len(d.hostMem), len(d.opened))
+		}
+		if err := s.Close(); err != nil {
+			return fmt.Errorf("second Close = %v, want nil", err)
+		}
+		if _, err := s.Alloc(1); status.CodeOf(err) != status.State {
+			return fmt.Errorf("Alloc after Close = %v, want State", err)
+		}
+		return nil
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAllocMismatch(t *testing.T) {
+	errs := runRanks(2, nil, func(rank int, s *Space, d *fakeDriver) error {
+		_, err := s.Alloc(uint64(1000 + rank))
+		if err == nil {
+			return nil
+		}
+		if len(d.allocs) != 0 {
+			return fmt.Errorf("failed Alloc left %d allocations", len(d.allocs))
+		}
+		return err
+	})
+	for r, err := range errs {
+		if status.CodeOf(err) != status.Mismatch {
+			t.Errorf("rank %d: Alloc(different sizes) = %v, want Mismatch", r, err)
+		}
+	}
+}

@@ -1,0 +1,134 @@
+"""GPU-only behaviour: CUDA graphs, torch.compile, subgroups, a rank that
+never arrives, bad GPU inputs. Skips without GPUs (see conftest)."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import p2pcomm
+from conftest import gpu_skip_reason, same_on_all_ranks
+
+pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+
+
+def expected_sum(fill, w, n, dtype=torch.float32):
+    return sum(fill(q) for q in range(w)).to(dtype)
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling"])
+def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    n = 70_001
+    static_in = torch.empty(n, device="cuda")
+    registered = comm.empty(n)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compiles kernels) outside capture
+        comm.all_reduce(static_in, algorithm=algorithm)
+        comm.all_reduce_(registered, algorithm=algorithm)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = comm.all_reduce(static_in, algorithm=algorithm)
+        comm.all_reduce_(registered, algorithm=algorithm)
+    for i in range(100):
+        g = torch.Generator(device="cuda").manual_seed(1000 * i + r)
+        fresh = torch.randn(n, device="cuda", generator=g)
+        static_in.copy_(fresh)
+        registered.copy_(fresh)
+        static_out.fill_(float("nan"))
+        graph.replay()
+        parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1000 * i + q))
+                 for q in range(w)]
+        want = torch.stack(parts).double().sum(0)
+        scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+        for got in (static_out, registered):
+            assert ((got.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i} wrong"
+    assert same_on_all_ranks(static_out)
+
+
+def test_torch_compile_fullgraph(comms):
+    comm = comms("cuda")
+
+    @torch.compile(fullgraph=True)
+    def step(x):
+        y = comm.all_reduce(x * 2)
+        return y + 1
+
+    x = torch.full((1024,), float(comm.rank + 1), device="cuda")
+    out = step(x)
+    w = comm.world_size
+    assert torch.equal(out, torch.full_like(x, 2 * w * (w + 1) / 2 + 1))
+
+
+def test_registered_buffer_from_caching_allocator(comms):
+    comm = comms("cuda")
+    big = torch.empty(3 << 20, device="cuda")  # one caching-allocator block
+    views = [big[: 1 << 20], big[1 << 20: 2 << 20]]
+    for v in views:
+        comm.register_buffer(v)
+    for k, v in enumerate(views):
+        v.fill_(comm.rank + k)
+        comm.all_reduce_(v)
+        assert torch.equal(v, torch.full_like(v, sum(q + k for q in range(comm.world_size))))
+    for v in views:
+        comm.deregister_buffer(v)
+
+
+def test_subgroups_run_side_by_side(group):
+    w, r = dist.get_world_size(), dist.get_rank()
+    if w < 4:
+        pytest.skip("subgroups need 4 ranks")
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[r // 2]
+    with p2pcomm.Communicator(mine, device=torch.cuda.current_device()) as pair:
+        with p2pcomm.Communicator(group, device=torch.cuda.current_device()) as world:
+            assert pair.world_size == 2 and world.world_size == w
+            for i in range(20):
+                a = pair.all_reduce(torch.full((5000,), float(r + i), device="cuda"))
+                b = world.all_reduce(torch.full((5000,), float(r * i), device="cuda"))
+                base = (r // 2) * 2
+                assert torch.equal(a, torch.full_like(a, float(base + i + base + 1 + i)))
+                assert torch.equal(b, torch.full_like(b, float(sum(q * i for q in range(w)))))
+
+
+def test_bad_gpu_inputs(comms):
+    comm = comms("cuda")
+    with pytest.raises(p2pcomm.InvalidArgumentError, match="on cpu"):
+        comm.all_reduce(torch.ones(4))
+    if torch.cuda.device_count() > 1:
+        other = (torch.cuda.current_device() + 1) % torch.cuda.device_count()
+        with pytest.raises(p2pcomm.InvalidArgumentError, match=f"cuda:{other}"):
+            comm.all_reduce(torch.ones(4, device=f"cuda:{other}"))
+    with pytest.raises(p2pcomm.CapacityError):
+        comm.all_reduce(torch.empty((512 << 20) // 4 + 1, device="cuda"))
+    with pytest.raises(p2pcomm.MismatchError):
+        comm.all_reduce(torch.ones(100 + comm.rank, device="cuda"))
+        torch.cuda.synchronize()
+        comm.check()
+    torch.cuda.synchronize()
+    out = comm.all_reduce(torch.ones(8, device="cuda"))
+    assert torch.equal(out, torch.full_like(out, comm.world_size))
+
+
+def test_rank_that_never_arrives(group, monkeypatch):
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
+    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
+    comm.all_reduce(torch.ones(8, device="cuda"))
+    torch.cuda.synchronize()
+    dist.barrier()
+    if comm.rank != 1:
+        start = time.monotonic()
+        comm.all_reduce(torch.ones(8, device="cuda"))  # rank 1 never comes
+        torch.cuda.synchronize()  # the kernel gives up after the timeout
+        assert time.monotonic() - start < 20
+        with pytest.raises(p2pcomm.PeerTimeoutError, match="rank 1 never arrived"):
+            comm.check()
+        with pytest.raises(p2pcomm.PeerTimeoutError):
+            comm.all_reduce(torch.ones(8, device="cuda"))
+    dist.barrier()
+    comm.close()
