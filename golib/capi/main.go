@@ -193,6 +193,36 @@ func p2p_all_reduce_reject(h C.uint64_t, code C.int32_t, message *C.char) C.int 
 	})
 }
 
+// p2p_peer_ptr returns where this process maps rank's copy of the
+// symmetric or registered range [ptr, ptr+nbytes).
+//
+//export p2p_peer_ptr
+func p2p_peer_ptr(h C.uint64_t, ptr C.uint64_t, nbytes C.int64_t, rank C.int32_t, out *C.uint64_t) C.int {
+	return withPeerMemory(h, func(pm collective.PeerMemory) error {
+		a, err := pm.PeerAddress(uintptr(ptr), int64(nbytes), int(rank))
+		*out = C.uint64_t(a)
+		return err
+	})
+}
+
+// p2p_stream_barrier enqueues a barrier among all ranks on a CUDA stream
+// (the CPU backend waits on the host).
+//
+//export p2p_stream_barrier
+func p2p_stream_barrier(h C.uint64_t, stream C.uint64_t) C.int {
+	return withPeerMemory(h, func(pm collective.PeerMemory) error { return pm.StreamBarrier(uintptr(stream)) })
+}
+
+func withPeerMemory(h C.uint64_t, f func(collective.PeerMemory) error) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		pm, ok := b.(collective.PeerMemory)
+		if !ok {
+			return status.Errorf(status.Unsupported, "this backend has no peer-addressable memory")
+		}
+		return f(pm)
+	})
+}
+
 //export p2p_barrier
 func p2p_barrier(h C.uint64_t) C.int {
 	return withComm(h, func(c *comm.Comm) error { return c.Barrier() })

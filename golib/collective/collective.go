@@ -88,3 +88,15 @@ type Backend interface {
 	// Close releases every resource. Not collective; idempotent.
 	Close() error
 }
+
+// PeerMemory is implemented by backends whose symmetric memory peers can
+// address directly (both backends do).
+type PeerMemory interface {
+	// PeerAddress returns where this process sees rank's copy of the
+	// symmetric (or registered) range [ptr, ptr+nbytes).
+	PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, error)
+	// StreamBarrier orders a barrier among all ranks on stream: work
+	// enqueued after it runs once every rank's work before it has run.
+	// The CPU backend waits on the host.
+	StreamBarrier(stream uintptr) error
+}

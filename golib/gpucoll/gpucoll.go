@@ -299,3 +299,40 @@ func scratchBytes(algo collective.Algorithm, nbytes int64, world int) int64 {
 	}
 	return 0
 }
+
+// PeerAddress returns where this process maps rank's copy of a symmetric or
+// registered range.
+func (b *Backend) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, error) {
+	if err := b.usable(); err != nil {
+		return 0, err
+	}
+	if rank < 0 || rank >= b.size {
+		return 0, status.Errorf(status.InvalidArgument, "rank %d out of range [0, %d)", rank, b.size)
+	}
+	buf, ok := b.space.Lookup(ptr, uint64(nbytes))
+	if !ok {
+		return 0, status.Errorf(status.InvalidArgument, "%#x (+%d bytes) is neither from comm.empty() nor registered", ptr, nbytes)
+	}
+	return buf.Peers[rank] + (ptr - buf.Local), nil
+}
+
+// StreamBarrier enqueues a device-side barrier among all ranks on stream:
+// a one-shot kernel with no elements is exactly a start and an end barrier.
+// Capturable in CUDA graphs; bounded like every wait.
+func (b *Backend) StreamBarrier(stream uintptr) error {
+	if err := b.Check(); err != nil {
+		return err
+	}
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return err
+	}
+	p := &b.params
+	*p = allReduceParams{Out: uint64(b.staging.Local), Err: uint64(b.errDev), Count: 0,
+		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size)}
+	for r := range b.size {
+		p.PeerSignal[r], p.PeerScratch[r], p.PeerIn[r] = uint64(b.signal.Peers[r]), uint64(b.scratch.Peers[r]), uint64(b.staging.Peers[r])
+	}
+	// out must not alias peer_in[rank] for one-shot; scratch is free here.
+	p.Out = uint64(b.scratch.Local)
+	return b.launchGrid(collective.OneShot, reduce.Float32, 1, stream)
+}

@@ -230,3 +230,22 @@ func (c *Comm) find(p uintptr, n int64) (*alloc, int64) {
 	}
 	return nil, 0
 }
+
+// PeerAddress returns where this process maps rank's copy of the symmetric
+// range [ptr, ptr+nbytes).
+func (c *Comm) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, error) {
+	if err := c.usable(); err != nil {
+		return 0, err
+	}
+	if rank < 0 || rank >= c.size {
+		return 0, status.Errorf(status.InvalidArgument, "rank %d out of range [0, %d)", rank, c.size)
+	}
+	a, off := c.find(ptr, nbytes)
+	if a == nil {
+		return 0, status.Errorf(status.InvalidArgument, "%#x (+%d bytes) is not in symmetric memory from comm.empty()", ptr, nbytes)
+	}
+	return uintptr(unsafe.Pointer(&a.segs[rank].Data[0])) + uintptr(off), nil
+}
+
+// StreamBarrier is Barrier: the CPU has no streams.
+func (c *Comm) StreamBarrier(uintptr) error { return c.Barrier() }

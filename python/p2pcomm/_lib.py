@@ -34,6 +34,8 @@ _SIGNATURES = {
     "p2p_barrier": ([_u64], ctypes.c_int),
     "p2p_check": ([_u64], ctypes.c_int),
     "p2p_shutdown": ([], ctypes.c_int),
+    "p2p_peer_ptr": ([_u64, _u64, _i64, _i32, ctypes.POINTER(_u64)], ctypes.c_int),
+    "p2p_stream_barrier": ([_u64, _u64], ctypes.c_int),
 }
 
 _lock = threading.Lock()

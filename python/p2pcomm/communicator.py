@@ -283,6 +283,29 @@ class Communicator:
         stream = torch.cuda.current_stream(src.device).cuda_stream if src.is_cuda else 0
         _lib.check(self._all_reduce(h, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream))
 
+    def peer_tensor(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s copy of ``tensor`` (from :meth:`empty`, or registered
+        on GPU), mapped into this process: same shape and dtype, and writes to
+        it land in that rank's memory. Not collective. Order accesses with
+        :meth:`stream_barrier`. Valid until :meth:`close`."""
+        self._check_tensor(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        ptr = ctypes.c_uint64()
+        _lib.check(_lib.lib().p2p_peer_ptr(self._h(), tensor.data_ptr(), nbytes, rank, ctypes.byref(ptr)))
+        if self.device.type == "cpu":
+            flat = torch.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(ptr.value), dtype=torch.uint8)
+        else:
+            flat = torch.as_tensor(_CudaArray(ptr.value, max(nbytes, 1)), device=self.device)
+        return flat[:nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def stream_barrier(self) -> None:
+        """Collective. A barrier ordered on the current CUDA stream: work
+        enqueued after it sees every rank's work enqueued before it. Never
+        blocks the host on GPU and can be captured in a CUDA graph; on CPU it
+        is :meth:`barrier`."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        _lib.check(_lib.lib().p2p_stream_barrier(self._h(), stream))
+
     def barrier(self) -> None:
         """Collective. Return once every rank has called it."""
         _lib.check(_lib.lib().p2p_barrier(self._h()))
@@ -301,6 +324,9 @@ class Communicator:
             raise InvalidArgumentError("tensor is not contiguous: call .contiguous() first")
         if t.device.type != self.device.type or (self.device.type == "cuda" and t.device.index != self.device.index):
             raise InvalidArgumentError(f"tensor is on {t.device} but this communicator is on {self.device}")
+        if t.is_cuda and t.data_ptr() % 16:
+            raise InvalidArgumentError("GPU tensors must start on a 16-byte boundary (a view with an odd offset?): "
+                                       "pass a contiguous copy")
 
 
 class _CudaArray:
