@@ -186,10 +186,11 @@ func p2p_all_reduce(h C.uint64_t, src, dst C.uint64_t, count C.int64_t, dtype, o
 // instead of waiting for it; it returns code with message.
 //
 //export p2p_all_reduce_reject
-func p2p_all_reduce_reject(h C.uint64_t, code C.int32_t, message *C.char) C.int {
+func p2p_all_reduce_reject(h C.uint64_t, code C.int32_t, message *C.char, count C.int64_t, dtype, algo C.int32_t, stream C.uint64_t) C.int {
 	return withBackend(h, func(b collective.Backend) error {
 		reject := status.Errorf(status.Code(code), "%s", C.GoString(message))
-		return b.AllReduce(collective.AllReduce{Reject: reject})
+		return b.AllReduce(collective.AllReduce{Reject: reject, Count: int64(count), DType: reduce.DType(dtype),
+			Algo: collective.Algorithm(algo), Stream: uintptr(stream)})
 	})
 }
 

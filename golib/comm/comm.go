@@ -89,7 +89,11 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration) (collecti
 	if err != nil {
 		return nil, err
 	}
-	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging}
+	maxBlocks, err := cfg.int64Env("P2PCOMM_MAX_BLOCKS", 0)
+	if err != nil {
+		return nil, err
+	}
+	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks)}
 	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {
 		algo, ok := collective.ParseAlgorithm(name)
 		if !ok {

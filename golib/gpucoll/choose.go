@@ -3,6 +3,7 @@ package gpucoll
 import (
 	"encoding/json"
 	"fmt"
+	"hash/fnv"
 	"os"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
@@ -95,8 +96,20 @@ func (b *Backend) choose(requested collective.Algorithm, nbytes int64) collectiv
 func (b *Backend) grid(algo collective.Algorithm, dt reduce.DType, count int64) uint32 {
 	nbytes := count * int64(dt.Size())
 	g := int64(1)
-	for g < kMaxBlocks && g*(16<<10) < nbytes {
+	for g < int64(b.opts.MaxBlocks) && g*(16<<10) < nbytes {
 		g *= 2
 	}
 	return uint32(g)
 }
+
+// signature summarizes a call so kernels can check that every rank made
+// the same one (start flags carry it). Never equal to rejectSignature.
+func signature(count int64, dt reduce.DType, op reduce.Op, algo collective.Algorithm) int32 {
+	h := fnv.New32a()
+	fmt.Fprint(h, count, int32(dt), int32(op), int32(algo))
+	return int32(h.Sum32() & 0x7fffffff)
+}
+
+// rejectSignature marks a rank that rejected its own arguments: it matches
+// no real call, so every peer skips the data.
+const rejectSignature = -1

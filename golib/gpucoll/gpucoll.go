@@ -22,6 +22,7 @@ type Options struct {
 	StagingBytes int64         // per-rank staging and scratch capacity (default 256 MiB)
 	Tune         Table         // algorithm choice by size; nil: built-in defaults
 	ForceAlgo    collective.Algorithm
+	MaxBlocks    int // grid limit, 1..128 (default 128)
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -58,6 +59,9 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 		opts.StagingBytes = DefaultStagingBytes
 	}
 	opts.StagingBytes = (opts.StagingBytes + 4095) &^ 4095
+	if opts.MaxBlocks <= 0 || opts.MaxBlocks > kMaxBlocks {
+		opts.MaxBlocks = kMaxBlocks
+	}
 	if bs.Size() > kMaxRanks {
 		return nil, status.Errorf(status.Unsupported, "world size %d exceeds the GPU backend's limit of %d ranks", bs.Size(), kMaxRanks)
 	}
@@ -226,7 +230,7 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	*p = allReduceParams{
 		LocalSrc: uint64(req.Src), Out: uint64(req.Dst), Err: uint64(b.errDev), Count: req.Count,
 		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size),
-		Op: int32(req.Op),
+		Op: int32(req.Op), Signature: signature(req.Count, req.DType, req.Op, algo),
 	}
 	for r := range b.size {
 		p.PeerSignal[r] = uint64(b.signal.Peers[r])
@@ -260,9 +264,34 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	return b.launch(algo, req.DType, req.Count, req.Stream)
 }
 
-// reject returns this rank's validation error. Peers that did launch wait
-// for this rank until their timeout, then report it by rank.
+// reject takes part in the call with a signature no peer can match, so
+// every peer's kernel skips the data and records a mismatch (raised at its
+// next call or Check), while this rank returns its own validation error.
+// req.Count and req.DType, when known, pick the grid the peers will use.
 func (b *Backend) reject(req collective.AllReduce) error {
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return err
+	}
+	dt := req.DType
+	if !dt.Valid() {
+		dt = reduce.Float32
+	}
+	algo := b.choose(req.Algo, req.Count*int64(dt.Size()))
+	if algo != collective.OneShot && algo != collective.TwoShot {
+		// Ring and recursive doubling sync only with neighbours and cannot
+		// check signatures: peers will report this rank by timeout.
+		return req.Reject
+	}
+	p := &b.params
+	*p = allReduceParams{Out: uint64(b.scratch.Local), Err: uint64(b.errDev), Count: 0,
+		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size),
+		Signature: rejectSignature}
+	for r := range b.size {
+		p.PeerSignal[r], p.PeerScratch[r], p.PeerIn[r] = uint64(b.signal.Peers[r]), uint64(b.scratch.Peers[r]), uint64(b.staging.Peers[r])
+	}
+	if err := b.launchGrid(algo, dt, b.grid(algo, dt, req.Count), req.Stream); err != nil {
+		return err
+	}
 	return req.Reject
 }
 

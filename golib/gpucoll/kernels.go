@@ -13,7 +13,7 @@ import (
 // Launch geometry shared with p2p_common.cuh.
 const (
 	kThreads   = 512
-	kMaxBlocks = 64
+	kMaxBlocks = 128
 )
 
 // kernelFile names the source of each algorithm's kernels; the kernel is

@@ -24,6 +24,7 @@ func TestLayoutsMatchTheKernels(t *testing.T) {
 		{"rank", unsafe.Offsetof(p.Rank), 232},
 		{"world", unsafe.Offsetof(p.World), 236},
 		{"op", unsafe.Offsetof(p.Op), 240},
+		{"signature", unsafe.Offsetof(p.Signature), 244},
 		{"sizeof(ErrorWord)", unsafe.Sizeof(e), 40},
 		{"ErrorWord.peer", unsafe.Offsetof(e.Peer), 8},
 		{"ErrorWord.expected", unsafe.Offsetof(e.Expected), 24},

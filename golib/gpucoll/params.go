@@ -24,7 +24,7 @@ type allReduceParams struct {
 	Rank        int32
 	World       int32
 	Op          int32
-	Reserved    int32
+	Signature   int32
 }
 
 func (p *allReduceParams) bytes() []byte {
@@ -44,7 +44,7 @@ type errorWord struct {
 }
 
 // signalBytes is sizeof(Signal) in p2p_common.cuh.
-const signalBytes = 17024
+const signalBytes = 33920
 
 // cType names each dtype as the kernels' templates spell it.
 var cType = map[reduce.DType]string{

@@ -25,7 +25,7 @@ typedef long long i64;
 constexpr int kMaxRanks = 8;
 // kMaxBlocks is the largest grid the host may launch; Signal has one counter
 // and one set of flags per block index.
-constexpr int kMaxBlocks = 64;
+constexpr int kMaxBlocks = 128;
 // kThreads is the block size the kernels are built for (launch bounds); the
 // host launches between kMaxRanks and kThreads threads, normally kThreads.
 constexpr int kThreads = 512;
@@ -47,7 +47,8 @@ enum Phase { kPhaseStart = 0, kPhaseMid = 1, kPhaseEnd = 2, kPhaseStep = 3, kNum
 
 // Error codes written to ErrorWord.code. The host may itself store any
 // nonzero code (e.g. kErrHostAbort) to make spinning kernels give up.
-enum ErrCode { kErrNone = 0, kErrTimeout = 1, kErrBadParams = 2, kErrHostAbort = 3 };
+// kErrMismatch is not fatal: every rank skipped the data and the host clears it.
+enum ErrCode { kErrNone = 0, kErrTimeout = 1, kErrBadParams = 2, kErrHostAbort = 3, kErrMismatch = 4 };
 
 // ---------------------------------------------------------------- layouts
 // Every struct below is filled or read by the Go host; LAYOUT.md tables the
@@ -58,11 +59,11 @@ enum ErrCode { kErrNone = 0, kErrTimeout = 1, kErrBadParams = 2, kErrHostAbort =
 // pass a host barrier) before the first kernel; kernels never reset it.
 //
 //   offset  size   field
-//   0       512    counter[kMaxBlocks]   u64: calls run by block b (own use)
-//   512     4      abort_claim           u32: 0, or 1 once a block failed
-//   516     124    pad0
-//   640     16384  flag[4][64][8]        u64: flag[phase][block][src rank]
-//   total   17024 (= 133 * 128), aligned to 128
+//   0       1024   counter[kMaxBlocks]   u64: calls run by block b (own use)
+//   1024    4      abort_claim           u32: 0, or 1 once a block failed
+//   1028    124    pad0
+//   1152    32768  flag[4][128][8]       u64: flag[phase][block][src rank]
+//   total   33920 (= 265 * 128), aligned to 128
 //
 // counter[b] is read and advanced only by this rank's block b: its value + 1
 // is the epoch of the current call, the same on every rank for block b
@@ -77,10 +78,10 @@ struct alignas(128) Signal {
 };
 // NVRTC has no offsetof: each layout asserts its size and that the sizes of
 // its fields add up to it (no padding), which pins every offset in the table.
-static_assert(sizeof(Signal) == 17024, "Signal size");
-static_assert(sizeof(Signal::counter) + sizeof(Signal::abort_claim) + sizeof(Signal::pad0) == 640,
+static_assert(sizeof(Signal) == 33920, "Signal size");
+static_assert(sizeof(Signal::counter) + sizeof(Signal::abort_claim) + sizeof(Signal::pad0) == 1152,
               "Signal.flag offset");
-static_assert(sizeof(Signal::counter) == 512 && sizeof(Signal::flag) == 16384, "Signal fields");
+static_assert(sizeof(Signal::counter) == 1024 && sizeof(Signal::flag) == 32768, "Signal fields");
 
 // ErrorWord reports the first failure of a rank's kernels. It lives in
 // pinned host memory mapped into the device (cuMemHostAlloc DEVICEMAP) and
@@ -124,7 +125,7 @@ static_assert(sizeof(ErrorWord) == 40 && 6 * sizeof(int) + 2 * sizeof(u64) == 40
 //   232    4    rank            i32
 //   236    4    world           i32, 1..kMaxRanks
 //   240    4    op              i32, Op
-//   244    4    reserved        i32, must be 0
+//   244    4    signature       i32, the call's summary; ranks must agree
 //   total  248, aligned to 8
 struct AllReduceParams {
   void* peer_in[kMaxRanks];
@@ -138,7 +139,7 @@ struct AllReduceParams {
   int rank;
   int world;
   int op;
-  int reserved;
+  int signature;
 };
 static_assert(sizeof(AllReduceParams) == 248, "AllReduceParams size");
 static_assert(sizeof(AllReduceParams::peer_in) + sizeof(AllReduceParams::peer_scratch) +
@@ -350,6 +351,10 @@ struct BlockState {
   int abort;
 };
 
+// Start flags carry (epoch << 32) | signature: one store tells a peer both
+// that this rank arrived and which call it is making.
+DINLINE u64 start_value(u64 epoch, int signature) { return (epoch << 32) | (u64)(u32)signature; }
+
 DINLINE bool aligned(const void* q, u64 a) { return ((u64)q & (a - 1)) == 0; }
 
 DINLINE bool rank_ok(const AllReduceParams& p) {
@@ -378,6 +383,26 @@ DINLINE void report_error(const AllReduceParams& p, u32 code, int peer, int phas
   __threadfence_system();
 }
 
+// report_mismatch records that peer made a different call. Unlike
+// report_error it takes no abort claim: the communicator stays usable, so
+// later calls must not see this rank as failed. Racing writers store the
+// same kind of record; the host clears the code once it has read it.
+DINLINE void report_mismatch(const AllReduceParams& p, int peer, u64 expected, u64 seen) {
+  if (p.err == nullptr || !aligned(p.err, 8)) return;
+  volatile ErrorWord* e = p.err;
+  if (e->code != 0) return;
+  e->rank = p.rank;
+  e->peer = peer;
+  e->phase = kPhaseStart;
+  e->block = (int)blockIdx.x;
+  e->step = -1;
+  e->expected = expected;
+  e->seen = seen;
+  __threadfence_system();
+  e->code = kErrMismatch;
+  __threadfence_system();
+}
+
 // wait_flag spins until *flag >= target and returns true; it returns false
 // after timeout_ns (recording kErrTimeout with the peer), or as soon as
 // another block of this rank failed (abort_claim) or the host stored a code.
@@ -395,7 +420,11 @@ DINLINE bool wait_flag(const AllReduceParams& p, const u64* flag, u64 target, in
     if ((spin & 63u) != 0) continue;
     if (ld_volatile_u32(&self->abort_claim) != 0) return false;
     // The host word is across PCIe: look at it rarely.
-    if ((spin & 0x3fffu) == 0 && p.err != nullptr && ld_volatile_u32(&p.err->code) != 0) return false;
+    // A mismatch recorded by an earlier call is not fatal: keep waiting.
+    if ((spin & 0x3fffu) == 0 && p.err != nullptr) {
+      const u32 code = ld_volatile_u32(&p.err->code);
+      if (code != 0 && code != kErrMismatch) return false;
+    }
     if (global_timer_ns() - start > timeout) {
       report_error(p, kErrTimeout, peer, phase, step, target, seen);
       return false;
@@ -439,9 +468,26 @@ DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
   __syncthreads();  // this block's writes before the flags (see publish)
   const int t = (int)threadIdx.x;
   if (t < p.world && t != p.rank) {
-    publish(p.peer_signal[t], phase, p.rank, st.epoch);
     const Signal* self = p.peer_signal[p.rank];
-    if (!wait_flag(p, &self->flag[phase][blockIdx.x][t], st.epoch, t, phase, -1)) st.abort = 1;
+    const u64* slot = &self->flag[phase][blockIdx.x][t];
+    if (phase == kPhaseStart) {
+      // Peers skip the data together if any two ranks disagree on the call:
+      // everyone compares with everyone, so the odd rank out is seen by all.
+      const u64 mine = start_value(st.epoch, p.signature);
+      publish(p.peer_signal[t], phase, p.rank, mine);
+      if (!wait_flag(p, slot, st.epoch << 32, t, phase, -1)) {
+        st.abort = 1;
+      } else {
+        const u64 theirs = ld_flag_acquire(slot);
+        if (theirs != mine) {
+          report_mismatch(p, t, mine, theirs);
+          st.abort = 1;
+        }
+      }
+    } else {
+      publish(p.peer_signal[t], phase, p.rank, st.epoch);
+      if (!wait_flag(p, slot, st.epoch, t, phase, -1)) st.abort = 1;
+    }
   }
   __syncthreads();  // the acquires above before any thread reads peer data
   return st.abort == 0;
@@ -684,7 +730,7 @@ struct Needs {
 // every thread of every block (it reads only uniform values), so a false
 // return lets the whole grid leave before any barrier.
 DINLINE bool params_ok(const AllReduceParams& p, Needs n) {
-  if (!rank_ok(p) || p.op < 0 || p.op >= kNumOps || p.count < 0 || p.reserved != 0) return false;
+  if (!rank_ok(p) || p.op < 0 || p.op >= kNumOps || p.count < 0) return false;
   if (gridDim.x < 1 || gridDim.x > (u32)kMaxBlocks || gridDim.y != 1 || gridDim.z != 1) return false;
   if (blockDim.x < (u32)kMaxRanks || blockDim.x > (u32)kThreads || blockDim.y != 1 || blockDim.z != 1)
     return false;

@@ -31,9 +31,18 @@ _DTYPES = {
     torch.bfloat16: 3, torch.int32: 4, torch.int64: 5,
 }
 ALGORITHMS = ("auto", "oneshot", "twoshot", "ring", "recursive_doubling")
+_ALGO_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
 _ENV_PREFIXES = ("P2PCOMM_", "OMPI_", "PMI_", "PMIX_")
 _ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID")
+
+
+_OP_CODES = {**{o.name.lower(): o.value for o in ReduceOp}, **{o: o.value for o in ReduceOp}}
+
+
+def _raw_stream(device_index: int) -> int:
+    """The current CUDA stream of a device, as torch's own compiled code reads it."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def _parse_op(op) -> ReduceOp:
@@ -171,6 +180,7 @@ class Communicator:
         self.rank, self.world_size = r.value, w.value
         self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
         self._all_reduce = lib.p2p_all_reduce
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
         from . import ops
 
         ops.track(self)
@@ -268,6 +278,22 @@ class Communicator:
         return tensor
 
     def _reduce(self, src: torch.Tensor, dst: torch.Tensor, op, algorithm) -> None:
+        # Hot path: plain lookups only; anything unusual takes the slow path,
+        # which validates, explains, and lets peers know (reject).
+        code = _OP_CODES.get(op) if isinstance(op, (str, ReduceOp)) else None
+        algo = _ALGO_CODES.get(algorithm)
+        dtype = _DTYPES.get(src.dtype) if isinstance(src, torch.Tensor) else None
+        if (code is None or algo is None or dtype is None or not self._handle or os.getpid() != self._pid
+                or src.get_device() != self._device_index or src.is_meta or not src.is_contiguous()
+                or (self._device_index >= 0 and src.data_ptr() % 16)):
+            self._reduce_slow(src, dst, op, algorithm)
+            return
+        stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
+        rc = self._all_reduce(self._handle, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream)
+        if rc:
+            _lib.check(rc)
+
+    def _reduce_slow(self, src, dst, op, algorithm) -> None:
         h = self._h()
         try:
             code = _parse_op(op).value
@@ -275,12 +301,17 @@ class Communicator:
             self._check_tensor(src)
             dtype = _DTYPES[src.dtype]
         except P2PCommError as e:
-            # Take part anyway, so that peers fail with a mismatch instead of waiting.
-            rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode())
+            # Take part anyway, so that peers fail with a mismatch instead of
+            # waiting; size, dtype and algorithm help the GPU pick their grid.
+            numel = src.numel() if isinstance(src, torch.Tensor) else 0
+            dcode = _DTYPES.get(getattr(src, "dtype", None), 0)
+            acode = ALGORITHMS.index(algorithm) if algorithm in ALGORITHMS else 0
+            stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
+            rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode(), numel, dcode, acode, stream)
             if rc not in (0, e.code):
                 _lib.check(rc)
             raise
-        stream = torch.cuda.current_stream(src.device).cuda_stream if src.is_cuda else 0
+        stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
         _lib.check(self._all_reduce(h, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream))
 
     def peer_tensor(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
@@ -303,7 +334,7 @@ class Communicator:
         enqueued after it sees every rank's work enqueued before it. Never
         blocks the host on GPU and can be captured in a CUDA graph; on CPU it
         is :meth:`barrier`."""
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
         _lib.check(_lib.lib().p2p_stream_barrier(self._h(), stream))
 
     def barrier(self) -> None:
