@@ -30,7 +30,7 @@ func describe(e errorWord) error {
 			e.Peer, phaseName(e.Phase), e.Block, e.Step, e.Expected, e.Seen)
 	case errMismatch:
 		return status.Errorf(status.Mismatch,
-			"rank %d called all-reduce with different arguments (size, dtype, op or algorithm) or rejected its own; nothing was reduced",
+			"ranks disagree: rank %d called all-reduce with different arguments (size, dtype, op or algorithm) or rejected its own; nothing was reduced",
 			e.Peer)
 	case errBadParams:
 		return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d)", e.Rank, e.Block)

@@ -353,6 +353,8 @@ struct BlockState {
 
 // Start flags carry (epoch << 32) | signature: one store tells a peer both
 // that this rank arrived and which call it is making.
+// kRejectSignature marks a rank that rejected its own arguments.
+constexpr int kRejectSignature = -1;
 DINLINE u64 start_value(u64 epoch, int signature) { return (epoch << 32) | (u64)(u32)signature; }
 
 DINLINE bool aligned(const void* q, u64 a) { return ((u64)q & (a - 1)) == 0; }
@@ -480,7 +482,8 @@ DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
       } else {
         const u64 theirs = ld_flag_acquire(slot);
         if (theirs != mine) {
-          report_mismatch(p, t, mine, theirs);
+          // A rank that rejected its own arguments already raised on the host.
+          if (p.signature != kRejectSignature) report_mismatch(p, t, mine, theirs);
           st.abort = 1;
         }
       }

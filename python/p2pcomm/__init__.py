@@ -6,6 +6,7 @@
 """
 
 from .communicator import ALGORITHMS, Communicator, ReduceOp
+from .moe import DispatchResult, ExpertParallel
 from .errors import (
     BootstrapError, CapacityError, CUDAError, ForkError, InternalError, InvalidArgumentError, MismatchError,
     P2PCommError, PeerTimeoutError, PeerUnavailableError, StateError, UnsupportedError,
@@ -15,5 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS", "Communicator", "ReduceOp", "P2PCommError", "BootstrapError", "CapacityError", "CUDAError",
     "ForkError", "InternalError", "InvalidArgumentError", "MismatchError", "PeerTimeoutError",
-    "PeerUnavailableError", "StateError", "UnsupportedError",
+    "PeerUnavailableError", "StateError", "UnsupportedError", "ExpertParallel", "DispatchResult",
 ]

@@ -256,15 +256,19 @@ class Communicator:
         avg on integers floors like ``torch.div(rounding_mode="floor")``.
         Results are bit-identical on every rank. On GPU the work is ordered on
         the current stream and may be captured in a CUDA graph; under
-        torch.compile it is the custom op ``torch.ops.p2pcomm.all_reduce``."""
-        if torch.compiler.is_compiling():
-            return torch.ops.p2pcomm.all_reduce(tensor, self._h(), _parse_op(op).name.lower(), algorithm)
+        torch.compile it is the custom op ``torch.ops.p2pcomm.all_reduce``.
+
+        Errors that only the GPU can see (ranks that disagree on the size,
+        dtype or op; a peer that never arrives) are raised asynchronously: by
+        the next call or :meth:`check` once the stream has reached them."""
+        if torch.compiler.is_compiling():  # traced: no host checks here, the op's eager body does them
+            return torch.ops.p2pcomm.all_reduce(tensor, self._handle, _parse_op(op).name.lower(), algorithm)
         return self._eager_all_reduce(tensor, op, algorithm)
 
     def all_reduce_(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
         """Collective. Like :meth:`all_reduce` but in place; returns ``tensor``."""
         if torch.compiler.is_compiling():
-            torch.ops.p2pcomm.all_reduce_(tensor, self._h(), _parse_op(op).name.lower(), algorithm)
+            torch.ops.p2pcomm.all_reduce_(tensor, self._handle, _parse_op(op).name.lower(), algorithm)
             return tensor
         return self._eager_all_reduce_(tensor, op, algorithm)
 

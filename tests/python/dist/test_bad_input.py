@@ -8,6 +8,13 @@ import p2pcomm
 from conftest import DEVICES
 
 
+def settle(comm, device):
+    """GPU errors are seen asynchronously: wait for the stream, then ask."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        comm.check()
+
+
 def still_works(comm, device):
     out = comm.all_reduce(torch.ones(3, device=device) * (comm.rank + 1))
     assert torch.equal(out.cpu(), torch.ones(3) * sum(range(1, comm.world_size + 1)))
@@ -50,6 +57,8 @@ def test_bad_tensor_on_one_rank_fails_everyone(comms, device):
     expected = p2pcomm.InvalidArgumentError if comm.rank == 1 else p2pcomm.MismatchError
     with pytest.raises(expected, match="contiguous" if comm.rank == 1 else "rank 1"):
         comm.all_reduce(x)
+        settle(comm, device)
+    settle(comm, device)  # the rejecting rank has nothing more to hear
     still_works(comm, device)
 
 
@@ -58,11 +67,14 @@ def test_mismatched_sizes_and_dtypes(comms, device):
     comm = comms(device)
     with pytest.raises(p2pcomm.MismatchError, match="disagree"):
         comm.all_reduce(torch.ones(10 + comm.rank, device=device))
+        settle(comm, device)
     dtype = torch.float32 if comm.rank == 0 else torch.float64
     with pytest.raises(p2pcomm.MismatchError, match="disagree"):
         comm.all_reduce(torch.ones(10, dtype=dtype, device=device))
+        settle(comm, device)
     with pytest.raises(p2pcomm.MismatchError, match="disagree"):
         comm.all_reduce(torch.ones(10, device=device), op="sum" if comm.rank == 0 else "max")
+        settle(comm, device)
     still_works(comm, device)
 
 

@@ -106,11 +106,12 @@ def test_bad_gpu_inputs(comms):
             comm.all_reduce(torch.ones(4, device=f"cuda:{other}"))
     with pytest.raises(p2pcomm.CapacityError):
         comm.all_reduce(torch.empty((512 << 20) // 4 + 1, device="cuda"))
-    with pytest.raises(p2pcomm.MismatchError):
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
         comm.all_reduce(torch.ones(100 + comm.rank, device="cuda"))
         torch.cuda.synchronize()
         comm.check()
     torch.cuda.synchronize()
+    comm.check()  # reported once, then the communicator is usable
     out = comm.all_reduce(torch.ones(8, device="cuda"))
     assert torch.equal(out, torch.full_like(out, comm.world_size))
 

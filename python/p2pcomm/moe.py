@@ -1,0 +1,457 @@
+"""Mixture-of-experts expert parallelism: dispatch tokens to the ranks that
+own their experts, and combine the experts' outputs back, through symmetric
+memory (CPU: shared memory; GPU: CUDA IPC peer mappings over NVLink).
+
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=T_max, topk=K)
+    recv = ep.dispatch(x, topk_idx, topk_weights)      # recv.x: rows for this rank's experts
+    y = ep.combine(expert_out, recv)                   # back on the source rank, weighted
+
+The implementation is plain torch ops (one code path for CPU and GPU) that
+write straight into peers' buffers, ordered by :meth:`Communicator.stream_barrier`.
+
+Protocol (W ranks, L = E/W local experts, T_max = max_tokens_per_rank):
+
+dispatch on source rank s
+  1. start barrier (see "Why two barriers per call" below).
+  2. For every destination d: token t goes to d when one of its K experts
+     lives on d; its slot there is the exclusive prefix count of such tokens
+     (so slots keep token order). Its row is written into d's
+     ``recv_x[s, slot]``, and metadata (the K local expert ids, -1 where the
+     expert is elsewhere; the K weights; t) into ``meta[s, slot]``; tokens
+     not going to d are written to the dump slot T_max. The number of
+     tokens goes into d's ``counts[s]``.
+  3. mid barrier: every peer's writes are visible.
+  4. The receiver lists every (source, slot, k) whose local expert is valid
+     and stable-sorts them by local expert; since the flat (source, slot, k)
+     index already orders by source, token and k, this gives the documented
+     expert-major order. Rows are gathered from ``recv_x``.
+
+combine on expert rank d
+  1. start barrier.
+  2. For each (source, slot) received: partial = sum over k ascending of
+     weight_k * expert_out[row(k)], in float32; written into the source's
+     ``comb[d, token]`` (float32, so no precision is lost in transit).
+  3. mid barrier.
+  4. The source sums ``comb[d, t]`` over d ascending, in float32, only for
+     ranks d its token t was sent to, and casts to dtype.
+
+Why two barriers per call: the mid barrier orders writes before reads. The
+start barrier keeps a fast rank from overwriting a buffer that a slow peer
+is still reading from the previous call: ``recv_x``/``meta``/``counts`` are
+read by their owner at the end of dispatch and written by peers in the next
+dispatch; ``comb`` is read at the end of combine and written in the next
+combine. When calls strictly alternate, the other call's mid barrier would
+already order them, but dispatch twice in a row (or combine twice, or a CUDA
+graph holding only one of them) would race; one barrier kernel is cheap
+next to that risk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .communicator import Communicator, ReduceOp
+from .errors import InvalidArgumentError, MismatchError, P2PCommError, UnsupportedError
+
+_EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+_CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "capturable", "world_size")
+_OK, _INVALID, _UNSUPPORTED = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchResult:
+    """What :meth:`ExpertParallel.dispatch` received on this rank.
+
+    Rows are expert-major: ordered by local expert, then source rank, then
+    source token index, then k (a token routed twice to the same expert, at
+    two k's, gives two rows). All tensors are on the communicator's device.
+
+    - ``x``: [R, H] tensor of the ep's dtype, contiguous: the token rows.
+    - ``expert_counts``: [E/W] int32: rows per local expert (sums to R).
+    - ``num_rows``: [1] int32: R, on the device (never needs a host sync).
+    - ``local_expert``: [R] int32: local expert id of each row (0..E/W-1).
+    - ``src_rank``: [R] int32: the rank the token came from.
+    - ``src_token``: [R] int32: the token's row index in that rank's ``x``.
+    - ``weight``: [R] float32: the token's topk weight for this (expert, k).
+    - ``capturable``: True when made in capturable mode: then R is the
+      worst case R_max = W * max_tokens_per_rank * topk, only the first
+      ``num_rows`` rows are valid and the rest are undefined (stale data,
+      possibly NaN; weight and src fields there are undefined too).
+
+    The private fields carry what :meth:`ExpertParallel.combine` needs; a
+    result stays valid for combine until the next dispatch of the same ep.
+    """
+
+    x: torch.Tensor
+    expert_counts: torch.Tensor
+    num_rows: torch.Tensor
+    local_expert: torch.Tensor
+    src_rank: torch.Tensor
+    src_token: torch.Tensor
+    weight: torch.Tensor
+    capturable: bool
+    _ep_id: int = dataclasses.field(repr=False)
+    _num_tokens: int = dataclasses.field(repr=False)  # T on this (source) rank
+    _send_mask: torch.Tensor = dataclasses.field(repr=False)  # [W, T] bool: token t went to rank d
+    _comb_rows: torch.Tensor = dataclasses.field(repr=False)  # [S, K] int64 row of (slot, k), 0 if none
+    _comb_weight: torch.Tensor = dataclasses.field(repr=False)  # [S, K] float32, 0 where no row
+    _comb_valid: torch.Tensor = dataclasses.field(repr=False)  # [S, K] bool
+    _comb_dst: torch.Tensor = dataclasses.field(repr=False)  # [S] int64 source token, or T_max (dump)
+    _comb_ranges: tuple = dataclasses.field(repr=False)  # ((source, start, length), ...) into S
+
+
+class ExpertParallel:
+    """Expert-parallel dispatch and combine over a :class:`Communicator`.
+
+    Collective: every rank constructs it with the same arguments; they are
+    checked across ranks and a mismatch raises ValueError naming the field
+    on every rank. Rank r owns experts [r*E/W, (r+1)*E/W).
+
+    - ``num_experts`` (E): divisible by the world size W.
+    - ``hidden`` (H): the token row width.
+    - ``max_tokens_per_rank`` (T_max): the most tokens any rank dispatches
+      in one call (buffers are sized for it).
+    - ``topk`` (K): experts per token.
+    - ``dtype``: of token rows and expert outputs: bfloat16, float16,
+      float32 or float64.
+    - ``capturable``: default mode of :meth:`dispatch` (see there).
+    - ``num_sms``: accepted for API compatibility with fused kernels and
+      ignored: this implementation is torch ops, which cannot bound the SMs
+      they use. A fused kernel will honor it.
+
+    Memory: symmetric buffers of about W*(T_max+1)*(H*(itemsize+4) +
+    (2K+1)*4) bytes per rank, held until the communicator closes.
+    """
+
+    _next_id = 0
+
+    def __init__(self, comm: Communicator, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
+                 dtype: torch.dtype = torch.bfloat16, *, capturable: bool = False, num_sms: Optional[int] = None):
+        if not isinstance(comm, Communicator):
+            raise InvalidArgumentError(f"comm must be a p2pcomm.Communicator, got {type(comm).__name__}")
+        self.comm = comm
+        self.world_size, self.rank = comm.world_size, comm.rank
+        self.device = comm.device
+        self.num_sms = num_sms
+        problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable)
+        self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable)
+        if problem is not None:
+            raise problem
+        if num_experts % self.world_size:
+            raise InvalidArgumentError(f"num_experts={num_experts} must be divisible by the world size "
+                                       f"{self.world_size}")
+        W, K = self.world_size, topk
+        self.num_experts, self.hidden, self.topk = num_experts, hidden, topk
+        self.max_tokens_per_rank, self.dtype, self.capturable = max_tokens_per_rank, dtype, bool(capturable)
+        self.num_local_experts = num_experts // W
+        self.max_recv_rows = W * max_tokens_per_rank * K
+        ExpertParallel._next_id += 1
+        self._id = ExpertParallel._next_id
+        Tm, dev = max_tokens_per_rank, self.device
+        # Symmetric buffers, all collective allocations in the same order on every rank.
+        self._recv_x = comm.empty((W, Tm + 1, hidden), dtype)  # [source, slot] token rows; slot Tm = dump
+        self._meta = comm.empty((W, Tm + 1, 2 * K + 1), torch.int32)  # local ids | weight bits | token
+        self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
+        self._status = comm.empty(W, torch.int32)  # eager argument checks of each rank
+        self._comb = comm.empty((W, Tm + 1, hidden), torch.float32)  # [expert rank, token] partials
+        for t in (self._recv_x, self._meta, self._counts, self._status, self._comb):
+            t.zero_()  # peers write only after the first call's start barrier, ordered after this
+        peers = lambda t: [t if d == self.rank else comm.peer_tensor(t, d) for d in range(W)]  # noqa: E731
+        self._peer_recv_x = [p[self.rank] for p in peers(self._recv_x)]
+        self._peer_meta = [p[self.rank] for p in peers(self._meta)]
+        self._peer_counts = [p[self.rank:self.rank + 1] for p in peers(self._counts)]
+        self._peer_status = [p[self.rank:self.rank + 1] for p in peers(self._status)]
+        self._peer_comb = [p[self.rank] for p in peers(self._comb)]
+        # Device constants, so that no call copies from the host (CUDA graphs forbid it).
+        self._ranks = torch.arange(W, device=dev).view(W, 1, 1)
+        self._token_ids = torch.arange(Tm, dtype=torch.int32, device=dev)
+        self._slot_ids = torch.arange(Tm, device=dev)
+        self._grid = torch.arange(W * Tm, device=dev)
+        self._flat_ids = torch.arange(W * Tm * K, device=dev)
+        self._expert_ids = torch.arange(self.num_local_experts + 1, dtype=torch.int32, device=dev)
+        self._codes = torch.tensor([_OK, _INVALID, _UNSUPPORTED], dtype=torch.int32, device=dev)
+
+    def __repr__(self) -> str:
+        return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "
+                f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
+                f"dtype={self.dtype}, capturable={self.capturable})")
+
+    def close(self) -> None:
+        """Drop this rank's references. The symmetric memory is released
+        when the communicator closes. Not collective; idempotent."""
+        self._peer_recv_x = self._peer_meta = self._peer_counts = self._peer_status = self._peer_comb = []
+
+    def __enter__(self) -> "ExpertParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- construction checks -------------------------------------------------------------------------
+
+    def _local_config_problem(self, E, H, Tm, K, dtype, capturable) -> Optional[P2PCommError]:
+        for name, v in (("num_experts", E), ("hidden", H), ("max_tokens_per_rank", Tm), ("topk", K)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                return InvalidArgumentError(f"{name} must be an int, got {type(v).__name__}")
+            if v < 1:
+                return InvalidArgumentError(f"{name} must be positive, got {v}")
+        if dtype not in _EP_DTYPES:
+            return UnsupportedError(f"dtype {dtype} is not supported; use one of "
+                                    f"{', '.join(sorted(str(d) for d in _EP_DTYPES))}")
+        if not isinstance(capturable, bool):
+            return InvalidArgumentError(f"capturable must be a bool, got {type(capturable).__name__}")
+        return None
+
+    def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable) -> None:
+        """All ranks reduce (config, who failed) with MIN and MAX through the
+        communicator itself, so a mismatch raises everywhere instead of
+        hanging in the first collective allocation."""
+        W = self.world_size
+        ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
+        fields = [ints(E), ints(H), ints(K), ints(Tm), _EP_DTYPES.get(dtype, -1),
+                  int(capturable) if isinstance(capturable, bool) else -1, W]
+        failed = [0] * W
+        if problem is not None:
+            failed[self.rank] = 1
+        vec = torch.tensor(fields + failed, dtype=torch.int64, device=self.device)
+        lo = self.comm.all_reduce(vec, op=ReduceOp.MIN).cpu().tolist()
+        hi = self.comm.all_reduce(vec, op=ReduceOp.MAX).cpu().tolist()
+        bad_ranks = [r for r in range(W) if hi[len(fields) + r]]
+        if bad_ranks and problem is None:
+            raise MismatchError(f"ExpertParallel: rank {', '.join(map(str, bad_ranks))} rejected its arguments")
+        if problem is not None:
+            return  # raised by the caller, with the specific message
+        differ = [f"{_CONFIG_FIELDS[i]} (from {lo[i]} to {hi[i]})" for i in range(len(fields)) if lo[i] != hi[i]]
+        if differ:
+            raise InvalidArgumentError("ExpertParallel: ranks passed different " + ", ".join(differ)
+                                       + "; every rank must pass the same configuration (dtype and capturable "
+                                         "are compared as codes)")
+
+    # -- dispatch ------------------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
+                 capturable: Optional[bool] = None) -> DispatchResult:
+        """Collective. Send each token to the ranks owning its experts.
+
+        - ``x``: [T, H] tensor of the ep's dtype on the communicator's device,
+          0 <= T <= max_tokens_per_rank (T may differ per rank, and be 0).
+        - ``topk_idx``: [T, K] int32 or int64, global expert ids; -1 means
+          no expert for that k.
+        - ``topk_weights``: [T, K] float32.
+        - ``capturable``: None uses the constructor's mode. Eager (False):
+          checks expert ids (one host sync, before any data moves; a rank
+          with bad input raises its specific error and every other rank
+          raises MismatchError), and returns exactly R rows (a second host
+          sync). Capturable (True): no host sync at all, so it can be
+          captured in a CUDA graph: recv.x is [R_max, H] with the valid count
+          in ``recv.num_rows``; expert ids outside [0, E) are treated as -1
+          (not checked); shapes and dtypes are still checked, but a rank
+          that fails them raises alone and its peers time out in the next
+          barrier. Every rank must pass the same mode.
+
+        Returns a :class:`DispatchResult`. Work is ordered on the current
+        CUDA stream; inputs are not modified.
+        """
+        capturable = self.capturable if capturable is None else bool(capturable)
+        problem = self._check_dispatch(x, topk_idx, topk_weights)
+        if capturable:
+            if problem is not None:
+                raise problem
+            self.comm.stream_barrier()  # start barrier (see module doc)
+        else:
+            self._agree(problem, lambda: self._id_problem(topk_idx), topk_idx, "dispatch")
+        W, r, K, L, Tm, H = self.world_size, self.rank, self.topk, self.num_local_experts, \
+            self.max_tokens_per_rank, self.hidden
+        T = x.shape[0]
+
+        # 1. Routing on the source: which tokens go to which rank, into which slot.
+        idx = topk_idx.long()
+        ok = (idx >= 0) & (idx < self.num_experts)
+        dest = torch.where(ok, torch.div(idx, L, rounding_mode="floor"), -1)  # [T, K]
+        local = torch.where(ok, idx.remainder(L), -1)
+        here = dest.unsqueeze(0) == self._ranks  # [W, T, K]
+        local_ids = torch.where(here, local.unsqueeze(0), -1).to(torch.int32)
+        send = here.any(dim=2)  # [W, T]
+        slot = torch.where(send, send.long().cumsum(dim=1) - 1, Tm)  # [W, T]; Tm is the dump slot
+        count = send.sum(dim=1, dtype=torch.int32)  # [W]
+        wbits = topk_weights.contiguous().view(torch.int32)
+        meta = torch.cat([local_ids, wbits.unsqueeze(0).expand(W, T, K),
+                          self._token_ids[:T].view(1, T, 1).expand(W, T, 1)], dim=2)  # [W, T, 2K+1]
+
+        # 2. Write rows, metadata and counts straight into every destination's buffers.
+        for d in range(W):
+            self._peer_recv_x[d].index_copy_(0, slot[d], x)
+            self._peer_meta[d].index_copy_(0, slot[d], meta[d])
+            self._peer_counts[d].copy_(count[d:d + 1])
+        self.comm.stream_barrier()  # 3. mid barrier: every source's writes are visible here
+
+        # 4. Expand into expert-major order on the receiver.
+        got = self._meta[:, :Tm]  # [W, Tm, 2K+1]
+        slot_ok = self._slot_ids.view(1, Tm) < self._counts.view(W, 1)  # [W, Tm]
+        lid = got[:, :, :K]
+        pair_ok = slot_ok.unsqueeze(2) & (lid >= 0) & (lid < L)  # [W, Tm, K]
+        key = torch.where(pair_ok, lid, L).flatten()  # invalid pairs sort last
+        sorted_key, perm = torch.sort(key, stable=True)  # flat index orders (source, token, k) already
+        bounds = torch.searchsorted(sorted_key, self._expert_ids)  # [L+1] first row of each expert
+        expert_counts = (bounds[1:] - bounds[:-1]).to(torch.int32)
+        num_rows = bounds[L:].to(torch.int32)
+        if capturable:
+            rows, R = perm, self.max_recv_rows
+            slot_list, ranges = self._grid, tuple((s, s * Tm, Tm) for s in range(W))
+        else:
+            host = torch.cat([num_rows, self._counts]).tolist()  # the one host sync of eager mode
+            R, counts = host[0], host[1:]
+            rows = perm[:R]
+            ranges, start = [], 0
+            for s, c in enumerate(counts):
+                ranges.append((s, start, c))
+                start += c
+            ranges = tuple(ranges)
+            slot_list = torch.cat([self._slot_ids[:c] + s * Tm for s, c in enumerate(counts)])
+        grid_slot = torch.div(rows, K, rounding_mode="floor")  # source * Tm + slot
+        src = torch.div(grid_slot, Tm, rounding_mode="floor")
+        buf_row = grid_slot + src  # rows of recv_x are [source, Tm + 1]
+        recv_x = self._recv_x.view(W * (Tm + 1), H).index_select(0, buf_row)
+        weights_grid = got[:, :, K:2 * K].contiguous().view(torch.float32).reshape(W * Tm, K)
+        tokens_grid = got[:, :, 2 * K].reshape(W * Tm)
+        weight = weights_grid.flatten().index_select(0, rows)
+        src_token = tokens_grid.index_select(0, grid_slot)
+
+        # What combine needs: for each (source, slot) the row of each k, in k order.
+        inverse = torch.empty_like(perm).index_copy_(0, perm, self._flat_ids)  # flat (slot, k) -> row
+        pair_ok_grid = pair_ok.reshape(W * Tm, K).index_select(0, slot_list)
+        comb_rows = torch.where(pair_ok_grid, inverse.view(W * Tm, K).index_select(0, slot_list), 0)
+        comb_weight = torch.where(pair_ok_grid, weights_grid.index_select(0, slot_list), 0.0)
+        comb_dst = torch.where(slot_ok.flatten().index_select(0, slot_list),
+                               tokens_grid.index_select(0, slot_list).long(), Tm)
+        return DispatchResult(
+            x=recv_x, expert_counts=expert_counts, num_rows=num_rows, local_expert=sorted_key[:R],
+            src_rank=src.to(torch.int32), src_token=src_token, weight=weight, capturable=capturable,
+            _ep_id=self._id, _num_tokens=T, _send_mask=send, _comb_rows=comb_rows, _comb_weight=comb_weight,
+            _comb_valid=pair_ok_grid, _comb_dst=comb_dst, _comb_ranges=ranges)
+
+    # -- combine -------------------------------------------------------------------------------------
+
+    def combine(self, expert_out: torch.Tensor, recv: DispatchResult) -> torch.Tensor:
+        """Collective. Return [T, H] of the ep's dtype on the rank that
+        dispatched: y[t] = sum over k of topk_weights[t, k] * expert_out of
+        row (t, k), over the token's valid experts; zeros for a token with
+        none.
+
+        - ``expert_out``: [R, H] of the ep's dtype on the communicator's
+          device, in ``recv.x``'s row order (R = recv.x.shape[0]; in
+          capturable mode rows past ``recv.num_rows`` are ignored, and may
+          hold anything, NaN included).
+        - ``recv``: this rank's result of the latest :meth:`dispatch`.
+
+        Summation order, fixed so results are bit-identical run to run: on
+        each expert rank d, a float32 partial per token, adding weight *
+        output for k = 0, 1, ..., K-1 (those on d); then on the token's rank,
+        float32 partials added for d = 0, 1, ..., W-1; one final cast to
+        dtype. Eager mode syncs the host once to agree that every rank's
+        arguments are valid; capturable mode (``recv.capturable``) never does.
+        """
+        problem = self._check_combine(expert_out, recv)
+        if recv is not None and getattr(recv, "capturable", False) and isinstance(recv, DispatchResult):
+            if problem is not None:
+                raise problem
+            self.comm.stream_barrier()  # start barrier (see module doc)
+        else:
+            self._agree(problem, None, None, "combine")
+        W, r, K, Tm = self.world_size, self.rank, self.topk, self.max_tokens_per_rank
+        out = expert_out
+        if out.shape[0] == 0:  # nothing received: gather indices (all masked) need a row to point at
+            out = torch.zeros(1, self.hidden, dtype=self.dtype, device=self.device)
+        # 1. One float32 partial per received (source, token), k in ascending order.
+        acc = torch.zeros(recv._comb_rows.shape[0], self.hidden, dtype=torch.float32, device=self.device)
+        for k in range(K):
+            part = out.index_select(0, recv._comb_rows[:, k])
+            part = torch.where(recv._comb_valid[:, k:k + 1], part, 0)  # unused rows may hold NaN
+            acc.addcmul_(part, recv._comb_weight[:, k:k + 1])
+        # 2. Into each source's buffer, at [this rank, token].
+        for s, start, n in recv._comb_ranges:
+            self._peer_comb[s].index_copy_(0, recv._comb_dst[start:start + n], acc[start:start + n])
+        self.comm.stream_barrier()  # 3. mid barrier
+        # 4. Sum the partials of the ranks each token went to, in rank order.
+        T = recv._num_tokens
+        y = torch.zeros(T, self.hidden, dtype=torch.float32, device=self.device)
+        for d in range(W):
+            y.add_(torch.where(recv._send_mask[d].unsqueeze(1), self._comb[d, :T], 0.0))
+        return y.to(self.dtype)
+
+    # -- argument checks -----------------------------------------------------------------------------
+
+    def _agree(self, problem: Optional[P2PCommError], device_check, device_input, what: str) -> None:
+        """Eager only: every rank posts its status into every peer's slot,
+        start barrier, then all read all statuses (one host sync) and raise
+        together. device_check(), run only when the static checks passed,
+        returns an int32 [1] status computed on the device (no sync)."""
+        if problem is not None:
+            code = self._codes[_UNSUPPORTED if isinstance(problem, UnsupportedError) else _INVALID].view(1)
+        elif device_check is not None:
+            code = device_check()
+        else:
+            code = self._codes[_OK].view(1)
+        for d in range(self.world_size):
+            self._peer_status[d].copy_(code)
+        self.comm.stream_barrier()  # also the start barrier (see module doc)
+        status = self._status.tolist()
+        bad = [q for q, c in enumerate(status) if c]
+        if not bad:
+            return  # the call's mid barrier keeps peers from posting the next status before we read this one
+        self.comm.stream_barrier()  # ...and on the way out, this one does
+        if problem is None and status[self.rank]:
+            problem = self._id_problem_detail(device_input)
+        if problem is not None:
+            raise problem
+        raise MismatchError(f"ExpertParallel.{what}: rank {', '.join(map(str, bad))} rejected its arguments "
+                            "(see the error on that rank)")
+
+    def _id_problem(self, topk_idx: torch.Tensor) -> torch.Tensor:
+        bad = ((topk_idx < -1) | (topk_idx >= self.num_experts)).any()
+        return torch.where(bad, self._codes[_INVALID], self._codes[_OK]).view(1)
+
+    def _id_problem_detail(self, topk_idx: torch.Tensor) -> InvalidArgumentError:
+        idx = topk_idx.cpu()
+        bad = ((idx < -1) | (idx >= self.num_experts)).nonzero()
+        t, k = bad[0].tolist()
+        return InvalidArgumentError(f"topk_idx[{t}, {k}] = {idx[t, k].item()} is not an expert: use -1 or "
+                                    f"[0, {self.num_experts}) ({bad.shape[0]} bad entries)")
+
+    def _check_tensor(self, name: str, t, dtypes: tuple, shape: tuple) -> Optional[P2PCommError]:
+        if not isinstance(t, torch.Tensor):
+            return InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            return UnsupportedError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")
+        dev = self.device
+        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
+            return InvalidArgumentError(f"{name} is on {t.device} but the communicator is on {dev}")
+        if t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape)):
+            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+            return InvalidArgumentError(f"{name} has shape {list(t.shape)}; expected {want}")
+        return None
+
+    def _check_dispatch(self, x, topk_idx, topk_weights) -> Optional[P2PCommError]:
+        if not self._peer_recv_x:
+            return InvalidArgumentError("ExpertParallel is closed")
+        p = self._check_tensor("x", x, (self.dtype,), (None, self.hidden))
+        if p is not None:
+            return p
+        T = x.shape[0]
+        if T > self.max_tokens_per_rank:
+            return InvalidArgumentError(f"x has {T} tokens, more than max_tokens_per_rank="
+                                        f"{self.max_tokens_per_rank}")
+        return (self._check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), (T, self.topk))
+                or self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, self.topk)))
+
+    def _check_combine(self, expert_out, recv) -> Optional[P2PCommError]:
+        if not self._peer_recv_x:
+            return InvalidArgumentError("ExpertParallel is closed")
+        if not isinstance(recv, DispatchResult):
+            return InvalidArgumentError(f"recv must be a DispatchResult, got {type(recv).__name__}")
+        if recv._ep_id != self._id:
+            return InvalidArgumentError("recv comes from another ExpertParallel")
+        return self._check_tensor("expert_out", expert_out, (self.dtype,), (recv.x.shape[0], self.hidden))

@@ -1,0 +1,330 @@
+"""ExpertParallel dispatch/combine on every rank against a float64 reference
+built from every rank's inputs (each rank regenerates them from seeds)."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import p2pcomm
+from conftest import DEVICES, same_on_all_ranks
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor  # [T, H] dtype, CPU
+    idx: torch.Tensor  # [T, K] int64, CPU
+    w: torch.Tensor  # [T, K] float32, CPU
+
+
+def make_inputs(seed, rank, T, H, E, K, dtype, routing="random", minus_one=0.0) -> Inputs:
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
+    if routing == "random":  # distinct experts per token, like a real top-k
+        idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K] if T else torch.empty(0, K, dtype=torch.long)
+    elif routing == "duplicates":  # any expert, repeats allowed
+        idx = torch.randint(0, E, (T, K), generator=g)
+    elif routing == "one_expert":  # every k of every token on expert E-1
+        idx = torch.full((T, K), E - 1, dtype=torch.long)
+    else:
+        raise ValueError(routing)
+    if minus_one:
+        drop = torch.rand(T, K, generator=g) < minus_one
+        drop[: T // 4] = True  # some tokens with no expert at all
+        idx = torch.where(drop, -1, idx)
+    w = torch.rand(T, K, generator=g, dtype=torch.float32) + 0.1
+    return Inputs(x, idx, w)
+
+
+def reference_dispatch(inputs, rank, W, E, K):
+    """Rows received by `rank`: (local expert, src, token, k) in the documented order."""
+    L = E // W
+    keys = []
+    for s, inp in enumerate(inputs):
+        for t in range(inp.idx.shape[0]):
+            for k in range(K):
+                e = int(inp.idx[t, k])
+                if e >= 0 and e // L == rank:
+                    keys.append((e % L, s, t, k))
+    keys.sort()
+    return keys
+
+
+def expert_fn(x: torch.Tensor, local_expert: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
+    """A per-row 'expert' the reference can recompute: two correctly rounded ops."""
+    scale = (1.0 + local_expert.float() / 8).unsqueeze(1)
+    shift = (src_rank.float() * 0.125).unsqueeze(1)
+    return (x.float() * scale + shift).to(x.dtype)
+
+
+def reference_combine(inputs, rank, W, E, K, dtype):
+    L = E // W
+    inp = inputs[rank]
+    T, H = inp.x.shape
+    y = torch.zeros(T, H, dtype=torch.float64)
+    scale = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(inp.idx[t, k])
+            if e < 0:
+                continue
+            out = expert_fn(inp.x[t:t + 1], torch.tensor([e % L]), torch.tensor([rank])).double()[0]
+            y[t] += float(inp.w[t, k]) * out
+            scale[t] += (float(inp.w[t, k]) * out).abs()
+    return y, scale
+
+
+def check_dispatch(recv, inputs, rank, W, E, K, dtype, capturable=False):
+    keys = reference_dispatch(inputs, rank, W, E, K)
+    L = E // W
+    R = len(keys)
+    assert recv.num_rows.dtype == torch.int32 and recv.num_rows.shape == (1,)
+    assert int(recv.num_rows.item()) == R
+    if capturable:
+        assert recv.x.shape[0] >= R and recv.capturable
+    else:
+        assert recv.x.shape[0] == R
+    counts = torch.zeros(L, dtype=torch.int32)
+    for le, *_ in keys:
+        counts[le] += 1
+    assert recv.expert_counts.dtype == torch.int32
+    assert torch.equal(recv.expert_counts.cpu(), counts)
+    if R == 0:
+        return
+    le = torch.tensor([k[0] for k in keys], dtype=torch.int32)
+    src = torch.tensor([k[1] for k in keys], dtype=torch.int32)
+    tok = torch.tensor([k[2] for k in keys], dtype=torch.int32)
+    want_x = torch.stack([inputs[s].x[t] for _, s, t, _ in keys])
+    want_w = torch.tensor([float(inputs[s].w[t, k]) for (_, s, t, k) in keys], dtype=torch.float32)
+    assert torch.equal(recv.local_expert[:R].cpu(), le)
+    assert torch.equal(recv.src_rank[:R].cpu(), src)
+    assert torch.equal(recv.src_token[:R].cpu().to(torch.int32), tok)
+    assert torch.equal(recv.weight[:R].cpu(), want_w), "weights differ"
+    got = recv.x[:R].cpu()
+    assert got.dtype == dtype
+    assert torch.equal(got.view(torch.uint8), want_x.contiguous().view(torch.uint8)), "token rows differ"
+
+
+def check_combine(y, inputs, rank, W, E, K, dtype):
+    want, scale = reference_combine(inputs, rank, W, E, K, dtype)
+    y = y.cpu()
+    assert y.dtype == dtype and y.shape == want.shape
+    eps = torch.finfo(dtype).eps
+    bound = eps * want.abs() + 4 * (K + W) * torch.finfo(torch.float32).eps * scale + 1e-30
+    err = (y.double() - want).abs()
+    bad = (err > bound).sum().item()
+    assert bad == 0, f"{bad} of {y.numel()} elements off; worst {err.max().item():.3g}"
+    none = (inputs[rank].idx < 0).all(dim=1)
+    assert torch.equal(y[none], torch.zeros_like(y[none])), "token with no expert is not zero"
+
+
+def run_round(ep, inputs, rank, device, capturable=False):
+    inp = inputs[rank]
+    recv = ep.dispatch(inp.x.to(device), inp.idx.to(device), inp.w.to(device), capturable=capturable)
+    out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
+    return recv, out, ep.combine(out, recv)
+
+
+CASES = [  # (E, K, H, T_max, dtype, routing, minus_one)
+    (8, 1, 64, 16, torch.float32, "random", 0.0),
+    (16, 8, 128, 32, torch.bfloat16, "random", 0.2),
+    (8, 8, 64, 16, torch.float32, "duplicates", 0.1),
+    (256, 8, 256, 64, torch.bfloat16, "random", 0.0),
+    (64, 4, 96, 24, torch.float16, "one_expert", 0.0),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}_K{c[1]}_{str(c[4])[6:]}_{c[5]}")
+def test_dispatch_combine_match_reference(comms, device, case):
+    E, K, H, Tm, dtype, routing, minus_one = case
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    if E % W:
+        pytest.skip(f"E={E} not divisible by {W}")
+    # Rank 1 sends nothing; the others send between 1 and T_max tokens.
+    sizes = [0 if q == 1 else (Tm if q == 0 else 1 + (5 * q) % Tm) for q in range(W)]
+    inputs = [make_inputs(E + K, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    recv, out, y = run_round(ep, inputs, r, device)
+    check_dispatch(recv, inputs, r, W, E, K, dtype)
+    check_combine(y, inputs, r, W, E, K, dtype)
+    # Again, with new data: bit-identical to a fresh computation, and stable run to run.
+    recv2, _, y2 = run_round(ep, inputs, r, device)
+    assert torch.equal(recv2.x.cpu().view(torch.uint8), recv.x.cpu().view(torch.uint8))
+    assert torch.equal(y2.cpu().view(torch.uint8), y.cpu().view(torch.uint8)), "combine not bit-identical"
+    # Two dispatches in a row, then a combine of the second; two combines of one dispatch.
+    other = [make_inputs(E + K + 1, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
+    ep.dispatch(inputs[r].x.to(device), inputs[r].idx.to(device), inputs[r].w.to(device))
+    recv3, out3, y3 = run_round(ep, other, r, device)
+    check_dispatch(recv3, other, r, W, E, K, dtype)
+    check_combine(y3, other, r, W, E, K, dtype)
+    check_combine(ep.combine(out3, recv3), other, r, W, E, K, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_ids_and_all_to_one_expert(comms, device):
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 4 * W, 2, 64, 8
+    inputs = [make_inputs(7, q, Tm, H, E, K, torch.bfloat16, "one_expert") for q in range(W)]
+    for inp in inputs:  # k=1 sends nowhere: only expert E-1, on the last rank, gets work
+        inp.idx[:, 1] = -1
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
+    inp = inputs[r]
+    recv = ep.dispatch(inp.x.to(device), inp.idx.to(torch.int32).to(device), inp.w.to(device))
+    check_dispatch(recv, inputs, r, W, E, K, torch.bfloat16)
+    assert recv.x.shape[0] == (W * Tm if r == W - 1 else 0)
+    y = ep.combine(expert_fn(recv.x, recv.local_expert, recv.src_rank), recv)
+    check_combine(y, inputs, r, W, E, K, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_capturable_mode(comms, device):
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 8 * W, 4, 64, 16, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                capturable=True)
+    rounds = [[make_inputs(100 + i, q, Tm, H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    if device == "cpu":
+        for inputs in rounds:
+            recv, out, y = run_round(ep, inputs, r, device, capturable=True)
+            assert recv.capturable and recv.x.shape == (W * Tm * K, H)
+            check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+            check_combine(y, inputs, r, W, E, K, dtype)
+        return
+    # CUDA: capture dispatch + expert + combine once, replay with new routing copied in.
+    static_x = torch.zeros(Tm, H, dtype=dtype, device=device)
+    static_idx = torch.zeros(Tm, K, dtype=torch.int64, device=device)
+    static_w = torch.zeros(Tm, K, dtype=torch.float32, device=device)
+
+    def step():
+        recv = ep.dispatch(static_x, static_idx, static_w)
+        out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
+        return recv, ep.combine(out, recv)
+
+    def load(inputs):
+        static_x.copy_(inputs[r].x)
+        static_idx.copy_(inputs[r].idx)
+        static_w.copy_(inputs[r].w)
+
+    load(rounds[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up (allocations, sort workspace) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv, y = step()
+    for inputs in rounds[1:] + rounds[:1]:
+        load(inputs)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert recv.x.shape == (W * Tm * K, H)
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+        check_combine(y, inputs, r, W, E, K, dtype)
+    comm.check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_results_identical_on_repeat_and_across_modes(comms, device):
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 3, 80, 12, torch.float32
+    inputs = [make_inputs(55, q, Tm - q, H, E, K, dtype, "duplicates", 0.1) for q in range(W)]
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    ys = [run_round(ep, inputs, r, device, capturable=c)[2].cpu() for c in (False, True, False, True)]
+    for y in ys[1:]:
+        assert torch.equal(y.view(torch.int32), ys[0].view(torch.int32))
+    check_combine(ys[0], inputs, r, W, E, K, dtype)
+    # The same tokens from every rank, through experts blind to the source: same bytes everywhere.
+    same = make_inputs(56, 0, Tm, H, E, K, dtype, "random")
+    recv = ep.dispatch(same.x.to(device), same.idx.to(device), same.w.to(device))
+    y = ep.combine(expert_fn(recv.x, recv.local_expert, torch.zeros_like(recv.src_rank)), recv)
+    assert same_on_all_ranks(y)
+
+
+def still_works(ep, comm, device):
+    W = comm.world_size
+    inputs = [make_inputs(3, q, 4, ep.hidden, ep.num_experts, ep.topk, ep.dtype) for q in range(W)]
+    recv, out, y = run_round(ep, inputs, comm.rank, device)
+    check_combine(y, inputs, comm.rank, W, ep.num_experts, ep.topk, ep.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise_on_every_rank(comms, device):
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
+    good = make_inputs(9, r, 4, H, E, K, torch.bfloat16)
+    x, idx, w = good.x.to(device), good.idx.to(device), good.w.to(device)
+    big = make_inputs(9, r, Tm + 1, H, E, K, torch.bfloat16)
+    bad_id = idx.clone()
+    bad_id[2, 1] = E
+    neg_id = idx.clone()
+    neg_id[0, 0] = -2
+    cases = [  # (args on rank 1, error on rank 1, message)
+        ((big.x.to(device), big.idx.to(device), big.w.to(device)), p2pcomm.InvalidArgumentError, "max_tokens"),
+        ((x, bad_id, w), p2pcomm.InvalidArgumentError, r"topk_idx\[2, 1\] = "),
+        ((x, neg_id, w), p2pcomm.InvalidArgumentError, r"topk_idx\[0, 0\] = -2"),
+        ((x, idx.float(), w), p2pcomm.UnsupportedError, "topk_idx has dtype"),
+        ((x, idx, w.double()), p2pcomm.UnsupportedError, "topk_weights has dtype"),
+        ((x.float(), idx, w), p2pcomm.UnsupportedError, "x has dtype"),
+        ((x, idx[:, :1].contiguous(), w), p2pcomm.InvalidArgumentError, "topk_idx has shape"),
+        ((x[:, :32], idx, w), p2pcomm.InvalidArgumentError, "x has shape"),
+        ((x.cpu() if device != "cpu" else x.to("meta"), idx, w), p2pcomm.InvalidArgumentError, "x is on"),
+    ]
+    for args, error, message in cases:
+        if r == 1:
+            with pytest.raises(error, match=message):
+                ep.dispatch(*args)
+        else:
+            with pytest.raises(p2pcomm.MismatchError, match="rank 1"):
+                ep.dispatch(x, idx, w)
+        assert isinstance(error("x"), (ValueError, TypeError))
+    still_works(ep, comm, device)
+    # Every rank wrong at once: each raises its own error.
+    with pytest.raises(p2pcomm.InvalidArgumentError, match="topk_idx"):
+        ep.dispatch(x, bad_id, w)
+    # combine with the wrong number of rows, on rank 0 only.
+    recv = ep.dispatch(x, idx, w)
+    out = recv.x.clone()
+    if r == 0:
+        with pytest.raises(p2pcomm.InvalidArgumentError, match="expert_out has shape"):
+            ep.combine(torch.zeros(out.shape[0] + 1, H, dtype=out.dtype, device=device), recv)
+    else:
+        with pytest.raises(p2pcomm.MismatchError, match="rank 0"):
+            ep.combine(out, recv)
+    still_works(ep, comm, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_construction_checks(comms, device):
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    with pytest.raises(ValueError, match="divisible"):
+        p2pcomm.ExpertParallel(comm, num_experts=W + 1, hidden=8, max_tokens_per_rank=4, topk=1)
+    for field, kw in [("hidden", dict(hidden=64 + 8 * r)), ("topk", dict(topk=1 + (r == 1))),
+                      ("max_tokens_per_rank", dict(max_tokens_per_rank=4 + r)),
+                      ("dtype", dict(dtype=torch.float32 if r else torch.bfloat16)),
+                      ("capturable", dict(capturable=r == 0))]:
+        args = dict(num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2)
+        args.update(kw)
+        with pytest.raises(ValueError, match=field):
+            p2pcomm.ExpertParallel(comm, **args)
+    bad = dict(num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2)
+    if r == 1:
+        bad["dtype"] = torch.int32
+        with pytest.raises(p2pcomm.UnsupportedError, match="dtype"):
+            p2pcomm.ExpertParallel(comm, **bad)
+    else:
+        with pytest.raises(p2pcomm.MismatchError, match="rank 1"):
+            p2pcomm.ExpertParallel(comm, **bad)
+    # And a good one still works after all that.
+    still_works(p2pcomm.ExpertParallel(comm, num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2), comm,
+                device)
