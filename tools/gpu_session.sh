@@ -33,6 +33,10 @@ if want tests; then
         note "gpu-test nproc=$n rc=$rc: $(grep -E '[0-9]+ (passed|failed)' "$OUT/gpu-test-$n.txt" | sort | uniq -c | head -3 | tr '\n' ' ')"
     done
 fi
+if want micro; then
+    timeout 400 $RUN --nproc_per_node="$NGPU" tools/gpu_micro.py > "$OUT/micro.txt" 2>&1
+    note "micro rc=$?"; sed -n '/^micro:/,$p' "$OUT/micro.txt"; grep -E "Error|error" "$OUT/micro.txt" | head -5
+fi
 if want moe; then
     timeout 300 $RUN --nproc_per_node="$NGPU" -m p2pcomm.bench moe --out "$OUT/bench$NGPU" >> "$LOG" 2>&1
     note "bench moe rc=$?"; tail -30 "$LOG"

@@ -5,6 +5,7 @@ package comm
 import (
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -93,7 +94,8 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration) (collecti
 	if err != nil {
 		return nil, err
 	}
-	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks)}
+	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks),
+		NVRTCOptions: strings.Fields(cfg.Env["P2PCOMM_NVRTC_OPTIONS"])}
 	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {
 		algo, ok := collective.ParseAlgorithm(name)
 		if !ok {

@@ -22,7 +22,8 @@ type Options struct {
 	StagingBytes int64         // per-rank staging and scratch capacity (default 256 MiB)
 	Tune         Table         // algorithm choice by size; nil: built-in defaults
 	ForceAlgo    collective.Algorithm
-	MaxBlocks    int // grid limit, 1..128 (default 128)
+	MaxBlocks    int      // grid limit, 1..128 (default 128)
+	NVRTCOptions []string // extra options for the kernels, e.g. -DP2P_UNROLL=4
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -93,7 +94,7 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 		b.Close()
 		return nil, err
 	}
-	b.kernels = newKernelCache(drv, cc)
+	b.kernels = newKernelCache(drv, cc, opts.NVRTCOptions)
 	// Every rank's signals are zero before any kernel can write a peer's.
 	if err := bs.Barrier(); err != nil {
 		b.Close()

@@ -30,12 +30,13 @@ var kernelFile = map[collective.Algorithm]string{
 type kernelCache struct {
 	drv   *cuda.Driver
 	arch  int
+	extra []string
 	mu    sync.Mutex
 	funcs map[[2]int32]cuda.Function
 }
 
-func newKernelCache(drv *cuda.Driver, arch int) *kernelCache {
-	return &kernelCache{drv: drv, arch: arch, funcs: map[[2]int32]cuda.Function{}}
+func newKernelCache(drv *cuda.Driver, arch int, extra []string) *kernelCache {
+	return &kernelCache{drv: drv, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{}}
 }
 
 func (k *kernelCache) function(algo collective.Algorithm, dt reduce.DType) (cuda.Function, error) {
@@ -72,7 +73,7 @@ func (k *kernelCache) load(base string) error {
 	exprs := kernels.Instantiations(src)
 	res, err := nv.CompileCached(cuda.CompileRequest{
 		Name: base + ".cu", Source: src, Headers: kernels.Headers(), Arch: k.arch,
-		Options: []string{"-std=c++17", "-default-device"}, NameExpressions: exprs,
+		Options: append([]string{"-std=c++17", "-default-device"}, k.extra...), NameExpressions: exprs,
 	})
 	if err != nil {
 		return fmt.Errorf("compile %s.cu for sm_%d: %w", base, k.arch, err)

@@ -33,6 +33,15 @@ constexpr int kThreads = 512;
 constexpr int kPackBytes = 16;
 // kDefaultTimeoutNs bounds every wait when the host passes timeout_ns = 0.
 constexpr u64 kDefaultTimeoutNs = 60ull * 1000 * 1000 * 1000;
+// Tuning knobs, fixed at compile time (the host may pass -D options to NVRTC):
+// P2P_UNROLL packs per thread per loop iteration (more loads in flight), and
+// P2P_PUBLISH_FENCE a full system fence before each flag's release store.
+#ifndef P2P_UNROLL
+#define P2P_UNROLL 2
+#endif
+#ifndef P2P_PUBLISH_FENCE
+#define P2P_PUBLISH_FENCE 1
+#endif
 // kStepBits: step flags carry (epoch << kStepBits) | step, step < 2^kStepBits.
 constexpr int kStepBits = 5;
 static_assert(2 * kMaxRanks - 3 < (1 << kStepBits), "ring steps must fit in the step bits");
@@ -459,7 +468,9 @@ DINLINE u64 step_value(u64 epoch, int step) { return (epoch << kStepBits) | (u64
 // bar.sync orders the block's writes before this thread's fence, and the
 // fence + release store order them before the flag (cumulativity).
 DINLINE void publish(Signal* to, int phase, int from_rank, u64 v) {
-  __threadfence_system();
+  // The release store is cumulative over what bar.sync ordered before it; the
+  // extra fence is belt and braces, kept switchable to measure its cost.
+  if (P2P_PUBLISH_FENCE) __threadfence_system();
   st_flag_release(&to->flag[phase][blockIdx.x][from_rank], v);
 }
 
@@ -632,41 +643,54 @@ DINLINE void reduce_range_op(const Ptrs& src, int nsrc, const Ptrs& dst, int nds
                              int divisor) {
   typedef typename Num<T>::Acc Acc;
   constexpr int P = PackOf<T>::kElems;
-  for (i64 i = r.begin + (i64)threadIdx.x * P; i < r.end; i += (i64)blockDim.x * P) {
-    const i64 off = i * (i64)sizeof(T);
-    if (i + P <= r.end) {
-      V16 raw[kMaxRanks];
+  constexpr int U = P2P_UNROLL;
+  const i64 stride = (i64)blockDim.x * P;
+  for (i64 base = r.begin + (i64)threadIdx.x * P; base < r.end; base += U * stride) {
+    // U packs per thread, all loads of all sources in flight before any math.
+    V16 raw[U][kMaxRanks];
 #pragma unroll
-      for (int s = 0; s < kMaxRanks; ++s) {  // all loads in flight before any math
-        if (s < nsrc) raw[s] = ld_v16(src.p[s] + off);
-      }
-      Pack<T> in;
-      in.v = raw[0];
-      Acc acc[P];
+    for (int u = 0; u < U; ++u) {
+      const i64 i = base + u * stride;
+      if (i + P <= r.end) {
 #pragma unroll
-      for (int j = 0; j < P; ++j) acc[j] = Num<T>::to(in.e[j]);
-#pragma unroll
-      for (int s = 1; s < kMaxRanks; ++s) {
-        if (s < nsrc) {
-          in.v = raw[s];
-#pragma unroll
-          for (int j = 0; j < P; ++j) acc[j] = O::apply(acc[j], Num<T>::to(in.e[j]));
+        for (int s = 0; s < kMaxRanks; ++s) {
+          if (s < nsrc) raw[u][s] = ld_v16(src.p[s] + i * (i64)sizeof(T));
         }
       }
-      Pack<T> o;
+    }
 #pragma unroll
-      for (int j = 0; j < P; ++j) o.e[j] = Num<T>::from(finish(acc[j], divisor));
+    for (int u = 0; u < U; ++u) {
+      const i64 i = base + u * stride;
+      const i64 off = i * (i64)sizeof(T);
+      if (i + P <= r.end) {
+        Pack<T> in;
+        in.v = raw[u][0];
+        Acc acc[P];
 #pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (d < ndst) st_v16(dst.p[d] + off, o.v);
-      }
-    } else {
-      for (i64 k = i; k < r.end; ++k) {
-        const i64 o = k * (i64)sizeof(T);
-        Acc acc = Num<T>::to(ld_elem<T>(src.p[0] + o));
-        for (int s = 1; s < nsrc; ++s) acc = O::apply(acc, Num<T>::to(ld_elem<T>(src.p[s] + o)));
-        const T x = Num<T>::from(finish(acc, divisor));
-        for (int d = 0; d < ndst; ++d) st_elem<T>(dst.p[d] + o, x);
+        for (int j = 0; j < P; ++j) acc[j] = Num<T>::to(in.e[j]);
+#pragma unroll
+        for (int s = 1; s < kMaxRanks; ++s) {
+          if (s < nsrc) {
+            in.v = raw[u][s];
+#pragma unroll
+            for (int j = 0; j < P; ++j) acc[j] = O::apply(acc[j], Num<T>::to(in.e[j]));
+          }
+        }
+        Pack<T> o;
+#pragma unroll
+        for (int j = 0; j < P; ++j) o.e[j] = Num<T>::from(finish(acc[j], divisor));
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (d < ndst) st_v16(dst.p[d] + off, o.v);
+        }
+      } else if (i < r.end) {  // the range's last, partial pack: scalar
+        for (i64 k = i; k < r.end; ++k) {
+          const i64 o = k * (i64)sizeof(T);
+          Acc acc = Num<T>::to(ld_elem<T>(src.p[0] + o));
+          for (int s = 1; s < nsrc; ++s) acc = O::apply(acc, Num<T>::to(ld_elem<T>(src.p[s] + o)));
+          const T x = Num<T>::from(finish(acc, divisor));
+          for (int d = 0; d < ndst; ++d) st_elem<T>(dst.p[d] + o, x);
+        }
       }
     }
   }

@@ -1,0 +1,106 @@
+"""A/B kernel variants on the GPUs in one run (under torchrun): for each
+variant (extra NVRTC -D options, grid limit) build a communicator, check it
+against NCCL on fresh random data, then time chosen cases eagerly and as
+CUDA-graph replays. Prints one table on rank 0."""
+
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+import p2pcomm
+
+VARIANTS = {
+    "default": {},
+    "unroll1": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=1"},
+    "unroll4": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=4"},
+    "nofence": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_PUBLISH_FENCE=0"},
+    "blocks64": {"P2PCOMM_MAX_BLOCKS": "64"},
+}
+CASES = [(4 << 10, "oneshot"), (256 << 10, "oneshot"), (1 << 20, "twoshot"), (16 << 20, "twoshot"),
+         (256 << 20, "twoshot")]
+
+
+def timed(fn, iters, graph):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        run = g.replay
+    else:
+        def run():
+            for _ in range(iters):
+                fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = []
+    for _ in range(7):
+        dist.barrier()
+        torch.cuda.synchronize()
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        reps.append(a.elapsed_time(b) * 1000 / iters)
+    return statistics.median(reps)
+
+
+def main():
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    names = sys.argv[1:] or list(VARIANTS)
+    rows = {}
+    for name in names:
+        saved = {k: os.environ.get(k) for k in VARIANTS[name]}
+        os.environ.update(VARIANTS[name])
+        comm = p2pcomm.Communicator(dist.group.WORLD, device=local)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        bad = 0
+        for n in (3, 4097, 1 << 20, 5_000_003):
+            for algo in ("oneshot", "twoshot", "ring"):
+                for i in range(3):
+                    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+                    want = x.float()
+                    dist.all_reduce(want)
+                    got = comm.all_reduce(x, algorithm=algo).float()
+                    bad += int(((got - want).abs() > 0.02 * want.abs() + 0.05).sum())
+        torch.cuda.synchronize()
+        comm.check()
+        for nbytes, algo in CASES:
+            x = comm.empty(nbytes // 2, torch.bfloat16)
+            x.normal_()
+            iters = 50 if nbytes <= (1 << 20) else 5
+            plain = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+            for label, fn in (("reg", lambda: comm.all_reduce_(x, algorithm=algo)),
+                              ("staged", lambda: comm.all_reduce(plain, algorithm=algo))):
+                for graph in (False, True):
+                    key = (nbytes, algo, label, "graph" if graph else "eager")
+                    rows.setdefault(key, {})[name] = timed(fn, iters, graph)
+        rows.setdefault(("barrier", "-", "-", "graph"), {})[name] = timed(comm.stream_barrier, 50, True)
+        bad_t = torch.tensor([bad], device="cuda")
+        dist.all_reduce(bad_t)
+        rows.setdefault(("WRONG elements", "", "", ""), {})[name] = float(bad_t.item())
+        comm.close()
+    if dist.get_rank() == 0:
+        print(f"\nmicro: {dist.get_world_size()} x {torch.cuda.get_device_name()}, bf16, us (median of 7)")
+        print(f"{'case':<40}" + "".join(f"{n:>10}" for n in names))
+        for key, vals in rows.items():
+            label = " ".join(str(k) for k in key)
+            print(f"{label:<40}" + "".join(f"{vals.get(n, float('nan')):>10.1f}" for n in names))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
