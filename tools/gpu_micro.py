@@ -15,12 +15,9 @@ import p2pcomm
 VARIANTS = {
     "default": {},
     "unroll1": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=1"},
-    "unroll4": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=4"},
-    "nofence": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_PUBLISH_FENCE=0"},
-    "blocks64": {"P2PCOMM_MAX_BLOCKS": "64"},
 }
-CASES = [(4 << 10, "oneshot"), (256 << 10, "oneshot"), (1 << 20, "twoshot"), (16 << 20, "twoshot"),
-         (256 << 20, "twoshot")]
+CASES = [(4 << 10, "oneshot"), (64 << 10, "oneshot"), (256 << 10, "oneshot"), (1 << 20, "oneshot"),
+         (1 << 20, "twoshot"), (16 << 20, "twoshot"), (256 << 20, "twoshot")]
 
 
 def timed(fn, iters, graph):

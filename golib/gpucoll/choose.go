@@ -89,17 +89,27 @@ func (b *Backend) choose(requested collective.Algorithm, nbytes int64) collectiv
 	return algo
 }
 
-// grid gives every rank the same grid for the same call: about 16 KiB of
-// each input per block, rounded up to a power of two so that calls of
-// slightly different sizes still pair their blocks (and a mismatch is then
-// reported as such, not as a timeout).
-func (b *Backend) grid(algo collective.Algorithm, dt reduce.DType, count int64) uint32 {
+// geometry is how a call is launched; every rank derives the same one from
+// the same call, and the kernels pair blocks by index.
+type geometry struct {
+	grid     uint32
+	deferred bool // one-shot without an end barrier (allreduce_oneshot.cu)
+}
+
+// geometry: small one-shot calls run deferred on their fixed grid; others
+// get about 16 KiB of each input per block, rounded up to a power of two so
+// that calls of slightly different sizes still pair their blocks (and a
+// mismatch is then reported as such, not as a timeout).
+func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int64) geometry {
 	nbytes := count * int64(dt.Size())
+	if algo == collective.OneShot && nbytes <= deferredHalfBytes {
+		return geometry{grid: deferredGrid, deferred: true}
+	}
 	g := int64(1)
 	for g < int64(b.opts.MaxBlocks) && g*(16<<10) < nbytes {
 		g *= 2
 	}
-	return uint32(g)
+	return geometry{grid: uint32(g)}
 }
 
 // signature summarizes a call so kernels can check that every rank made

@@ -42,6 +42,7 @@ type Backend struct {
 	signal  *symm.Buffer
 	staging *symm.Buffer
 	scratch *symm.Buffer
+	halves  *symm.Buffer   // deferred one-shot staging: two halves per rank
 	errHost unsafe.Pointer // *errorWord in pinned host memory
 	errDev  uintptr
 	kernels *kernelCache
@@ -113,6 +114,9 @@ func (b *Backend) allocWorkspace() error {
 	}
 	if b.scratch, err = b.space.Alloc(uint64(b.opts.StagingBytes)); err != nil {
 		return fmt.Errorf("allocate %d bytes of scratch: %w", b.opts.StagingBytes, err)
+	}
+	if b.halves, err = b.space.Alloc(2 * deferredHalfBytes); err != nil {
+		return fmt.Errorf("allocate one-shot staging: %w", err)
 	}
 	hm, err := b.space.HostMapped(uint64(unsafe.Sizeof(errorWord{})))
 	if err != nil {
@@ -227,16 +231,20 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	}
 	nbytes := req.Bytes()
 	algo := b.choose(req.Algo, nbytes)
-	p := &b.params
-	*p = allReduceParams{
-		LocalSrc: uint64(req.Src), Out: uint64(req.Dst), Err: uint64(b.errDev), Count: req.Count,
-		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size),
-		Op: int32(req.Op), Signature: signature(req.Count, req.DType, req.Op, algo),
-	}
-	for r := range b.size {
-		p.PeerSignal[r] = uint64(b.signal.Peers[r])
-		p.PeerScratch[r] = uint64(b.scratch.Peers[r])
-		p.PeerIn[r] = uint64(b.staging.Peers[r])
+	g := b.geometry(algo, req.DType, req.Count)
+	p := b.fill(req.Count, req.Op, signature(req.Count, req.DType, req.Op, algo))
+	p.LocalSrc, p.Out = uint64(req.Src), uint64(req.Dst)
+	if g.deferred {
+		// Small one-shot: always staged (a local copy is cheaper than the end
+		// barrier that reading a caller's buffer in place would need).
+		p.HalfBytes = deferredHalfBytes
+		for r := range b.size {
+			p.PeerIn[r] = uint64(b.halves.Peers[r])
+		}
+		if req.Count == 0 {
+			return nil
+		}
+		return b.launchGrid(algo, req.DType, g.grid, req.Stream)
 	}
 	// Registered input is read in place by peers; anything else the kernel
 	// copies into its staging buffer itself, fused into the same launch.
@@ -262,7 +270,20 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	if req.Count == 0 {
 		return nil
 	}
-	return b.launch(algo, req.DType, req.Count, req.Stream)
+	return b.launchGrid(algo, req.DType, g.grid, req.Stream)
+}
+
+// fill resets the reused parameter block with what every launch shares.
+func (b *Backend) fill(count int64, op reduce.Op, sig int32) *allReduceParams {
+	p := &b.params
+	*p = allReduceParams{Err: uint64(b.errDev), Count: count, TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()),
+		Rank: int32(b.rank), World: int32(b.size), Op: int32(op), Signature: sig}
+	for r := range b.size {
+		p.PeerSignal[r] = uint64(b.signal.Peers[r])
+		p.PeerScratch[r] = uint64(b.scratch.Peers[r])
+		p.PeerIn[r] = uint64(b.staging.Peers[r])
+	}
+	return p
 }
 
 // reject takes part in the call with a signature no peer can match, so
@@ -283,21 +304,24 @@ func (b *Backend) reject(req collective.AllReduce) error {
 		// check signatures: peers will report this rank by timeout.
 		return req.Reject
 	}
-	p := &b.params
-	*p = allReduceParams{Out: uint64(b.scratch.Local), Err: uint64(b.errDev), Count: 0,
-		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size),
-		Signature: rejectSignature}
-	for r := range b.size {
-		p.PeerSignal[r], p.PeerScratch[r], p.PeerIn[r] = uint64(b.signal.Peers[r]), uint64(b.scratch.Peers[r]), uint64(b.staging.Peers[r])
+	g := b.geometry(algo, dt, req.Count)
+	p := b.fill(0, reduce.Sum, rejectSignature)
+	// A harmless output each kernel accepts: one-shot's must not be its
+	// staging, two-shot's must not be its scratch.
+	p.Out = uint64(b.scratch.Local)
+	if algo == collective.TwoShot {
+		p.Out = uint64(b.staging.Local)
 	}
-	if err := b.launchGrid(algo, dt, b.grid(algo, dt, req.Count), req.Stream); err != nil {
+	if g.deferred {
+		p.HalfBytes = deferredHalfBytes
+		for r := range b.size {
+			p.PeerIn[r] = uint64(b.halves.Peers[r])
+		}
+	}
+	if err := b.launchGrid(algo, dt, g.grid, req.Stream); err != nil {
 		return err
 	}
 	return req.Reject
-}
-
-func (b *Backend) launch(algo collective.Algorithm, dt reduce.DType, count int64, stream uintptr) error {
-	return b.launchGrid(algo, dt, b.grid(algo, dt, count), stream)
 }
 
 func (b *Backend) launchGrid(algo collective.Algorithm, dt reduce.DType, grid uint32, stream uintptr) error {
@@ -356,13 +380,10 @@ func (b *Backend) StreamBarrier(stream uintptr) error {
 	if err := b.drv.EnsureContext(b.device); err != nil {
 		return err
 	}
-	p := &b.params
-	*p = allReduceParams{Out: uint64(b.staging.Local), Err: uint64(b.errDev), Count: 0,
-		TimeoutNs: uint64(b.opts.Timeout.Nanoseconds()), Rank: int32(b.rank), World: int32(b.size)}
-	for r := range b.size {
-		p.PeerSignal[r], p.PeerScratch[r], p.PeerIn[r] = uint64(b.signal.Peers[r]), uint64(b.scratch.Peers[r]), uint64(b.staging.Peers[r])
-	}
 	// out must not alias peer_in[rank] for one-shot; scratch is free here.
+	// The fence publishes what earlier kernels wrote into peers' memory.
+	p := b.fill(0, reduce.Sum, 0)
 	p.Out = uint64(b.scratch.Local)
+	p.Flags = flagFence
 	return b.launchGrid(collective.OneShot, reduce.Float32, 1, stream)
 }

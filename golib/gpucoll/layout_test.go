@@ -13,7 +13,7 @@ func TestLayoutsMatchTheKernels(t *testing.T) {
 		name      string
 		got, want uintptr
 	}{
-		{"sizeof(AllReduceParams)", unsafe.Sizeof(p), 248},
+		{"sizeof(AllReduceParams)", unsafe.Sizeof(p), 256},
 		{"peer_scratch", unsafe.Offsetof(p.PeerScratch), 64},
 		{"peer_signal", unsafe.Offsetof(p.PeerSignal), 128},
 		{"local_src", unsafe.Offsetof(p.LocalSrc), 192},
@@ -25,6 +25,8 @@ func TestLayoutsMatchTheKernels(t *testing.T) {
 		{"world", unsafe.Offsetof(p.World), 236},
 		{"op", unsafe.Offsetof(p.Op), 240},
 		{"signature", unsafe.Offsetof(p.Signature), 244},
+		{"half_bytes", unsafe.Offsetof(p.HalfBytes), 248},
+		{"flags", unsafe.Offsetof(p.Flags), 252},
 		{"sizeof(ErrorWord)", unsafe.Sizeof(e), 40},
 		{"ErrorWord.peer", unsafe.Offsetof(e.Peer), 8},
 		{"ErrorWord.expected", unsafe.Offsetof(e.Expected), 24},

@@ -25,6 +25,8 @@ type allReduceParams struct {
 	World       int32
 	Op          int32
 	Signature   int32
+	HalfBytes   uint32 // deferred one-shot when nonzero
+	Flags       uint32 // flagFence
 }
 
 func (p *allReduceParams) bytes() []byte {
@@ -42,6 +44,18 @@ type errorWord struct {
 	Expected uint64
 	Seen     uint64
 }
+
+// flagFence asks kernels for a full system fence before each flag store:
+// for barriers that publish writes of earlier kernels.
+const flagFence = 1
+
+// Deferred one-shot geometry (p2p_common.cuh kDeferredGrid, kChunkPacks).
+const (
+	deferredGrid = 16
+	// deferredHalfBytes bounds the calls that skip the end barrier: each
+	// rank keeps two halves of this size.
+	deferredHalfBytes = 1 << 20
+)
 
 // signalBytes is sizeof(Signal) in p2p_common.cuh.
 const signalBytes = 33920

@@ -33,15 +33,19 @@ constexpr int kThreads = 512;
 constexpr int kPackBytes = 16;
 // kDefaultTimeoutNs bounds every wait when the host passes timeout_ns = 0.
 constexpr u64 kDefaultTimeoutNs = 60ull * 1000 * 1000 * 1000;
-// Tuning knobs, fixed at compile time (the host may pass -D options to NVRTC):
-// P2P_UNROLL packs per thread per loop iteration (more loads in flight), and
-// P2P_PUBLISH_FENCE a full system fence before each flag's release store.
+// P2P_UNROLL: packs per thread per loop iteration (more loads in flight);
+// a compile-time knob the host may set with an NVRTC -D option.
 #ifndef P2P_UNROLL
 #define P2P_UNROLL 2
 #endif
-#ifndef P2P_PUBLISH_FENCE
-#define P2P_PUBLISH_FENCE 1
-#endif
+// kFlagFence (AllReduceParams.flags): a full system fence before each flag's
+// release store, for barriers that publish writes made by earlier kernels.
+constexpr unsigned kFlagFence = 1u;
+// Deferred one-shot (AllReduceParams.half_bytes != 0) always runs on
+// kDeferredGrid blocks, and block b owns chunks b, b + grid, ... of
+// kChunkPacks packs, whatever the size: see allreduce_oneshot.cu.
+constexpr int kDeferredGrid = 16;
+constexpr int kChunkPacks = kThreads;
 // kStepBits: step flags carry (epoch << kStepBits) | step, step < 2^kStepBits.
 constexpr int kStepBits = 5;
 static_assert(2 * kMaxRanks - 3 < (1 << kStepBits), "ring steps must fit in the step bits");
@@ -135,7 +139,9 @@ static_assert(sizeof(ErrorWord) == 40 && 6 * sizeof(int) + 2 * sizeof(u64) == 40
 //   236    4    world           i32, 1..kMaxRanks
 //   240    4    op              i32, Op
 //   244    4    signature       i32, the call's summary; ranks must agree
-//   total  248, aligned to 8
+//   248    4    half_bytes      u32: deferred one-shot when nonzero (see oneshot)
+//   252    4    flags           u32: kFlagFence
+//   total  256, aligned to 8
 struct AllReduceParams {
   void* peer_in[kMaxRanks];
   void* peer_scratch[kMaxRanks];
@@ -149,16 +155,18 @@ struct AllReduceParams {
   int world;
   int op;
   int signature;
+  unsigned half_bytes;
+  unsigned flags;
 };
-static_assert(sizeof(AllReduceParams) == 248, "AllReduceParams size");
+static_assert(sizeof(AllReduceParams) == 256, "AllReduceParams size");
 static_assert(sizeof(AllReduceParams::peer_in) + sizeof(AllReduceParams::peer_scratch) +
                       sizeof(AllReduceParams::peer_signal) + sizeof(AllReduceParams::local_src) +
                       sizeof(AllReduceParams::out) + sizeof(AllReduceParams::err) ==
                   216,
               "AllReduceParams.count offset");
 static_assert(sizeof(AllReduceParams::count) + sizeof(AllReduceParams::timeout_ns) +
-                      4 * sizeof(int) ==
-                  248 - 216,
+                      4 * sizeof(int) + 2 * sizeof(unsigned) ==
+                  256 - 216,
               "AllReduceParams tail");
 
 // ---------------------------------------------------------------- element types
@@ -467,10 +475,10 @@ DINLINE u64 step_value(u64 epoch, int step) { return (epoch << kStepBits) | (u64
 // __syncthreads visible system-wide, then stores v into a peer's flag slot:
 // bar.sync orders the block's writes before this thread's fence, and the
 // fence + release store order them before the flag (cumulativity).
-DINLINE void publish(Signal* to, int phase, int from_rank, u64 v) {
-  // The release store is cumulative over what bar.sync ordered before it; the
-  // extra fence is belt and braces, kept switchable to measure its cost.
-  if (P2P_PUBLISH_FENCE) __threadfence_system();
+DINLINE void publish(const AllReduceParams& p, Signal* to, int phase, int from_rank, u64 v) {
+  // The release store is cumulative over what bar.sync ordered before it;
+  // the full fence is for writes made by earlier kernels (kFlagFence).
+  if (p.flags & kFlagFence) __threadfence_system();
   st_flag_release(&to->flag[phase][blockIdx.x][from_rank], v);
 }
 
@@ -487,7 +495,7 @@ DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
       // Peers skip the data together if any two ranks disagree on the call:
       // everyone compares with everyone, so the odd rank out is seen by all.
       const u64 mine = start_value(st.epoch, p.signature);
-      publish(p.peer_signal[t], phase, p.rank, mine);
+      publish(p, p.peer_signal[t], phase, p.rank, mine);
       if (!wait_flag(p, slot, st.epoch << 32, t, phase, -1)) {
         st.abort = 1;
       } else {
@@ -499,7 +507,7 @@ DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
         }
       }
     } else {
-      publish(p.peer_signal[t], phase, p.rank, st.epoch);
+      publish(p, p.peer_signal[t], phase, p.rank, st.epoch);
       if (!wait_flag(p, slot, st.epoch, t, phase, -1)) st.abort = 1;
     }
   }
@@ -514,7 +522,7 @@ DINLINE bool sync_step(const AllReduceParams& p, BlockState& st, int phase, int 
                        u64 post_value, int wait_from, u64 wait_value, int step) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (post_to >= 0) publish(p.peer_signal[post_to], phase, p.rank, post_value);
+    if (post_to >= 0) publish(p, p.peer_signal[post_to], phase, p.rank, post_value);
     if (wait_from >= 0) {
       const Signal* self = p.peer_signal[p.rank];
       if (!wait_flag(p, &self->flag[phase][blockIdx.x][wait_from], wait_value, wait_from, phase,
