@@ -15,11 +15,11 @@ dispatch on source rank s
   1. start barrier (see "Why two barriers per call" below).
   2. For every destination d: token t goes to d when one of its K experts
      lives on d; its slot there is the exclusive prefix count of such tokens
-     (so slots keep token order). Its row is written into d's
-     ``recv_x[s, slot]``, and metadata (the K local expert ids, -1 where the
-     expert is elsewhere; the K weights; t) into ``meta[s, slot]``; tokens
-     not going to d are written to the dump slot T_max. The number of
-     tokens goes into d's ``counts[s]``.
+     (so slots keep token order). Rows are packed locally in slot order and
+     copied in one contiguous copy into d's ``recv_x[s, :T]``, metadata (the
+     K local expert ids, -1 where the expert is elsewhere; the K weights; t)
+     likewise into ``meta[s, :T]``; slots past the count hold tokens not
+     meant for d and are never read. The count goes into d's ``counts[s]``.
   3. mid barrier: every peer's writes are visible.
   4. The receiver lists every (source, slot, k) whose local expert is valid
      and stable-sorts them by local expert; since the flat (source, slot, k)
@@ -29,11 +29,12 @@ dispatch on source rank s
 combine on expert rank d
   1. start barrier.
   2. For each (source, slot) received: partial = sum over k ascending of
-     weight_k * expert_out[row(k)], in float32; written into the source's
-     ``comb[d, token]`` (float32, so no precision is lost in transit).
+     weight_k * expert_out[row(k)], in float32; packed in slot order and
+     copied contiguously into the source's ``comb[d, slot]`` (float32, so no
+     precision is lost in transit).
   3. mid barrier.
-  4. The source sums ``comb[d, t]`` over d ascending, in float32, only for
-     ranks d its token t was sent to, and casts to dtype.
+  4. The source sums ``comb[d, slot of t on d]`` over d ascending, in
+     float32, only for ranks d its token t was sent to, and casts to dtype.
 
 Why two barriers per call: the mid barrier orders writes before reads. The
 start barrier keeps a fast rank from overwriting a buffer that a slow peer
@@ -96,11 +97,15 @@ class DispatchResult:
     _ep_id: int = dataclasses.field(repr=False)
     _num_tokens: int = dataclasses.field(repr=False)  # T on this (source) rank
     _send_mask: torch.Tensor = dataclasses.field(repr=False)  # [W, T] bool: token t went to rank d
-    _comb_rows: torch.Tensor = dataclasses.field(repr=False)  # [S, K] int64 row of (slot, k), 0 if none
-    _comb_weight: torch.Tensor = dataclasses.field(repr=False)  # [S, K] float32, 0 where no row
-    _comb_valid: torch.Tensor = dataclasses.field(repr=False)  # [S, K] bool
-    _comb_dst: torch.Tensor = dataclasses.field(repr=False)  # [S] int64 source token, or T_max (dump)
+    _send_slot: torch.Tensor = dataclasses.field(repr=False)  # [W, T] int64: its slot there (T_max if not)
+    # Capturable: [S, K] row of (slot, k) (0 if none), its weight (0 if none), valid mask.
+    # Eager: [R] row, weight, and slot of each pair, listed layer by layer (_comb_layers: sizes).
+    _comb_rows: torch.Tensor = dataclasses.field(repr=False)
+    _comb_weight: torch.Tensor = dataclasses.field(repr=False)
+    _comb_valid: torch.Tensor = dataclasses.field(repr=False)
     _comb_ranges: tuple = dataclasses.field(repr=False)  # ((source, start, length), ...) into S
+    _comb_slot: Optional[torch.Tensor] = dataclasses.field(repr=False)
+    _comb_layers: Optional[tuple] = dataclasses.field(repr=False)
 
 
 class ExpertParallel:
@@ -123,7 +128,9 @@ class ExpertParallel:
       they use. A fused kernel will honor it.
 
     Memory: symmetric buffers of about W*(T_max+1)*(H*(itemsize+4) +
-    (2K+1)*4) bytes per rank, held until the communicator closes.
+    (2K+1)*4) bytes per rank, held until the communicator closes; in
+    capturable mode each dispatch also returns worst-case [W*T_max*K, H]
+    rows.
     """
 
     _next_id = 0
@@ -152,13 +159,16 @@ class ExpertParallel:
         self._id = ExpertParallel._next_id
         Tm, dev = max_tokens_per_rank, self.device
         # Symmetric buffers, all collective allocations in the same order on every rank.
-        self._recv_x = comm.empty((W, Tm + 1, hidden), dtype)  # [source, slot] token rows; slot Tm = dump
-        self._meta = comm.empty((W, Tm + 1, 2 * K + 1), torch.int32)  # local ids | weight bits | token
+        self._recv_x = comm.empty((W, Tm, hidden), dtype)  # [source, slot] token rows
+        self._meta = comm.empty((W, Tm, 2 * K + 1), torch.int32)  # [source, slot]: local ids | weight bits | token
         self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
         self._status = comm.empty(W, torch.int32)  # eager argument checks of each rank
-        self._comb = comm.empty((W, Tm + 1, hidden), torch.float32)  # [expert rank, token] partials
+        # [expert rank, slot] partials; row Tm is gathered (and masked) for tokens not sent to a rank.
+        self._comb = comm.empty((W, Tm + 1, hidden), torch.float32)
         for t in (self._recv_x, self._meta, self._counts, self._status, self._comb):
-            t.zero_()  # peers write only after the first call's start barrier, ordered after this
+            t.zero_()
+        # Peers post into _status before their first start barrier: zero everywhere first.
+        comm.stream_barrier()
         peers = lambda t: [t if d == self.rank else comm.peer_tensor(t, d) for d in range(W)]  # noqa: E731
         self._peer_recv_x = [p[self.rank] for p in peers(self._recv_x)]
         self._peer_meta = [p[self.rank] for p in peers(self._meta)]
@@ -172,6 +182,7 @@ class ExpertParallel:
         self._grid = torch.arange(W * Tm, device=dev)
         self._flat_ids = torch.arange(W * Tm * K, device=dev)
         self._expert_ids = torch.arange(self.num_local_experts + 1, dtype=torch.int32, device=dev)
+        self._layer_ids = torch.arange(K, device=dev)
         self._codes = torch.tensor([_OK, _INVALID, _UNSUPPORTED], dtype=torch.int32, device=dev)
 
     def __repr__(self) -> str:
@@ -263,8 +274,7 @@ class ExpertParallel:
             self.comm.stream_barrier()  # start barrier (see module doc)
         else:
             self._agree(problem, lambda: self._id_problem(topk_idx), topk_idx, "dispatch")
-        W, r, K, L, Tm, H = self.world_size, self.rank, self.topk, self.num_local_experts, \
-            self.max_tokens_per_rank, self.hidden
+        W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
         T = x.shape[0]
 
         # 1. Routing on the source: which tokens go to which rank, into which slot.
@@ -275,21 +285,24 @@ class ExpertParallel:
         here = dest.unsqueeze(0) == self._ranks  # [W, T, K]
         local_ids = torch.where(here, local.unsqueeze(0), -1).to(torch.int32)
         send = here.any(dim=2)  # [W, T]
-        slot = torch.where(send, send.long().cumsum(dim=1) - 1, Tm)  # [W, T]; Tm is the dump slot
+        slot = torch.where(send, send.long().cumsum(dim=1) - 1, Tm)  # [W, T]; Tm: not sent
+        # Tokens in slot order, those sent first: packing rows locally turns each peer write into
+        # one contiguous copy (a peer memcpy at NVLink speed) instead of a scatter over NVLink.
+        packed = torch.sort((~send).to(torch.int32), dim=1, stable=True).indices  # [W, T]
         count = send.sum(dim=1, dtype=torch.int32)  # [W]
         wbits = topk_weights.contiguous().view(torch.int32)
         meta = torch.cat([local_ids, wbits.unsqueeze(0).expand(W, T, K),
                           self._token_ids[:T].view(1, T, 1).expand(W, T, 1)], dim=2)  # [W, T, 2K+1]
 
         # 2. Write rows, metadata and counts straight into every destination's buffers.
-        for d in range(W):
-            self._peer_recv_x[d].index_copy_(0, slot[d], x)
-            self._peer_meta[d].index_copy_(0, slot[d], meta[d])
+        for d in range(W):  # slots past count[d] get unsent tokens, never read
+            self._peer_recv_x[d][:T].copy_(x.index_select(0, packed[d]))
+            self._peer_meta[d][:T].copy_(meta[d].index_select(0, packed[d]))
             self._peer_counts[d].copy_(count[d:d + 1])
         self.comm.stream_barrier()  # 3. mid barrier: every source's writes are visible here
 
         # 4. Expand into expert-major order on the receiver.
-        got = self._meta[:, :Tm]  # [W, Tm, 2K+1]
+        got = self._meta  # [W, Tm, 2K+1]
         slot_ok = self._slot_ids.view(1, Tm) < self._counts.view(W, 1)  # [W, Tm]
         lid = got[:, :, :K]
         pair_ok = slot_ok.unsqueeze(2) & (lid >= 0) & (lid < L)  # [W, Tm, K]
@@ -302,8 +315,11 @@ class ExpertParallel:
             rows, R = perm, self.max_recv_rows
             slot_list, ranges = self._grid, tuple((s, s * Tm, Tm) for s in range(W))
         else:
-            host = torch.cat([num_rows, self._counts]).tolist()  # the one host sync of eager mode
-            R, counts = host[0], host[1:]
+            # Pairs per layer: layer j holds each slot's j-th pair here, in k order (see combine).
+            pairs = pair_ok.sum(dim=2).view(W * Tm, 1)
+            layer_sizes = (pairs > self._layer_ids).sum(dim=0)  # [K]
+            host = torch.cat([num_rows, self._counts, layer_sizes.to(torch.int32)]).tolist()  # the host sync
+            R, counts, layers = host[0], host[1:W + 1], tuple(n for n in host[W + 1:] if n)
             rows = perm[:R]
             ranges, start = [], 0
             for s, c in enumerate(counts):
@@ -313,8 +329,7 @@ class ExpertParallel:
             slot_list = torch.cat([self._slot_ids[:c] + s * Tm for s, c in enumerate(counts)])
         grid_slot = torch.div(rows, K, rounding_mode="floor")  # source * Tm + slot
         src = torch.div(grid_slot, Tm, rounding_mode="floor")
-        buf_row = grid_slot + src  # rows of recv_x are [source, Tm + 1]
-        recv_x = self._recv_x.view(W * (Tm + 1), H).index_select(0, buf_row)
+        recv_x = self._recv_x.view(W * Tm, H).index_select(0, grid_slot)
         weights_grid = got[:, :, K:2 * K].contiguous().view(torch.float32).reshape(W * Tm, K)
         tokens_grid = got[:, :, 2 * K].reshape(W * Tm)
         weight = weights_grid.flatten().index_select(0, rows)
@@ -325,13 +340,22 @@ class ExpertParallel:
         pair_ok_grid = pair_ok.reshape(W * Tm, K).index_select(0, slot_list)
         comb_rows = torch.where(pair_ok_grid, inverse.view(W * Tm, K).index_select(0, slot_list), 0)
         comb_weight = torch.where(pair_ok_grid, weights_grid.index_select(0, slot_list), 0.0)
-        comb_dst = torch.where(slot_ok.flatten().index_select(0, slot_list),
-                               tokens_grid.index_select(0, slot_list).long(), Tm)
+        if capturable:
+            layers, comb_slot = None, None
+        else:  # the pairs listed layer by layer: (slot, k) flat indices into [S, K]
+            S = comb_rows.shape[0]
+            ranks_in_slot = pair_ok_grid.cumsum(dim=1) - 1
+            lkey = torch.where(pair_ok_grid, ranks_in_slot * S + torch.arange(S, device=self.device).view(S, 1), K * S)
+            order = torch.sort(lkey.flatten()).indices[:R]  # keys are unique
+            comb_slot = torch.div(order, K, rounding_mode="floor")
+            comb_rows = comb_rows.flatten().index_select(0, order)
+            comb_weight = comb_weight.flatten().index_select(0, order)
         return DispatchResult(
             x=recv_x, expert_counts=expert_counts, num_rows=num_rows, local_expert=sorted_key[:R],
             src_rank=src.to(torch.int32), src_token=src_token, weight=weight, capturable=capturable,
-            _ep_id=self._id, _num_tokens=T, _send_mask=send, _comb_rows=comb_rows, _comb_weight=comb_weight,
-            _comb_valid=pair_ok_grid, _comb_dst=comb_dst, _comb_ranges=ranges)
+            _ep_id=self._id, _num_tokens=T, _send_mask=send, _send_slot=slot, _comb_rows=comb_rows,
+            _comb_weight=comb_weight, _comb_valid=pair_ok_grid, _comb_ranges=ranges, _comb_slot=comb_slot,
+            _comb_layers=layers)
 
     # -- combine -------------------------------------------------------------------------------------
 
@@ -361,25 +385,38 @@ class ExpertParallel:
             self.comm.stream_barrier()  # start barrier (see module doc)
         else:
             self._agree(problem, None, None, "combine")
-        W, r, K, Tm = self.world_size, self.rank, self.topk, self.max_tokens_per_rank
+        K = self.topk
         out = expert_out
         if out.shape[0] == 0:  # nothing received: gather indices (all masked) need a row to point at
             out = torch.zeros(1, self.hidden, dtype=self.dtype, device=self.device)
         # 1. One float32 partial per received (source, token), k in ascending order.
-        acc = torch.zeros(recv._comb_rows.shape[0], self.hidden, dtype=torch.float32, device=self.device)
-        for k in range(K):
-            part = out.index_select(0, recv._comb_rows[:, k])
-            part = torch.where(recv._comb_valid[:, k:k + 1], part, 0)  # unused rows may hold NaN
-            acc.addcmul_(part, recv._comb_weight[:, k:k + 1])
-        # 2. Into each source's buffer, at [this rank, token].
+        # Both modes round weight * row to float32, then add it: the same bits. Capturable adds
+        # -0.0 (an exact no-op, even on -0.0) for missing pairs; eager adds only the pairs that
+        # exist, layer j holding each slot's j-th pair in k order, so each index_add_ touches a
+        # slot at most once (deterministic) and the work is R rows, not S*K.
+        S = recv._comb_valid.shape[0]
+        acc = torch.zeros(S, self.hidden, dtype=torch.float32, device=self.device)
+        if recv._comb_layers is None:
+            for k in range(K):
+                part = out.index_select(0, recv._comb_rows[:, k]).float().mul_(recv._comb_weight[:, k:k + 1])
+                acc.add_(torch.where(recv._comb_valid[:, k:k + 1], part, -0.0))  # unused rows may hold NaN
+        else:
+            start = 0
+            for n in recv._comb_layers:
+                sl = slice(start, start + n)
+                part = out.index_select(0, recv._comb_rows[sl]).float().mul_(recv._comb_weight[sl].unsqueeze(1))
+                acc.index_add_(0, recv._comb_slot[sl], part)
+                start += n
+        # 2. Into each source's buffer at [this rank, slot]: one contiguous copy per source.
         for s, start, n in recv._comb_ranges:
-            self._peer_comb[s].index_copy_(0, recv._comb_dst[start:start + n], acc[start:start + n])
+            self._peer_comb[s][:n].copy_(acc[start:start + n])
         self.comm.stream_barrier()  # 3. mid barrier
         # 4. Sum the partials of the ranks each token went to, in rank order.
         T = recv._num_tokens
         y = torch.zeros(T, self.hidden, dtype=torch.float32, device=self.device)
-        for d in range(W):
-            y.add_(torch.where(recv._send_mask[d].unsqueeze(1), self._comb[d, :T], 0.0))
+        for d in range(self.world_size):
+            part = self._comb[d].index_select(0, recv._send_slot[d])  # row T_max where not sent: masked
+            y.add_(torch.where(recv._send_mask[d].unsqueeze(1), part, 0.0))
         return y.to(self.dtype)
 
     # -- argument checks -----------------------------------------------------------------------------
