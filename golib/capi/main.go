@@ -31,6 +31,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/comm"
+	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
@@ -221,6 +222,37 @@ func withPeerMemory(h C.uint64_t, f func(collective.PeerMemory) error) C.int {
 			return status.Errorf(status.Unsupported, "this backend has no peer-addressable memory")
 		}
 		return f(pm)
+	})
+}
+
+// p2p_launch runs kernel expr of native/kernels/<file> on stream with the
+// nbytes of params as its one by-value argument (GPU backend only).
+//
+//export p2p_launch
+func p2p_launch(h C.uint64_t, file, expr *C.char, params unsafe.Pointer, nbytes C.int64_t, grid, block, shared C.uint32_t, stream C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		g, ok := b.(*gpucoll.Backend)
+		if !ok {
+			return status.Errorf(status.Unsupported, "kernel launches need the GPU backend")
+		}
+		if nbytes < 0 || nbytes > 4096 || (nbytes > 0 && params == nil) {
+			return status.Errorf(status.InvalidArgument, "kernel parameters of %d bytes", nbytes)
+		}
+		args := C.GoBytes(params, C.int(nbytes))
+		return g.Launch(C.GoString(file), C.GoString(expr), uint32(grid), uint32(block), uint32(shared), uintptr(stream), args)
+	})
+}
+
+// p2p_device_info reports the GPU's multiprocessor count (0 on CPU).
+//
+//export p2p_device_info
+func p2p_device_info(h C.uint64_t, sms *C.int32_t) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		*sms = 0
+		if g, ok := b.(*gpucoll.Backend); ok {
+			*sms = C.int32_t(g.SMCount())
+		}
+		return nil
 	})
 }
 

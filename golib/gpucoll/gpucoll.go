@@ -387,3 +387,35 @@ func (b *Backend) StreamBarrier(stream uintptr) error {
 	p.Flags = flagFence
 	return b.launchGrid(collective.OneShot, reduce.Float32, 1, stream)
 }
+
+// Launch runs a kernel of native/kernels by file and name expression with
+// a caller-packed parameter struct (the kernel's one by-value argument), for
+// collectives built outside this package (MoE dispatch and combine). The
+// kernel must not wait on peers: order it with StreamBarrier.
+func (b *Backend) Launch(file, expr string, grid, block, sharedBytes uint32, stream uintptr, params []byte) error {
+	if err := b.Check(); err != nil {
+		return err
+	}
+	if grid == 0 || block == 0 || block > 1024 {
+		return status.Errorf(status.InvalidArgument, "launch %s: bad geometry grid %d block %d", expr, grid, block)
+	}
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return err
+	}
+	fn, err := b.kernels.named(file, expr)
+	if err != nil {
+		return err
+	}
+	if sharedBytes > 48<<10 {
+		if err := b.drv.FuncSetAttribute(fn, cuda.FuncAttrMaxDynamicSharedSizeBytes, int(sharedBytes)); err != nil {
+			return err
+		}
+	}
+	if err := b.drv.Launch(fn, grid, block, sharedBytes, stream, params); err != nil {
+		return fmt.Errorf("launch %s: %w", expr, err)
+	}
+	return nil
+}
+
+// SMCount is the number of multiprocessors of this rank's GPU.
+func (b *Backend) SMCount() int { return b.sms }

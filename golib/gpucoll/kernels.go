@@ -33,10 +33,13 @@ type kernelCache struct {
 	extra []string
 	mu    sync.Mutex
 	funcs map[[2]int32]cuda.Function
+	// byName holds kernels looked up by file and name expression (named).
+	byName map[string]cuda.Function
 }
 
 func newKernelCache(drv *cuda.Driver, arch int, extra []string) *kernelCache {
-	return &kernelCache{drv: drv, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{}}
+	return &kernelCache{drv: drv, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{},
+		byName: map[string]cuda.Function{}}
 }
 
 func (k *kernelCache) function(algo collective.Algorithm, dt reduce.DType) (cuda.Function, error) {
@@ -100,4 +103,46 @@ func (k *kernelCache) load(base string) error {
 		}
 	}
 	return nil
+}
+
+// named compiles file (a .cu in native/kernels, once per process) and
+// returns the kernel of one of its declared instantiations.
+func (k *kernelCache) named(file, expr string) (cuda.Function, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	key := file + "\x00" + expr
+	if fn, ok := k.byName[key]; ok {
+		return fn, nil
+	}
+	nv, err := cuda.LoadNVRTC()
+	if err != nil {
+		return 0, fmt.Errorf("GPU kernels need NVRTC: %w", err)
+	}
+	src, err := kernels.Source(file)
+	if err != nil {
+		return 0, err
+	}
+	res, err := nv.CompileCached(cuda.CompileRequest{
+		Name: file, Source: src, Headers: kernels.Headers(), Arch: k.arch,
+		Options: append([]string{"-std=c++17", "-default-device"}, k.extra...), NameExpressions: kernels.Instantiations(src),
+	})
+	if err != nil {
+		return 0, fmt.Errorf("compile %s for sm_%d: %w", file, k.arch, err)
+	}
+	mod, err := k.drv.ModuleLoadData(res.CUBIN)
+	if err != nil {
+		return 0, fmt.Errorf("load %s: %w", file, err)
+	}
+	for e, lowered := range res.Lowered {
+		fn, err := k.drv.ModuleFunction(mod, lowered)
+		if err != nil {
+			return 0, fmt.Errorf("find %s in %s: %w", e, file, err)
+		}
+		k.byName[file+"\x00"+e] = fn
+	}
+	fn, ok := k.byName[key]
+	if !ok {
+		return 0, fmt.Errorf("%s does not declare \"// p2pcomm:instantiate %s\"", file, expr)
+	}
+	return fn, nil
 }

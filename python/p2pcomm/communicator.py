@@ -341,6 +341,23 @@ class Communicator:
         stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
         _lib.check(_lib.lib().p2p_stream_barrier(self._h(), stream))
 
+    def launch_kernel(self, file: str, expr: str, params: ctypes.Structure, grid: int, block: int,
+                      shared_bytes: int = 0) -> None:
+        """GPU only, not collective: run kernel ``expr`` (a name expression that
+        ``native/kernels/<file>`` declares with ``// p2pcomm:instantiate``) on the
+        current stream, with ``params`` (a ctypes struct mirroring the kernel's
+        one by-value argument). For collectives built in Python, e.g. MoE."""
+        _lib.check(_lib.lib().p2p_launch(
+            self._h(), file.encode(), expr.encode(), ctypes.addressof(params), ctypes.sizeof(params),
+            grid, block, shared_bytes, _raw_stream(self._device_index) if self._device_index >= 0 else 0))
+
+    @property
+    def sm_count(self) -> int:
+        """Multiprocessors of this rank's GPU (0 on the CPU backend)."""
+        n = ctypes.c_int32()
+        _lib.check(_lib.lib().p2p_device_info(self._h(), ctypes.byref(n)))
+        return n.value
+
     def barrier(self) -> None:
         """Collective. Return once every rank has called it."""
         _lib.check(_lib.lib().p2p_barrier(self._h()))
