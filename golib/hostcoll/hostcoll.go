@@ -68,7 +68,7 @@ func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 		opts.Timeout = 60 * time.Second
 	}
 	if opts.OneShotMaxBytes <= 0 {
-		opts.OneShotMaxBytes = 256 << 10
+		opts.OneShotMaxBytes = 8 << 10 // measured: two-shot wins from 16 KiB on 2 ranks
 	}
 	opts.StagingBytes = (opts.StagingBytes + stagingAlign - 1) / stagingAlign * stagingAlign
 	shm.CleanStale()
