@@ -14,10 +14,12 @@ import p2pcomm
 
 VARIANTS = {
     "default": {},
-    "unroll1": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=1"},
+    "pull": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_TWOSHOT_PULL=1"},
+    "pull_u4": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_TWOSHOT_PULL=1 -DP2P_UNROLL=4"},
+    "push_u4": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=4"},
 }
-CASES = [(4 << 10, "oneshot"), (64 << 10, "oneshot"), (256 << 10, "oneshot"), (1 << 20, "oneshot"),
-         (1 << 20, "twoshot"), (16 << 20, "twoshot"), (256 << 20, "twoshot")]
+CASES = [(4 << 10, "oneshot"), (256 << 10, "oneshot"), (1 << 20, "twoshot"), (4 << 20, "twoshot"),
+         (16 << 20, "twoshot"), (256 << 20, "twoshot")]
 
 
 def timed(fn, iters, graph):

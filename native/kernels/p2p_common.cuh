@@ -621,19 +621,30 @@ DINLINE Ptrs ptrs_all(void* const* table, int world) {
 template <typename T>
 DINLINE void copy_range(const char* src, const Ptrs& dst, int ndst, Range r) {
   constexpr int P = PackOf<T>::kElems;
-  for (i64 i = r.begin + (i64)threadIdx.x * P; i < r.end; i += (i64)blockDim.x * P) {
-    const i64 off = i * (i64)sizeof(T);
-    if (i + P <= r.end) {
-      const V16 v = ld_v16(src + off);
+  constexpr int U = P2P_UNROLL;
+  const i64 stride = (i64)blockDim.x * P;
+  for (i64 base = r.begin + (i64)threadIdx.x * P; base < r.end; base += U * stride) {
+    V16 v[U];  // U loads in flight before the first store
 #pragma unroll
-      for (int d = 0; d < kMaxRanks; ++d) {
-        if (d < ndst) st_v16(dst.p[d] + off, v);
-      }
-    } else {
-      for (i64 k = i; k < r.end; ++k) {
-        const i64 o = k * (i64)sizeof(T);
-        const T x = ld_elem<T>(src + o);
-        for (int d = 0; d < ndst; ++d) st_elem<T>(dst.p[d] + o, x);
+    for (int u = 0; u < U; ++u) {
+      const i64 i = base + u * stride;
+      if (i + P <= r.end) v[u] = ld_v16(src + i * (i64)sizeof(T));
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 i = base + u * stride;
+      const i64 off = i * (i64)sizeof(T);
+      if (i + P <= r.end) {
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (d < ndst) st_v16(dst.p[d] + off, v[u]);
+        }
+      } else if (i < r.end) {  // the range's last, partial pack
+        for (i64 k = i; k < r.end; ++k) {
+          const i64 o = k * (i64)sizeof(T);
+          const T x = ld_elem<T>(src + o);
+          for (int d = 0; d < ndst; ++d) st_elem<T>(dst.p[d] + o, x);
+        }
       }
     }
   }
