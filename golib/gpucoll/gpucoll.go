@@ -267,6 +267,9 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 			"%s all-reduce of %d bytes needs %d bytes of scratch, more than the %d available: use algorithm='twoshot' or raise P2PCOMM_STAGING_BYTES",
 			algo, nbytes, need, b.opts.StagingBytes)
 	}
+	if algo == collective.TwoShot && nbytes >= pullMinBytes {
+		p.Flags |= flagPull
+	}
 	if req.Count == 0 {
 		return nil
 	}

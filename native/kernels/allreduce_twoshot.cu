@@ -14,7 +14,9 @@
 //      every rank q (remote stores over NVLink, own scratch included)
 //   4. mid barrier (all ranks): scratch range b of every slice is complete
 //   5. copy own peer_scratch (range b of every slice) -> out (local)
-// No end barrier: peers touch this rank's memory only in step 3, which
+// Large payloads (kFlagPull) instead keep the reduced slice local and let
+// peers read it after the mid barrier, then end with a barrier.
+// Push: no end barrier: peers touch this rank's memory only in step 3, which
 // precedes their mid flag, so when this kernel ends nobody still uses it;
 // the next call writes peer scratch only after its own start barrier.
 //
@@ -22,11 +24,6 @@
 // out may equal peer_in[rank] (in place on a registered buffer): peers read
 // range b of peer_in before the mid barrier, out is written after it.
 #include "p2p_common.cuh"
-
-// P2P_TWOSHOT_PULL=1: all-gather by reading peers (an experiment; see below).
-#ifndef P2P_TWOSHOT_PULL
-#define P2P_TWOSHOT_PULL 0
-#endif
 
 // p2pcomm:instantiate allreduce_twoshot<float>
 // p2pcomm:instantiate allreduce_twoshot<double>
@@ -48,20 +45,21 @@ __global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot(const AllReduce
   // Slice `rank` is reduced once, here, and copied everywhere: all ranks end
   // with bit-identical values.
   const Range own = slice_range(p.count, p.world, p.rank, P);
-#if P2P_TWOSHOT_PULL
-  // Pull variant: the reduced slice stays in this rank's scratch; after the
-  // mid barrier every rank reads the others' slices. Peers then read this
-  // rank's scratch until they finish, so an end barrier is needed.
-  reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs1(p.peer_scratch[p.rank]), 1,
-                  block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
-  if (!barrier_all(p, st, kPhaseMid)) return;
-  for (int k = 0; k < p.world; ++k) {
-    const int s = (p.rank + k) % p.world;  // start with the own slice, then stagger peers
-    const Range sl = slice_range(p.count, p.world, s, P);
-    copy_range<T>((const char*)pick(p.peer_scratch, s), ptrs1(p.out), 1, block_range(sl.begin, sl.end, P));
+  if (p.flags & kFlagPull) {
+    // Pull (kFlagPull, large payloads): the reduced slice stays in this rank's
+    // scratch; after the mid barrier every rank reads the others' slices.
+    // Peers then read this rank's scratch until they finish: end barrier.
+    reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs1(p.peer_scratch[p.rank]), 1,
+                    block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
+    if (!barrier_all(p, st, kPhaseMid)) return;
+    for (int k = 0; k < p.world; ++k) {
+      const int s = (p.rank + k) % p.world;  // start with the own slice, then stagger peers
+      const Range sl = slice_range(p.count, p.world, s, P);
+      copy_range<T>((const char*)pick(p.peer_scratch, s), ptrs1(p.out), 1, block_range(sl.begin, sl.end, P));
   }
   barrier_all(p, st, kPhaseEnd);
-#else
+  return;
+  }
   reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs_all(p.peer_scratch, p.world), p.world,
                   block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
   if (!barrier_all(p, st, kPhaseMid)) return;
@@ -71,5 +69,4 @@ __global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot(const AllReduce
     const Range sl = slice_range(p.count, p.world, s, P);
     copy_range<T>(scratch, ptrs1(p.out), 1, block_range(sl.begin, sl.end, P));
   }
-#endif
 }

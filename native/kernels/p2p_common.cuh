@@ -41,6 +41,9 @@ constexpr u64 kDefaultTimeoutNs = 60ull * 1000 * 1000 * 1000;
 // kFlagFence (AllReduceParams.flags): a full system fence before each flag's
 // release store, for barriers that publish writes made by earlier kernels.
 constexpr unsigned kFlagFence = 1u;
+// kFlagPull: two-shot gathers by reading peers' results (faster for large
+// payloads on H200) instead of having them pushed.
+constexpr unsigned kFlagPull = 2u;
 // Deferred one-shot (AllReduceParams.half_bytes != 0) always runs on
 // kDeferredGrid blocks, and block b owns chunks b, b + grid, ... of
 // kChunkPacks packs, whatever the size: see allreduce_oneshot.cu.

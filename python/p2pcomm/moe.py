@@ -6,8 +6,35 @@ memory (CPU: shared memory; GPU: CUDA IPC peer mappings over NVLink).
     recv = ep.dispatch(x, topk_idx, topk_weights)      # recv.x: rows for this rank's experts
     y = ep.combine(expert_out, recv)                   # back on the source rank, weighted
 
-The implementation is plain torch ops (one code path for CPU and GPU) that
-write straight into peers' buffers, ordered by :meth:`Communicator.stream_barrier`.
+On GPU (bfloat16, float16, float32; see :attr:`ExpertParallel.uses_kernels`)
+dispatch and combine are four fused kernels of native/kernels/moe.cu, each
+on ``num_sms`` blocks, with the same barriers, buffers and results contract
+as below:
+
+- ``moe_dispatch_send`` (source): slots per destination and, per pair, its
+  rank among this source's pairs of the same expert (in (token, k) order);
+  each token row is read once and stored into every destination's
+  ``recv_x[s, slot]`` with its metadata; per-source totals go to ``hdr``.
+- ``moe_dispatch_expand`` (destination, after the mid barrier): row of
+  pair (s, slot, k) = first row of its expert + rows of that expert from
+  sources before s + the sender's pair rank: expert-major order with no
+  sort; rows are copied locally. Eager mode reads ``hdr`` once (the host
+  sync) to size the result exactly.
+- ``moe_combine_send`` (expert rank): per received token, float32 sum over
+  k ascending of round(weight * row), stored as float32 into the source's
+  ``comb[d, slot]``. Partials travel in float32, not the model dtype:
+  rounding each rank's partial to bfloat16 would add an error relative to
+  the partials' magnitudes (which can cancel), beyond the documented
+  tolerance; it would halve combine's NVLink bytes.
+- ``moe_combine_reduce`` (source, after the mid barrier): the float32 sum
+  over d ascending of the partials of the ranks token t went to, from +0,
+  rounded once.
+
+Every value is computed by one thread in a fixed order, so results are
+bit-identical run to run and between eager and capturable mode. Otherwise
+(CPU, float64, unsupported shapes, or P2PCOMM_MOE_TORCH=1) it is plain torch
+ops that write straight into peers' buffers, ordered by
+:meth:`Communicator.stream_barrier`; the protocol below describes them.
 
 Protocol (W ranks, L = E/W local experts, T_max = max_tokens_per_rank):
 
@@ -49,7 +76,9 @@ next to that risk.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -60,6 +89,62 @@ from .errors import InvalidArgumentError, MismatchError, P2PCommError, Unsupport
 _EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "capturable", "world_size")
 _OK, _INVALID, _UNSUPPORTED = 0, 1, 2
+
+# -- GPU kernels (native/kernels/moe.cu) ------------------------------------------------------------
+# ctypes mirrors of the kernels' by-value parameter structs; the sizes are
+# pinned by static_asserts in moe.cu and checked here at import.
+_KERNEL_FILE = "moe.cu"
+_KERNEL_TYPES = {torch.bfloat16: "bf16", torch.float16: "half16", torch.float32: "float"}
+_MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
+_DEFAULT_SMS = 24
+_Ptrs = ctypes.c_uint64 * _MAX_RANKS
+
+
+class _DispatchParams(ctypes.Structure):
+    _fields_ = [("peer_recv_x", _Ptrs), ("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("x", ctypes.c_uint64),
+                ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64), ("send_slot", ctypes.c_uint64),
+                ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
+                ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32)]
+
+
+class _ExpandParams(ctypes.Structure):
+    _fields_ = [("recv_x", ctypes.c_uint64), ("meta", ctypes.c_uint64), ("hdr", ctypes.c_uint64),
+                ("out_x", ctypes.c_uint64), ("out_info", ctypes.c_uint64), ("expert_counts", ctypes.c_uint64),
+                ("comb_rows", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("max_tokens", ctypes.c_int32),
+                ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_local", ctypes.c_int32),
+                ("world", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class _CombineParams(ctypes.Structure):
+    _fields_ = [("peer_comb", _Ptrs), ("expert_out", ctypes.c_uint64), ("meta", ctypes.c_uint64),
+                ("hdr", ctypes.c_uint64), ("comb_rows", ctypes.c_uint64), ("send_slot", ctypes.c_uint64),
+                ("y", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("num_tokens", ctypes.c_int32),
+                ("max_tokens", ctypes.c_int32), ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("num_local", ctypes.c_int32),
+                ("pad", ctypes.c_int32)]
+
+
+# (struct, size, {field: offset}) as tabled in moe.cu.
+_PARAM_LAYOUTS = (
+    (_DispatchParams, 264, {"peer_meta": 64, "peer_hdr": 128, "x": 192, "pair_rank": 224, "num_tokens": 232,
+                            "world": 256, "idx_bytes": 260}),
+    (_ExpandParams, 88, {"out_x": 24, "comb_rows": 48, "row_cap": 56, "max_tokens": 64, "world": 80}),
+    (_CombineParams, 152, {"expert_out": 64, "send_slot": 96, "y": 104, "row_cap": 112, "num_tokens": 120,
+                           "world": 140, "num_local": 144}),
+)
+
+
+def _check_param_layouts() -> None:
+    for struct, size, offsets in _PARAM_LAYOUTS:
+        if ctypes.sizeof(struct) != size:
+            raise ImportError(f"{struct.__name__} is {ctypes.sizeof(struct)} bytes; moe.cu says {size}")
+        for field, off in offsets.items():
+            if getattr(struct, field).offset != off:
+                raise ImportError(f"{struct.__name__}.{field} at {getattr(struct, field).offset}; moe.cu says {off}")
+
+
+_check_param_layouts()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +191,8 @@ class DispatchResult:
     _comb_ranges: tuple = dataclasses.field(repr=False)  # ((source, start, length), ...) into S
     _comb_slot: Optional[torch.Tensor] = dataclasses.field(repr=False)
     _comb_layers: Optional[tuple] = dataclasses.field(repr=False)
+    # Made by the GPU kernels: combine's state lives in the ep's buffers (send_slot, comb_rows).
+    _kernel: bool = dataclasses.field(default=False, repr=False)
 
 
 class ExpertParallel:
@@ -123,9 +210,10 @@ class ExpertParallel:
     - ``dtype``: of token rows and expert outputs: bfloat16, float16,
       float32 or float64.
     - ``capturable``: default mode of :meth:`dispatch` (see there).
-    - ``num_sms``: accepted for API compatibility with fused kernels and
-      ignored: this implementation is torch ops, which cannot bound the SMs
-      they use. A fused kernel will honor it.
+    - ``num_sms``: blocks (so at most that many SMs) of each GPU kernel;
+      default 24, clamped to the GPU's SM count. Ignored by the torch-op
+      path (CPU, float64, or shapes the kernels do not take; see
+      :attr:`uses_kernels`).
 
     Memory: symmetric buffers of about W*(T_max+1)*(H*(itemsize+4) +
     (2K+1)*4) bytes per rank, held until the communicator closes; in
@@ -142,6 +230,8 @@ class ExpertParallel:
         self.comm = comm
         self.world_size, self.rank = comm.world_size, comm.rank
         self.device = comm.device
+        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+            raise InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         self.num_sms = num_sms
         problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable)
         self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable)
@@ -160,12 +250,15 @@ class ExpertParallel:
         Tm, dev = max_tokens_per_rank, self.device
         # Symmetric buffers, all collective allocations in the same order on every rank.
         self._recv_x = comm.empty((W, Tm, hidden), dtype)  # [source, slot] token rows
-        self._meta = comm.empty((W, Tm, 2 * K + 1), torch.int32)  # [source, slot]: local ids | weight bits | token
+        # [source, slot]: local ids | weight bits | token | pair ranks (kernels only; see moe.cu)
+        self._meta = comm.empty((W, Tm, 3 * K + 1), torch.int32)
         self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
         self._status = comm.empty(W, torch.int32)  # eager argument checks of each rank
         # [expert rank, slot] partials; row Tm is gathered (and masked) for tokens not sent to a rank.
         self._comb = comm.empty((W, Tm + 1, hidden), torch.float32)
-        for t in (self._recv_x, self._meta, self._counts, self._status, self._comb):
+        # Kernels: per source, tokens sent, then pairs sent per local expert.
+        self._hdr = comm.empty((W, self.num_local_experts + 1), torch.int32)
+        for t in (self._recv_x, self._meta, self._counts, self._status, self._comb, self._hdr):
             t.zero_()
         # Peers post into _status before their first start barrier: zero everywhere first.
         comm.stream_barrier()
@@ -184,6 +277,38 @@ class ExpertParallel:
         self._expert_ids = torch.arange(self.num_local_experts + 1, dtype=torch.int32, device=dev)
         self._layer_ids = torch.arange(K, device=dev)
         self._codes = torch.tensor([_OK, _INVALID, _UNSUPPORTED], dtype=torch.int32, device=dev)
+        self._setup_kernels()
+
+    @property
+    def uses_kernels(self) -> bool:
+        """True when dispatch and combine run the fused GPU kernels of
+        native/kernels/moe.cu; False on the torch-op path (CPU; float64;
+        hidden * itemsize not a multiple of 16 bytes; world > 8; topk > 32;
+        num_experts > 4096; or P2PCOMM_MOE_TORCH=1, which must then be set on
+        every rank)."""
+        return self._kernels
+
+    def _setup_kernels(self) -> None:
+        W, K, Tm, H, E = self.world_size, self.topk, self.max_tokens_per_rank, self.hidden, self.num_experts
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self._kernels = (self.device.type == "cuda" and self.dtype in _KERNEL_TYPES and (H * itemsize) % 16 == 0
+                         and W <= _MAX_RANKS and K <= _MAX_TOPK and E <= _MAX_EXPERTS
+                         and W * Tm * K < 2 ** 31 and os.environ.get("P2PCOMM_MOE_TORCH", "") != "1")
+        if not self._kernels:
+            return
+        self._tname = _KERNEL_TYPES[self.dtype]
+        sms = self.comm.sm_count
+        self._blocks = max(1, min(self.num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS))
+        # Peer pointer tables, once: entry d is rank d's copy, mapped here.
+        ptrs = lambda t: [t.data_ptr() if d == self.rank else self.comm.peer_tensor(t, d).data_ptr()  # noqa: E731
+                          for d in range(W)] + [0] * (_MAX_RANKS - W)
+        self._ptr_recv_x, self._ptr_meta = _Ptrs(*ptrs(self._recv_x)), _Ptrs(*ptrs(self._meta))
+        self._ptr_hdr, self._ptr_comb = _Ptrs(*ptrs(self._hdr)), _Ptrs(*ptrs(self._comb))
+        dev = self.device
+        # Local state: valid from one dispatch until the next (the DispatchResult contract).
+        self._send_slot = torch.full((Tm, W), -1, dtype=torch.int32, device=dev)  # slot of token t on rank d
+        self._pair_rank = torch.empty(Tm * K, dtype=torch.int32, device=dev)  # moe_dispatch_send scratch
+        self._comb_row_map = torch.full((W * Tm, K), -1, dtype=torch.int32, device=dev)  # (source, slot, k) -> row
 
     def __repr__(self) -> str:
         return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "
@@ -274,6 +399,8 @@ class ExpertParallel:
             self.comm.stream_barrier()  # start barrier (see module doc)
         else:
             self._agree(problem, lambda: self._id_problem(topk_idx), topk_idx, "dispatch")
+        if self._kernels:
+            return self._dispatch_kernels(x, topk_idx, topk_weights, capturable)
         W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
         T = x.shape[0]
 
@@ -297,7 +424,7 @@ class ExpertParallel:
         # 2. Write rows, metadata and counts straight into every destination's buffers.
         for d in range(W):  # slots past count[d] get unsent tokens, never read
             self._peer_recv_x[d][:T].copy_(x.index_select(0, packed[d]))
-            self._peer_meta[d][:T].copy_(meta[d].index_select(0, packed[d]))
+            self._peer_meta[d][:T, :2 * K + 1].copy_(meta[d].index_select(0, packed[d]))
             self._peer_counts[d].copy_(count[d:d + 1])
         self.comm.stream_barrier()  # 3. mid barrier: every source's writes are visible here
 
@@ -385,6 +512,8 @@ class ExpertParallel:
             self.comm.stream_barrier()  # start barrier (see module doc)
         else:
             self._agree(problem, None, None, "combine")
+        if recv._kernel:
+            return self._combine_kernels(expert_out, recv)
         K = self.topk
         out = expert_out
         if out.shape[0] == 0:  # nothing received: gather indices (all masked) need a row to point at
@@ -418,6 +547,68 @@ class ExpertParallel:
             part = self._comb[d].index_select(0, recv._send_slot[d])  # row T_max where not sent: masked
             y.add_(torch.where(recv._send_mask[d].unsqueeze(1), part, 0.0))
         return y.to(self.dtype)
+
+    # -- GPU kernels -----------------------------------------------------------------------------------
+
+    def _launch(self, kernel: str, params: ctypes.Structure, grid: int, shared_bytes: int = 0) -> None:
+        self.comm.launch_kernel(_KERNEL_FILE, f"{kernel}<{self._tname}>", params, grid, _THREADS, shared_bytes)
+
+    @staticmethod
+    def _aligned(t: torch.Tensor) -> torch.Tensor:
+        """t, contiguous and 16-byte aligned (the kernels' vector loads)."""
+        t = t.contiguous()
+        return t if t.data_ptr() % 16 == 0 else t.clone()
+
+    def _dispatch_kernels(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
+        """dispatch after the start barrier: moe_dispatch_send writes rows,
+        metadata and hdr into the destinations; mid barrier;
+        moe_dispatch_expand builds the expert-major result here."""
+        W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
+        T = x.shape[0]
+        x, idx, w = self._aligned(x), topk_idx.contiguous(), topk_weights.contiguous()
+        p = _DispatchParams(peer_recv_x=self._ptr_recv_x, peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr,
+                            x=x.data_ptr(), topk_idx=idx.data_ptr(), topk_w=w.data_ptr(),
+                            send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
+                            num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
+                            rank=self.rank, world=W, idx_bytes=idx.element_size())
+        self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
+        self.comm.stream_barrier()  # mid barrier: every source's rows, metadata and hdr are here
+        if capturable:
+            R = self.max_recv_rows
+        else:
+            R = sum(sum(row[1:]) for row in self._hdr.tolist())  # the host sync: exact sizes
+        out_x = torch.empty(R, H, dtype=self.dtype, device=self.device)
+        info = torch.empty(4, R, dtype=torch.int32, device=self.device)  # local expert | source | token | weight
+        counts = torch.empty(L + 1, dtype=torch.int32, device=self.device)  # rows per local expert | R
+        e = _ExpandParams(recv_x=self._recv_x.data_ptr(), meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
+                          out_x=out_x.data_ptr(), out_info=info.data_ptr(), expert_counts=counts.data_ptr(),
+                          comb_rows=self._comb_row_map.data_ptr(), row_cap=R, max_tokens=Tm, hidden=H, topk=K,
+                          num_local=L, world=W)
+        self._launch("moe_dispatch_expand", e, self._blocks, 4 * (W + 1) * L)
+        return DispatchResult(
+            x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
+            src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=self._id,
+            _num_tokens=T, _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None, _comb_valid=None,
+            _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True)
+
+    def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult) -> torch.Tensor:
+        """combine after the start barrier: moe_combine_send puts float32
+        partials into the sources' comb; mid barrier; moe_combine_reduce sums
+        them here."""
+        T, H = recv._num_tokens, self.hidden
+        out = self._aligned(expert_out)
+        y = torch.empty(T, H, dtype=self.dtype, device=self.device)
+        p = _CombineParams(peer_comb=self._ptr_comb, expert_out=out.data_ptr(), meta=self._meta.data_ptr(),
+                           hdr=self._hdr.data_ptr(), comb_rows=self._comb_row_map.data_ptr(),
+                           send_slot=self._send_slot.data_ptr(), y=y.data_ptr(), row_cap=out.shape[0],
+                           num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
+                           rank=self.rank, world=self.world_size, num_local=self.num_local_experts)
+        self._launch("moe_combine_send", p, self._blocks)
+        self.comm.stream_barrier()  # mid barrier: every expert rank's partials are here
+        if T:
+            packs = T * H * out.element_size() // 16
+            self._launch("moe_combine_reduce", p, max(1, min(self._blocks, -(-packs // _THREADS))))
+        return y
 
     # -- argument checks -----------------------------------------------------------------------------
 
