@@ -5,7 +5,7 @@
     comm.all_reduce_(t)                    # in place
 """
 
-from .communicator import ALGORITHMS, Communicator, ReduceOp
+from .communicator import ALGORITHMS, Communicator, ReduceOp, TorchFallbackCommunicator
 from .moe import DispatchResult, ExpertParallel
 from .errors import (
     BootstrapError, CapacityError, CUDAError, ForkError, InternalError, InvalidArgumentError, MismatchError,
@@ -17,4 +17,5 @@ __all__ = [
     "ALGORITHMS", "Communicator", "ReduceOp", "P2PCommError", "BootstrapError", "CapacityError", "CUDAError",
     "ForkError", "InternalError", "InvalidArgumentError", "MismatchError", "PeerTimeoutError",
     "PeerUnavailableError", "StateError", "UnsupportedError", "ExpertParallel", "DispatchResult",
+    "TorchFallbackCommunicator",
 ]

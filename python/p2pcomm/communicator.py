@@ -7,13 +7,15 @@ import enum
 import json
 import math
 import os
+import warnings
 import weakref
 from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _lib
-from .errors import InvalidArgumentError, StateError, UnsupportedError, P2PCommError, BootstrapError
+from .errors import (BootstrapError, InvalidArgumentError, P2PCommError, PeerUnavailableError, StateError,
+                     UnsupportedError)
 
 
 class ReduceOp(enum.IntEnum):
@@ -134,8 +136,10 @@ class Communicator:
     LOCAL_RANK when CUDA is available, else the CPU backend.
     """
 
-    def __init__(self, group=None, device=None, *, bootstrap: str = "auto"):
+    def __init__(self, group=None, device=None, *, bootstrap: str = "auto", fallback: Optional[str] = None):
         _lib.check_not_forked()
+        if fallback not in (None, "torch"):
+            raise InvalidArgumentError(f"fallback={fallback!r}: use None (raise) or 'torch'")
         self._handle = 0
         self._pid = os.getpid()
         self.device = _parse_device(device)
@@ -157,21 +161,18 @@ class Communicator:
             if default_path().exists():
                 env["P2PCOMM_TUNE_FILE"] = str(default_path())
         config = {"bootstrap": bootstrap, "device": self.device.index if self.device.type == "cuda" else -1, "env": env}
-        handle = ctypes.c_uint64()
-        lib = _lib.lib()
-        rc = lib.p2p_init(
-            json.dumps(config).encode(),
-            torch_bs.allgather if torch_bs else _lib.ALLGATHER_FN(),
-            torch_bs.barrier if torch_bs else _lib.BARRIER_FN(),
-            None, ctypes.byref(handle),
-        )
         try:
-            _lib.check(rc)
-        except BootstrapError as e:
-            if torch_bs is not None and torch_bs.error is not None:
-                raise e from torch_bs.error
-            raise
-        self._handle = handle.value
+            self._handle = self._native_init(config, torch_bs)
+        except PeerUnavailableError as e:
+            if fallback != "torch" or group is None:
+                raise
+            # Every rank sees the failure (it is exchanged), so all fall back.
+            warnings.warn(f"p2pcomm: {e}; all-reduce goes through torch.distributed instead (fallback='torch')",
+                          stacklevel=2)
+            self.__class__ = TorchFallbackCommunicator
+            self._start_fallback(group)
+            return
+        lib = _lib.lib()
         self._bootstrap = torch_bs  # the callbacks must outlive the handle
         self._allocations: dict[int, object] = {}
         r, w = ctypes.c_int32(), ctypes.c_int32()
@@ -184,6 +185,23 @@ class Communicator:
         from . import ops
 
         ops.track(self)
+
+    @staticmethod
+    def _native_init(config: dict, torch_bs) -> int:
+        handle = ctypes.c_uint64()
+        rc = _lib.lib().p2p_init(
+            json.dumps(config).encode(),
+            torch_bs.allgather if torch_bs else _lib.ALLGATHER_FN(),
+            torch_bs.barrier if torch_bs else _lib.BARRIER_FN(),
+            None, ctypes.byref(handle),
+        )
+        try:
+            _lib.check(rc)
+        except BootstrapError as e:
+            if torch_bs is not None and torch_bs.error is not None:
+                raise e from torch_bs.error
+            raise
+        return handle.value
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -367,6 +385,15 @@ class Communicator:
         peer never arrived), if any."""
         _lib.check(_lib.lib().p2p_check(self._h()))
 
+    def can_use(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`all_reduce` accepts ``tensor`` (device, dtype, layout,
+        alignment), so callers can route others elsewhere without an exception."""
+        try:
+            self._check_tensor(tensor)
+        except P2PCommError:
+            return False
+        return bool(self._handle)
+
     def _check_tensor(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -394,3 +421,77 @@ def _finalize(handle: int, pid: int) -> None:
     # Best effort at garbage collection or exit: not collective, never raises.
     if os.getpid() == pid and _lib._lib is not None:
         _lib._lib.p2p_finalize(handle)
+
+
+class TorchFallbackCommunicator(Communicator):
+    """What ``Communicator(..., fallback="torch")`` becomes when the GPUs of
+    the group cannot access each other's memory: the same API over
+    ``torch.distributed`` on the given group. Peer memory (``peer_tensor``,
+    kernels) is not available."""
+
+    def _start_fallback(self, group) -> None:
+        import torch.distributed as dist
+
+        self._dist, self._group = dist, group
+        self._handle = -1  # open, but no native communicator behind it
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self._device_index = self.device.index if self.device.type == "cuda" else -1
+
+    def _h(self) -> int:
+        _lib.check_not_forked()
+        if not self._handle:
+            raise StateError("communicator is closed")
+        return self._handle
+
+    def close(self) -> None:
+        self._handle = 0
+
+    def all_reduce(self, tensor, op="sum", algorithm: str = "auto"):
+        return self.all_reduce_(tensor.clone(memory_format=torch.contiguous_format), op, algorithm)
+
+    def all_reduce_(self, tensor, op="sum", algorithm: str = "auto"):
+        self._h()
+        code = _parse_op(op)
+        _parse_algorithm(algorithm)
+        self._check_tensor(tensor)
+        dist = self._dist
+        table = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, ReduceOp.PROD: dist.ReduceOp.PRODUCT,
+                 ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
+        dist.all_reduce(tensor, op=table[code], group=self._group)
+        if code == ReduceOp.AVG:
+            if tensor.dtype.is_floating_point:
+                tensor.div_(self.world_size)
+            else:
+                tensor.copy_(torch.div(tensor, self.world_size, rounding_mode="floor"))
+        return tensor
+
+    def empty(self, shape, dtype=torch.float32):
+        self._h()
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def register_buffer(self, tensor) -> None:
+        self._h()
+        self._check_tensor(tensor)
+
+    def deregister_buffer(self, tensor) -> None:
+        self._h()
+
+    def barrier(self) -> None:
+        self._h()
+        self._dist.barrier(group=self._group)
+
+    def stream_barrier(self) -> None:
+        self.barrier()
+
+    def check(self) -> None:
+        self._h()
+
+    def peer_tensor(self, tensor, rank):
+        raise UnsupportedError("peer memory is unavailable: this communicator fell back to torch.distributed")
+
+    def launch_kernel(self, *args, **kwargs):
+        raise UnsupportedError("kernels need peer memory: this communicator fell back to torch.distributed")
+
+    @property
+    def sm_count(self) -> int:
+        return 0

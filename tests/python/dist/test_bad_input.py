@@ -111,3 +111,40 @@ def test_barrier_and_context_manager(group):
     with pytest.raises(p2pcomm.StateError):
         comm.empty(4)
     dist.barrier()
+
+
+def test_fallback_to_torch_when_peers_are_unreachable(group, monkeypatch):
+    def no_peer_access(config, torch_bs):
+        raise p2pcomm.PeerUnavailableError("rank 0 (GPU 0) cannot access rank 1 (GPU 1) over P2P")
+
+    monkeypatch.setattr(p2pcomm.Communicator, "_native_init", staticmethod(no_peer_access))
+    with pytest.raises(p2pcomm.PeerUnavailableError, match="cannot access"):
+        p2pcomm.Communicator(group, device="cpu")
+    with pytest.warns(UserWarning, match="fallback='torch'"):
+        comm = p2pcomm.Communicator(group, device="cpu", fallback="torch")
+    assert isinstance(comm, p2pcomm.TorchFallbackCommunicator)
+    w, r = comm.world_size, comm.rank
+    x = torch.arange(12, dtype=torch.float32) * (r + 1)
+    assert torch.equal(comm.all_reduce(x), torch.arange(12, dtype=torch.float32) * sum(range(1, w + 1)))
+    assert torch.equal(x, torch.arange(12, dtype=torch.float32) * (r + 1)), "input was modified"
+    y = torch.full((5,), -7 - r, dtype=torch.int64)
+    want = torch.div(sum(-7 - q for q in range(w)), w, rounding_mode="floor")
+    assert torch.equal(comm.all_reduce_(y, op="avg"), torch.full((5,), int(want), dtype=torch.int64))
+    with pytest.raises(p2pcomm.InvalidArgumentError):
+        comm.all_reduce_(torch.zeros(4, 4).t())
+    with pytest.raises(p2pcomm.UnsupportedError):
+        comm.all_reduce(torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(p2pcomm.UnsupportedError):
+        comm.peer_tensor(x, 0)
+    comm.barrier()
+    comm.close()
+    with pytest.raises(p2pcomm.StateError):
+        comm.all_reduce(x)
+
+
+def test_can_use_reports_what_all_reduce_accepts(comms):
+    comm = comms("cpu")
+    assert comm.can_use(torch.ones(4))
+    assert not comm.can_use(torch.ones(4, 4).t())
+    assert not comm.can_use(torch.ones(4, dtype=torch.uint8))
+    assert not comm.can_use(torch.ones(4, device="meta"))
