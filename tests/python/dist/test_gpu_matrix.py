@@ -21,7 +21,8 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfl
 
 
 @pytest.fixture(scope="module")
-def big_comm(group, request):
+def big_comm(group):
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     old = os.environ.get("P2PCOMM_STAGING_BYTES")
     os.environ["P2PCOMM_STAGING_BYTES"] = str(1100 << 20)
     try:
