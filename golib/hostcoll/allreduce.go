@@ -2,6 +2,7 @@ package hostcoll
 
 import (
 	"fmt"
+	"runtime"
 	"time"
 	"unsafe"
 
@@ -294,11 +295,19 @@ func (c *Comm) waitPeers(off int, seq uint64, phase string) error {
 			case i < 512:
 				continue
 			case i < 4096:
-				unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+				if c.opts.Cooperative {
+					runtime.Gosched()
+				} else {
+					unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+				}
 				continue
 			}
-			nap := unix.Timespec{Nsec: 20_000}
-			unix.RawSyscall(unix.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&nap)), 0, 0)
+			if c.opts.Cooperative {
+				time.Sleep(20 * time.Microsecond)
+			} else {
+				nap := unix.Timespec{Nsec: 20_000}
+				unix.RawSyscall(unix.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&nap)), 0, 0)
+			}
 			if i%64 != 0 {
 				continue
 			}

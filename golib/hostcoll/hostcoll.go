@@ -23,6 +23,10 @@ type Options struct {
 	Timeout      time.Duration // bound on every wait for a peer (default 60 s)
 	// OneShotMaxBytes: at or below this size Auto picks one-shot.
 	OneShotMaxBytes int64
+	// Cooperative waits through Go's scheduler instead of raw system calls:
+	// for ranks that are goroutines of one process (tests), which would
+	// otherwise starve each other of Go's threads.
+	Cooperative bool
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.

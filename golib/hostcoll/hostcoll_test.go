@@ -79,6 +79,7 @@ func run(t *testing.T, world int, opts Options, f func(c *Comm) error) []error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			opts.Cooperative = true // the ranks are goroutines here
 			c, err := New(bs[r], opts)
 			if err != nil {
 				errs[r] = err

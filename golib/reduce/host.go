@@ -30,9 +30,9 @@ func Host(dst unsafe.Pointer, srcs []unsafe.Pointer, n int, d DType, op Op) {
 	case Int64:
 		hostNum(cast[int64](dst, n), casts[int64](srcs, n), op)
 	case Float16:
-		hostHalf(cast[uint16](dst, n), casts[uint16](srcs, n), op, HalfToFloat, FloatToHalf)
+		hostHalf(cast[uint16](dst, n), casts[uint16](srcs, n), op, false)
 	case BFloat16:
-		hostHalf(cast[uint16](dst, n), casts[uint16](srcs, n), op, BF16ToFloat, FloatToBF16)
+		hostHalf(cast[uint16](dst, n), casts[uint16](srcs, n), op, true)
 	}
 }
 
@@ -51,19 +51,55 @@ type number interface {
 }
 
 func hostNum[T number](dst []T, srcs [][]T, op Op) {
-	var acc [chunk]T
 	for lo := 0; lo < len(dst); lo += chunk {
 		hi := min(lo+chunk, len(dst))
-		a := acc[:hi-lo]
-		copy(a, srcs[0][lo:hi])
-		for _, s := range srcs[1:] {
-			combine(a, s[lo:hi], op)
-		}
+		d := dst[lo:hi]
+		// Each element is read from every source before it is written, so
+		// dst may be one of the sources; the fold order is srcs[0], [1], ...
+		fold(d, srcs[0][lo:hi], srcs[1:], lo, op)
 		if op == Avg {
-			divide(a, len(srcs))
+			divide(d, len(srcs))
 		}
-		copy(dst[lo:hi], a)
 	}
+}
+
+// fold writes d[i] = first[i] op rest[0][lo+i] op rest[1][lo+i] ..., in that
+// order, in one pass for the common sum of two to four sources.
+func fold[T number](d, first []T, rest [][]T, lo int, op Op) {
+	n := len(d)
+	first = first[:n] // equal lengths let the compiler drop bounds checks
+	if op == Sum || op == Avg {
+		switch len(rest) {
+		case 0:
+			copy(d, first)
+			return
+		case 1:
+			b := rest[0][lo : lo+n]
+			for i := range d {
+				d[i] = first[i] + b[i]
+			}
+			return
+		case 2:
+			b, c := rest[0][lo:lo+n], rest[1][lo:lo+n]
+			for i := range d {
+				d[i] = first[i] + b[i] + c[i]
+			}
+			return
+		case 3:
+			b, c, e := rest[0][lo:lo+n], rest[1][lo:lo+n], rest[2][lo:lo+n]
+			for i := range d {
+				d[i] = first[i] + b[i] + c[i] + e[i]
+			}
+			return
+		}
+	}
+	var acc [chunk]T
+	a := acc[:n]
+	copy(a, first)
+	for _, s := range rest {
+		combine(a, s[lo:lo+n], op)
+	}
+	copy(d, a)
 }
 
 // combine folds s into a elementwise. Avg accumulates as Sum.
@@ -123,48 +159,50 @@ func divFloor[T int32 | int64](a []T, w T) {
 	}
 }
 
-func hostHalf(dst []uint16, srcs [][]uint16, op Op, toF func(uint16) float32, fromF func(float32) uint16) {
-	var acc [chunk]float32
+// hostHalf reduces 16-bit floats: each chunk is widened to float32, folded
+// in float32 like the other types, and rounded once.
+func hostHalf(dst []uint16, srcs [][]uint16, op Op, bf16 bool) {
+	var acc, tmp [chunk]float32
 	for lo := 0; lo < len(dst); lo += chunk {
 		hi := min(lo+chunk, len(dst))
-		a := acc[:hi-lo]
-		for i, v := range srcs[0][lo:hi] {
-			a[i] = toF(v)
-		}
+		a, t := acc[:hi-lo], tmp[:hi-lo]
+		widen(a, srcs[0][lo:hi], bf16)
 		for _, s := range srcs[1:] {
-			s = s[lo:hi]
-			switch op {
-			case Sum, Avg:
-				for i, v := range s {
-					a[i] += toF(v)
-				}
-			case Prod:
-				for i, v := range s {
-					a[i] *= toF(v)
-				}
-			case Min:
-				for i, v := range s {
-					if f := toF(v); f < a[i] || f != f {
-						a[i] = f
-					}
-				}
-			case Max:
-				for i, v := range s {
-					if f := toF(v); f > a[i] || f != f {
-						a[i] = f
-					}
-				}
-			}
+			widen(t, s[lo:hi], bf16)
+			combine(a, t, op)
 		}
 		if op == Avg {
-			w := float32(len(srcs))
-			for i := range a {
-				a[i] /= w
-			}
+			divide(a, len(srcs))
 		}
-		for i, f := range a {
-			dst[lo+i] = fromF(f)
+		narrow(dst[lo:hi], a, bf16)
+	}
+}
+
+// widen and narrow branch once per chunk, so the per-element conversions
+// are direct (inlinable) calls.
+func widen(f []float32, h []uint16, bf16 bool) {
+	h = h[:len(f)]
+	if bf16 {
+		for i, v := range h {
+			f[i] = BF16ToFloat(v)
 		}
+		return
+	}
+	for i, v := range h {
+		f[i] = HalfToFloat(v)
+	}
+}
+
+func narrow(h []uint16, f []float32, bf16 bool) {
+	h = h[:len(f)]
+	if bf16 {
+		for i, v := range f {
+			h[i] = FloatToBF16(v)
+		}
+		return
+	}
+	for i, v := range f {
+		h[i] = FloatToHalf(v)
 	}
 }
 
