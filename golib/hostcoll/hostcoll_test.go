@@ -73,13 +73,13 @@ func run(t *testing.T, world int, opts Options, f func(c *Comm) error) []error {
 	t.Helper()
 	shm.Dir = t.TempDir()
 	bs := newMem(world)
+	opts.Cooperative = true // the ranks are goroutines here
 	errs := make([]error, world)
 	var wg sync.WaitGroup
 	for r := range world {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			opts.Cooperative = true // the ranks are goroutines here
 			c, err := New(bs[r], opts)
 			if err != nil {
 				errs[r] = err
