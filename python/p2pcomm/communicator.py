@@ -437,12 +437,6 @@ class TorchFallbackCommunicator(Communicator):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._device_index = self.device.index if self.device.type == "cuda" else -1
 
-    def _h(self) -> int:
-        _lib.check_not_forked()
-        if not self._handle:
-            raise StateError("communicator is closed")
-        return self._handle
-
     def close(self) -> None:
         self._handle = 0
 
