@@ -13,7 +13,7 @@ else ifeq ($(MPI),1)
 MPI_TAGS := -tags mpi
 endif
 LIB := build/libp2pcomm.so
-GO_SOURCES := $(shell find golib native -name '*.go' -o -name '*.cu' -o -name '*.cuh') go.mod go.sum
+GO_SOURCES := $(shell find golib native -name '*.go' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.c') go.mod go.sum
 NPROC_GPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 export P2PCOMM_LIB ?= $(CURDIR)/$(LIB)
@@ -28,9 +28,16 @@ export NVSHMEM_DISABLE_NVLS := 1
 
 lib: $(LIB)
 
-$(LIB): $(GO_SOURCES)
-	@mkdir -p build
+$(LIB): $(GO_SOURCES) build/tags
 	$(GO) build -buildmode=c-shared -trimpath $(MPI_TAGS) -o $@ ./golib/capi
+
+# The build tags are an input too: rewritten only when they change, so that
+# `make lib MPI=1` after `make lib MPI=0` rebuilds.
+build/tags: FORCE
+	@mkdir -p build
+	@echo '$(MPI_TAGS)' | cmp -s - $@ || echo '$(MPI_TAGS)' > $@
+
+FORCE:
 
 vet:
 	$(GO) vet ./...

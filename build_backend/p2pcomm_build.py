@@ -212,7 +212,7 @@ def _dist_info_files(root: Path, project: dict) -> dict[str, bytes]:
 
 def _native_sources(root: Path) -> list[Path]:
     """_native_sources lists every file whose change calls for a new library."""
-    sources = list((root / "golib").rglob("*.go"))
+    sources = [p for ext in ("*.go", "*.h", "*.c") for p in (root / "golib").rglob(ext)]
     sources += [p for p in (root / "native" / "kernels").rglob("*") if p.is_file()]
     sources += [p for p in (root / "go.mod", root / "go.sum") if p.is_file()]
     return sources

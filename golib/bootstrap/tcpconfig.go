@@ -149,14 +149,35 @@ func envPort(lookup func(string) (string, bool)) (int, error) {
 }
 
 func envToken(lookup func(string) (string, bool), c TCPConfig) uint64 {
-	if v, ok := lookup("P2PCOMM_JOB_TOKEN"); ok && v != "" {
-		if n, err := strconv.ParseUint(v, 0, 64); err == nil {
-			return n
-		}
-		return hashToken(v)
+	if t, ok := explicitToken(lookup); ok {
+		return t
 	}
 	runID, _ := lookup("TORCHELASTIC_RUN_ID")
 	return hashToken(fmt.Sprintf("%s\x00%s\x00%d\x00%d", runID, c.Addr, c.Port, c.Size))
+}
+
+// JobToken names this job for resources shared on the host: P2PCOMM_JOB_TOKEN
+// when set (a number as is, other text hashed), else a hash of torchrun's
+// run id and rendezvous address; the same on every rank of a job.
+func JobToken(lookup func(string) (string, bool)) uint64 {
+	if t, ok := explicitToken(lookup); ok {
+		return t
+	}
+	runID, _ := lookup("TORCHELASTIC_RUN_ID")
+	addr, _ := lookup("MASTER_ADDR")
+	port, _ := lookup("MASTER_PORT")
+	return hashToken(runID + "\x00" + addr + "\x00" + port)
+}
+
+func explicitToken(lookup func(string) (string, bool)) (uint64, bool) {
+	v, ok := lookup("P2PCOMM_JOB_TOKEN")
+	if !ok || v == "" {
+		return 0, false
+	}
+	if n, err := strconv.ParseUint(v, 0, 64); err == nil {
+		return n, true
+	}
+	return hashToken(v), true
 }
 
 func hashToken(s string) uint64 {

@@ -340,6 +340,7 @@ func (t *handleTable) take(h uint64) (*comm.Comm, error) {
 
 // errorTable keeps the last error per OS thread: exports run on the
 // caller's thread, so a Python thread reads back its own call's message.
+// It holds one entry per thread that ever failed a call: a few strings.
 type errorTable struct {
 	mu sync.Mutex
 	m  map[int]string

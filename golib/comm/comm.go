@@ -71,9 +71,8 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 			bs.Close()
 			return nil, err
 		}
-		token, _ := strconv.ParseUint(cfg.Env["P2PCOMM_JOB_TOKEN"], 16, 64)
 		be, err = hostcoll.New(bs, hostcoll.Options{
-			Job: token, StagingBytes: staging, Timeout: time.Duration(timeoutMs) * time.Millisecond,
+			Job: bootstrap.JobToken(cfg.Lookup), StagingBytes: staging, Timeout: time.Duration(timeoutMs) * time.Millisecond,
 		})
 	} else {
 		be, err = newGPU(bs, cfg, time.Duration(timeoutMs)*time.Millisecond)

@@ -97,19 +97,20 @@ func (c *Comm) prepare(req collective.AllReduce, d *descriptor, nbytes int64) er
 	}
 	a, off := c.find(req.Src, nbytes)
 	inPlace := req.Src == req.Dst
+	staging := nbytes // what this call needs of this rank's staging area
 	switch {
 	case a != nil:
 		d.Input, d.InOffset = a.id, off
 		d.ResultIn = resultInput
+		staging = 0
 		if !inPlace {
 			d.ResultIn = resultStaging // the caller's input must stay intact
-			d.Staging = nbytes
+			staging = nbytes
 		}
 	default:
 		d.ResultIn = resultStaging
-		d.Staging = nbytes
 	}
-	if d.Staging > c.opts.StagingBytes {
+	if staging > c.opts.StagingBytes {
 		return status.Errorf(status.Capacity,
 			"tensor of %d bytes exceeds the staging capacity of %d bytes: allocate it with comm.empty() or raise P2PCOMM_STAGING_BYTES",
 			nbytes, c.opts.StagingBytes)

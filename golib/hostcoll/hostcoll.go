@@ -121,14 +121,12 @@ func (c *Comm) openSymmetric(tag string, size int) ([]*shm.Segment, error) {
 		shm.Unlink(name)
 		return nil, gerr
 	}
-	if err != nil {
-		return nil, err
-	}
 	segs := make([]*shm.Segment, c.size)
 	segs[c.rank] = own
-	var openErr error
+	// On failure, still reach the barrier below: peers wait there for us.
+	openErr := err
 	for r, n := range names {
-		if r == c.rank {
+		if r == c.rank || openErr != nil {
 			continue
 		}
 		if len(n) > 0 && n[0] == '!' {

@@ -32,8 +32,7 @@ type descriptor struct {
 	InOffset  int64
 	ResultIn  int32 // where this rank leaves its reduced slice: resultStaging or resultInput
 	LocalErr  int32 // status code of a local validation failure, 0 if none
-	Staging   int64 // bytes of staging this call needs on this rank
-	ErrDetail [48]byte
+	ErrDetail [56]byte
 }
 
 const (

@@ -48,11 +48,15 @@ func Create(name string, size int) (*Segment, error) {
 		unix.Unlink(path)
 		if errors.Is(err, unix.ENOSPC) {
 			return nil, status.Errorf(status.Capacity,
-				"cannot reserve %d bytes in %s (full): free space there or lower P2PCOMM_STAGING_BYTES", size, Dir)
+				"cannot reserve %d bytes in %s: not enough room there; free space or lower P2PCOMM_STAGING_BYTES", size, Dir)
 		}
 		return nil, fmt.Errorf("reserve %d bytes for %s: %w", size, path, err)
 	}
-	return mapFd(fd, name, size)
+	seg, err := mapFd(fd, name, size)
+	if err != nil {
+		unix.Unlink(path)
+	}
+	return seg, err
 }
 
 // Open maps an existing segment created by a peer.
@@ -141,7 +145,7 @@ func Alive(pid int) bool {
 	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
-		return err != nil && !errors.Is(err, os.ErrNotExist)
+		return !errors.Is(err, os.ErrNotExist)
 	}
 	// Field 3 is the state; a zombie ('Z') has exited.
 	if i := strings.LastIndexByte(string(b), ')'); i >= 0 && i+2 < len(b) {

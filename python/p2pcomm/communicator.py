@@ -43,8 +43,13 @@ _OP_CODES = {**{o.name.lower(): o.value for o in ReduceOp}, **{o: o.value for o 
 
 
 def _raw_stream(device_index: int) -> int:
-    """The current CUDA stream of a device, as torch's own compiled code reads it."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
+    """The current CUDA stream of a device (0 for the CPU backend, index -1),
+    read the way torch's own compiled code reads it."""
+    return torch._C._cuda_getCurrentRawStream(device_index) if device_index >= 0 else 0
+
+
+def _unsupported_dtype(dtype) -> UnsupportedError:
+    return UnsupportedError(f"dtype {dtype} is not supported; use one of {', '.join(sorted(map(str, _DTYPES)))}")
 
 
 def _parse_op(op) -> ReduceOp:
@@ -173,13 +178,13 @@ class Communicator:
             self._start_fallback(group)
             return
         lib = _lib.lib()
+        self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
         self._bootstrap = torch_bs  # the callbacks must outlive the handle
         self._allocations: dict[int, object] = {}
         r, w = ctypes.c_int32(), ctypes.c_int32()
         _lib.check(lib.p2p_rank(self._handle, ctypes.byref(r)))
         _lib.check(lib.p2p_world_size(self._handle, ctypes.byref(w)))
         self.rank, self.world_size = r.value, w.value
-        self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
         self._all_reduce = lib.p2p_all_reduce
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         from . import ops
@@ -202,6 +207,17 @@ class Communicator:
                 raise e from torch_bs.error
             raise
         return handle.value
+
+    def _check(self, rc: int) -> None:
+        """_lib.check, chaining what a torch.distributed callback raised."""
+        try:
+            _lib.check(rc)
+        except BootstrapError as e:
+            cause = getattr(self._bootstrap, "error", None)
+            if cause is not None:
+                self._bootstrap.error = None
+                raise e from cause
+            raise
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -237,7 +253,7 @@ class Communicator:
         same size, and peers can read it directly), so all-reduce on it needs
         no staging copy. Lives until :meth:`close`."""
         if dtype not in _DTYPES:
-            raise UnsupportedError(f"dtype {dtype} is not supported; use one of {sorted(map(str, _DTYPES))}")
+            raise _unsupported_dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         numel = math.prod(shape)
         if numel < 0 or any(d < 0 for d in shape):
@@ -245,12 +261,8 @@ class Communicator:
         used = numel * torch.empty(0, dtype=dtype).element_size()
         nbytes = max(used, 1)
         ptr = ctypes.c_uint64()
-        _lib.check(_lib.lib().p2p_alloc(self._h(), nbytes, ctypes.byref(ptr)))
-        if self.device.type == "cpu":
-            buf = (ctypes.c_char * nbytes).from_address(ptr.value)
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-        else:
-            flat = torch.as_tensor(_CudaArray(ptr.value, nbytes), device=self.device)
+        self._check(_lib.lib().p2p_alloc(self._h(), nbytes, ctypes.byref(ptr)))
+        flat = self._wrap(ptr.value, nbytes)
         self._allocations[ptr.value] = flat
         return flat[:used].view(dtype).view(shape)
 
@@ -259,11 +271,11 @@ class Communicator:
         IPC handle on every rank once; CPU tensors outside symmetric memory are
         staged through shared memory, so this only validates)."""
         self._check_tensor(tensor)
-        _lib.check(_lib.lib().p2p_register(self._h(), tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        self._check(_lib.lib().p2p_register(self._h(), tensor.data_ptr(), tensor.numel() * tensor.element_size()))
 
     def deregister_buffer(self, tensor: torch.Tensor) -> None:
         """Collective. Undo :meth:`register_buffer`."""
-        _lib.check(_lib.lib().p2p_deregister(self._h(), tensor.data_ptr()))
+        self._check(_lib.lib().p2p_deregister(self._h(), tensor.data_ptr()))
 
     # -- collectives ---------------------------------------------------------------------------------
 
@@ -291,6 +303,8 @@ class Communicator:
         return self._eager_all_reduce_(tensor, op, algorithm)
 
     def _eager_all_reduce(self, tensor, op, algorithm):
+        if not isinstance(tensor, torch.Tensor):
+            self._reduce_slow(tensor, tensor, op, algorithm)  # raises on every rank, after telling peers
         out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
         self._reduce(tensor, out, op, algorithm)
         return out
@@ -310,7 +324,7 @@ class Communicator:
                 or (self._device_index >= 0 and src.data_ptr() % 16)):
             self._reduce_slow(src, dst, op, algorithm)
             return
-        stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
+        stream = _raw_stream(self._device_index)
         rc = self._all_reduce(self._handle, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream)
         if rc:
             _lib.check(rc)
@@ -328,12 +342,12 @@ class Communicator:
             numel = src.numel() if isinstance(src, torch.Tensor) else 0
             dcode = _DTYPES.get(getattr(src, "dtype", None), 0)
             acode = ALGORITHMS.index(algorithm) if algorithm in ALGORITHMS else 0
-            stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
+            stream = _raw_stream(self._device_index)
             rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode(), numel, dcode, acode, stream)
             if rc not in (0, e.code):
                 _lib.check(rc)
             raise
-        stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
+        stream = _raw_stream(self._device_index)
         _lib.check(self._all_reduce(h, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream))
 
     def peer_tensor(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
@@ -345,18 +359,20 @@ class Communicator:
         nbytes = tensor.numel() * tensor.element_size()
         ptr = ctypes.c_uint64()
         _lib.check(_lib.lib().p2p_peer_ptr(self._h(), tensor.data_ptr(), nbytes, rank, ctypes.byref(ptr)))
+        return self._wrap(ptr.value, max(nbytes, 1))[:nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def _wrap(self, ptr: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor over memory the library owns (not freed by torch)."""
         if self.device.type == "cpu":
-            flat = torch.frombuffer((ctypes.c_char * max(nbytes, 1)).from_address(ptr.value), dtype=torch.uint8)
-        else:
-            flat = torch.as_tensor(_CudaArray(ptr.value, max(nbytes, 1)), device=self.device)
-        return flat[:nbytes].view(tensor.dtype).view(tensor.shape)
+            return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=torch.uint8)
+        return torch.as_tensor(_CudaArray(ptr, nbytes), device=self.device)
 
     def stream_barrier(self) -> None:
         """Collective. A barrier ordered on the current CUDA stream: work
         enqueued after it sees every rank's work enqueued before it. Never
         blocks the host on GPU and can be captured in a CUDA graph; on CPU it
         is :meth:`barrier`."""
-        stream = _raw_stream(self._device_index) if self._device_index >= 0 else 0
+        stream = _raw_stream(self._device_index)
         _lib.check(_lib.lib().p2p_stream_barrier(self._h(), stream))
 
     def launch_kernel(self, file: str, expr: str, params: ctypes.Structure, grid: int, block: int,
@@ -367,7 +383,7 @@ class Communicator:
         one by-value argument). For collectives built in Python, e.g. MoE."""
         _lib.check(_lib.lib().p2p_launch(
             self._h(), file.encode(), expr.encode(), ctypes.addressof(params), ctypes.sizeof(params),
-            grid, block, shared_bytes, _raw_stream(self._device_index) if self._device_index >= 0 else 0))
+            grid, block, shared_bytes, _raw_stream(self._device_index)))
 
     @property
     def sm_count(self) -> int:
@@ -378,7 +394,7 @@ class Communicator:
 
     def barrier(self) -> None:
         """Collective. Return once every rank has called it."""
-        _lib.check(_lib.lib().p2p_barrier(self._h()))
+        self._check(_lib.lib().p2p_barrier(self._h()))
 
     def check(self) -> None:
         """Raise an error recorded asynchronously (e.g. a GPU kernel whose
@@ -398,7 +414,7 @@ class Communicator:
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"expected a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
-            raise UnsupportedError(f"dtype {t.dtype} is not supported; use one of {', '.join(sorted(map(str, _DTYPES)))}")
+            raise _unsupported_dtype(t.dtype)
         if not t.is_contiguous():
             raise InvalidArgumentError("tensor is not contiguous: call .contiguous() first")
         if t.device.type != self.device.type or (self.device.type == "cuda" and t.device.index != self.device.index):

@@ -84,10 +84,16 @@ from typing import Optional
 import torch
 
 from .communicator import Communicator, ReduceOp
-from .errors import InvalidArgumentError, MismatchError, P2PCommError, UnsupportedError
+from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-_CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "capturable", "world_size")
+_CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "capturable", "world_size",
+                  "P2PCOMM_MOE_TORCH")
+
+
+def _torch_path_forced() -> bool:
+    """P2PCOMM_MOE_TORCH=1 keeps the torch-op path on GPU; every rank must agree."""
+    return os.environ.get("P2PCOMM_MOE_TORCH", "") == "1"
 _OK, _INVALID, _UNSUPPORTED = 0, 1, 2
 
 # -- GPU kernels (native/kernels/moe.cu) ------------------------------------------------------------
@@ -293,7 +299,7 @@ class ExpertParallel:
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         self._kernels = (self.device.type == "cuda" and self.dtype in _KERNEL_TYPES and (H * itemsize) % 16 == 0
                          and W <= _MAX_RANKS and K <= _MAX_TOPK and E <= _MAX_EXPERTS
-                         and W * Tm * K < 2 ** 31 and os.environ.get("P2PCOMM_MOE_TORCH", "") != "1")
+                         and W * Tm * K < 2 ** 31 and not _torch_path_forced())
         if not self._kernels:
             return
         self._tname = _KERNEL_TYPES[self.dtype]
@@ -348,7 +354,7 @@ class ExpertParallel:
         W = self.world_size
         ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
         fields = [ints(E), ints(H), ints(K), ints(Tm), _EP_DTYPES.get(dtype, -1),
-                  int(capturable) if isinstance(capturable, bool) else -1, W]
+                  int(capturable) if isinstance(capturable, bool) else -1, W, int(_torch_path_forced())]
         failed = [0] * W
         if problem is not None:
             failed[self.rank] = 1
@@ -664,7 +670,7 @@ class ExpertParallel:
 
     def _check_dispatch(self, x, topk_idx, topk_weights) -> Optional[P2PCommError]:
         if not self._peer_recv_x:
-            return InvalidArgumentError("ExpertParallel is closed")
+            return StateError("ExpertParallel is closed")
         p = self._check_tensor("x", x, (self.dtype,), (None, self.hidden))
         if p is not None:
             return p
@@ -677,7 +683,7 @@ class ExpertParallel:
 
     def _check_combine(self, expert_out, recv) -> Optional[P2PCommError]:
         if not self._peer_recv_x:
-            return InvalidArgumentError("ExpertParallel is closed")
+            return StateError("ExpertParallel is closed")
         if not isinstance(recv, DispatchResult):
             return InvalidArgumentError(f"recv must be a DispatchResult, got {type(recv).__name__}")
         if recv._ep_id != self._id:

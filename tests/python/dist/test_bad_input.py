@@ -148,3 +148,12 @@ def test_can_use_reports_what_all_reduce_accepts(comms):
     assert not comm.can_use(torch.ones(4, 4).t())
     assert not comm.can_use(torch.ones(4, dtype=torch.uint8))
     assert not comm.can_use(torch.ones(4, device="meta"))
+
+
+def test_non_tensor_on_one_rank_fails_everyone(comms):
+    comm = comms("cpu")
+    x = [1.0, 2.0] if comm.rank == 1 else torch.ones(2)
+    expected = p2pcomm.InvalidArgumentError if comm.rank == 1 else p2pcomm.MismatchError
+    with pytest.raises(expected):
+        comm.all_reduce(x)
+    still_works(comm, "cpu")
