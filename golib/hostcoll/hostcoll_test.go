@@ -295,3 +295,51 @@ func TestSegmentsAreUnlinkedOnceMapped(t *testing.T) {
 		t.Errorf("%d segment files left behind: %v", len(entries), entries[0].Name())
 	}
 }
+
+// One rank failing to create its segment must fail Alloc on every rank at
+// once (not after the timeout) and leave the communicator usable.
+func TestAllocFailureOnOneRankFailsAllAndKeepsCommUsable(t *testing.T) {
+	start := time.Now()
+	var mu sync.Mutex
+	blocked := false
+	errs := run(t, 3, Options{Timeout: 5 * time.Second}, func(c *Comm) error {
+		mu.Lock()
+		if !blocked { // occupy rank 1's next segment name, so its O_EXCL create fails
+			name := shm.Name(c.opts.Job, os.Getpid(), fmt.Sprintf("%s.a0.r1", c.prefix))
+			if err := os.WriteFile(shm.Dir+"/"+name, nil, 0o600); err != nil {
+				mu.Unlock()
+				return err
+			}
+			blocked = true
+		}
+		mu.Unlock()
+		if err := c.Barrier(); err != nil { // the file exists before anyone allocates
+			return err
+		}
+		_, err := c.Alloc(1 << 12)
+		if err == nil {
+			return fmt.Errorf("rank %d: Alloc succeeded although rank 1 could not create its segment", c.rank)
+		}
+		if c.rank != 1 && !contains(err.Error(), "rank 1") {
+			return fmt.Errorf("rank %d: error %q does not name rank 1", c.rank, err)
+		}
+		var x [3]float32
+		x[0] = float32(c.rank)
+		p := uintptr(unsafe.Pointer(&x[0]))
+		if err := c.AllReduce(collective.AllReduce{Src: p, Dst: p, Count: 3, DType: reduce.Float32}); err != nil {
+			return fmt.Errorf("rank %d: all-reduce after the failed Alloc: %w", c.rank, err)
+		}
+		if x[0] != 3 {
+			return fmt.Errorf("rank %d: sum = %g, want 3", c.rank, x[0])
+		}
+		return nil
+	})
+	for r, err := range errs {
+		if err != nil {
+			t.Errorf("rank %d: %v", r, err)
+		}
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("took %v: someone waited for a timeout", took)
+	}
+}
