@@ -31,6 +31,8 @@ type memHub struct {
 	got   [][]byte
 	n     int
 	out   [][]byte
+	// timedOut is set once any rank gave up; the hub is then broken.
+	timedOut bool
 }
 
 func newMem(size int) []bootstrap.Bootstrap {
@@ -62,8 +64,20 @@ func (b *memBootstrap) AllGather(data []byte) ([][]byte, error) {
 		h.round++
 		h.cond.Broadcast()
 	}
-	for h.round == round {
+	// Bounded like a real bootstrap: a test whose ranks fall out of step
+	// fails instead of hanging the whole run.
+	deadline := time.AfterFunc(10*time.Second, func() {
+		h.mu.Lock()
+		h.timedOut = true
+		h.cond.Broadcast()
+		h.mu.Unlock()
+	})
+	defer deadline.Stop()
+	for h.round == round && !h.timedOut {
 		h.cond.Wait()
+	}
+	if h.round == round {
+		return nil, status.Errorf(status.Timeout, "in-memory bootstrap: rank %d waited 10 s for the others", b.rank)
 	}
 	return h.out, nil
 }
