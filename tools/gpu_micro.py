@@ -14,12 +14,13 @@ import p2pcomm
 
 VARIANTS = {
     "default": {},
-    "pull": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_TWOSHOT_PULL=1"},
-    "pull_u4": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_TWOSHOT_PULL=1 -DP2P_UNROLL=4"},
-    "push_u4": {"P2PCOMM_NVRTC_OPTIONS": "-DP2P_UNROLL=4"},
+    "blocks32": {"P2PCOMM_MAX_BLOCKS": "32"},
+    "blocks16": {"P2PCOMM_MAX_BLOCKS": "16"},
 }
-CASES = [(4 << 10, "oneshot"), (256 << 10, "oneshot"), (1 << 20, "twoshot"), (4 << 20, "twoshot"),
-         (16 << 20, "twoshot"), (256 << 20, "twoshot")]
+KB, MB = 1 << 10, 1 << 20
+CASES = [(n, a) for n in (4 * KB, 32 * KB, 256 * KB, 512 * KB, 1 * MB) for a in ("oneshot_ll", "oneshot")]
+CASES += [(n, a) for n in (256 * KB, 1 * MB, 2 * MB, 4 * MB) for a in ("twoshot_ll", "twoshot")]
+CHECKED = ("oneshot", "twoshot", "ring", "oneshot_ll", "twoshot_ll")
 
 
 def timed(fn, iters, graph):
@@ -68,7 +69,7 @@ def main():
                 os.environ[k] = v
         bad = 0
         for n in (3, 4097, 1 << 20, 5_000_003):
-            for algo in ("oneshot", "twoshot", "ring"):
+            for algo in CHECKED:
                 for i in range(3):
                     x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
                     want = x.float()
@@ -80,7 +81,7 @@ def main():
         for nbytes, algo in CASES:
             x = comm.empty(nbytes // 2, torch.bfloat16)
             x.normal_()
-            iters = 50 if nbytes <= (1 << 20) else 5
+            iters = 100 if nbytes <= (1 << 20) else 20
             plain = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
             for label, fn in (("reg", lambda: comm.all_reduce_(x, algorithm=algo)),
                               ("staged", lambda: comm.all_reduce(plain, algorithm=algo))):

@@ -23,10 +23,15 @@ const (
 	Ring Algorithm = 3
 	// RecursiveDoubling: log2(world) pairwise exchange steps.
 	RecursiveDoubling Algorithm = 4
-	numAlgorithms               = 5
+	// OneShotLL: one-shot with the flags inside the data (low latency): each
+	// rank pushes its input into every peer, no barrier. Small messages.
+	OneShotLL Algorithm = 5
+	// TwoShotLL: two-shot with the flags inside the data. Medium messages.
+	TwoShotLL     Algorithm = 6
+	numAlgorithms           = 7
 )
 
-var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling"}
+var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll"}
 
 // Valid reports whether a is a known algorithm.
 func (a Algorithm) Valid() bool { return a >= 0 && a < numAlgorithms }

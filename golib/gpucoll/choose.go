@@ -50,17 +50,18 @@ func LoadTable(path string, world int) (Table, error) {
 	return t, nil
 }
 
-// defaultTable: one-shot while latency dominates (it moves (world-1) times
-// more data than two-shot but syncs once), two-shot once bandwidth does.
+// defaultTable: the LL protocols while latency dominates (measured on
+// 4 x H200; `python -m p2pcomm.tune` writes a table for the machine at hand),
+// two-shot once bandwidth does.
 func defaultTable(world int) Table {
-	limit := int64(256 << 10)
-	if world <= 2 {
-		limit = 1 << 20
-	}
-	return Table{{limit, "oneshot"}, {1 << 62, "twoshot"}}
+	return Table{{256 << 10, "oneshot_ll"}, {2 << 20, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
 
-func (b *Backend) choose(requested collective.Algorithm, nbytes int64) collective.Algorithm {
+// choose resolves the algorithm of a call of count elements of dt: the
+// request, else P2PCOMM_ALGO, else the table; then what the world and the
+// LL buffers allow. Every rank resolves the same call the same way.
+func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.DType) collective.Algorithm {
+	nbytes := count * int64(dt.Size())
 	algo := requested
 	if algo == collective.Auto {
 		algo = b.opts.ForceAlgo
@@ -83,10 +84,30 @@ func (b *Backend) choose(requested collective.Algorithm, nbytes int64) collectiv
 	if algo == collective.RecursiveDoubling && b.size&(b.size-1) != 0 {
 		algo = collective.TwoShot
 	}
+	// The LL protocols send what fits in their slots; larger calls take the
+	// barrier-based algorithm of the same shape.
+	if algo == collective.OneShotLL && nbytes > llMaxPayload {
+		algo = collective.OneShot
+	}
+	if algo == collective.TwoShotLL && sliceBytes(count, dt, b.size) > llMaxPayload {
+		algo = collective.TwoShot
+	}
 	if b.size == 1 {
 		algo = collective.OneShot
 	}
 	return algo
+}
+
+// sliceBytes is the largest two-shot slice (slice_range in p2p_common.cuh:
+// slices are whole 16-byte packs).
+func sliceBytes(count int64, dt reduce.DType, world int) int64 {
+	per := (count + int64(world) - 1) / int64(world)
+	pack := int64(16 / dt.Size())
+	return (per + pack - 1) / pack * pack * int64(dt.Size())
+}
+
+func isLL(a collective.Algorithm) bool {
+	return a == collective.OneShotLL || a == collective.TwoShotLL
 }
 
 // geometry is how a call is launched; every rank derives the same one from
@@ -102,6 +123,12 @@ type geometry struct {
 // mismatch is then reported as such, not as a timeout).
 func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int64) geometry {
 	nbytes := count * int64(dt.Size())
+	if isLL(algo) {
+		if nbytes <= llSmallBytes {
+			return geometry{grid: uint32(min(llSmallGrid, b.opts.MaxBlocks))}
+		}
+		return geometry{grid: uint32(min(llGrid, b.opts.MaxBlocks))}
+	}
 	if algo == collective.OneShot && nbytes <= deferredHalfBytes {
 		return geometry{grid: deferredGrid, deferred: true}
 	}

@@ -12,11 +12,13 @@ const (
 	errMismatch  = 4
 )
 
-var phaseNames = []string{"start", "middle", "end", "step"}
+// phaseNames: the waits of p2p_common.cuh's Phase, then kPhaseData (LL
+// kernels waiting for a peer's data lines).
+var phaseNames = []string{"start barrier", "middle barrier", "end barrier", "step barrier", "data exchange"}
 
 func phaseName(p int32) string {
 	if p >= 0 && int(p) < len(phaseNames) {
-		return phaseNames[p] + " barrier"
+		return phaseNames[p]
 	}
 	return "barrier"
 }

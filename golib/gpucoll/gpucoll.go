@@ -43,6 +43,7 @@ type Backend struct {
 	staging *symm.Buffer
 	scratch *symm.Buffer
 	halves  *symm.Buffer   // deferred one-shot staging: two halves per rank
+	ll      *symm.Buffer   // LL receive buffers: two halves of llHalfBytes
 	errHost unsafe.Pointer // *errorWord in pinned host memory
 	errDev  uintptr
 	kernels *kernelCache
@@ -67,23 +68,10 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 	if bs.Size() > kMaxRanks {
 		return nil, status.Errorf(status.Unsupported, "world size %d exceeds the GPU backend's limit of %d ranks", bs.Size(), kMaxRanks)
 	}
-	drv, err := cuda.Load()
-	if err != nil {
-		return nil, fmt.Errorf("GPU backend needs the CUDA driver: %w", err)
-	}
-	if err := drv.EnsureContext(device); err != nil {
-		return nil, fmt.Errorf("make device %d current: %w", device, err)
-	}
-	dev, err := drv.Device(device)
-	if err != nil {
-		return nil, err
-	}
-	cc, err := drv.ComputeCapability(dev)
-	if err != nil {
-		return nil, err
-	}
-	sms, err := drv.DeviceAttribute(cuda.AttrMultiprocessorCount, dev)
-	if err != nil {
+	// Every rank learns if one cannot even start, instead of waiting for it
+	// in the first exchange of symm.New.
+	drv, cc, sms, err := probe(device)
+	if err = bootstrap.Agree(bs, err); err != nil {
 		return nil, err
 	}
 	space, err := symm.New(drv, bs, device)
@@ -104,6 +92,27 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 	return b, nil
 }
 
+// probe loads the driver and reads what the backend needs of the device.
+func probe(device int) (drv *cuda.Driver, cc, sms int, err error) {
+	if drv, err = cuda.Load(); err != nil {
+		return nil, 0, 0, fmt.Errorf("GPU backend needs the CUDA driver: %w", err)
+	}
+	if err = drv.EnsureContext(device); err != nil {
+		return nil, 0, 0, fmt.Errorf("make device %d current: %w", device, err)
+	}
+	dev, err := drv.Device(device)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	if cc, err = drv.ComputeCapability(dev); err != nil {
+		return nil, 0, 0, err
+	}
+	if sms, err = drv.DeviceAttribute(cuda.AttrMultiprocessorCount, dev); err != nil {
+		return nil, 0, 0, err
+	}
+	return drv, cc, sms, nil
+}
+
 func (b *Backend) allocWorkspace() error {
 	var err error
 	if b.signal, err = b.space.Alloc(signalBytes); err != nil {
@@ -117,6 +126,9 @@ func (b *Backend) allocWorkspace() error {
 	}
 	if b.halves, err = b.space.Alloc(2 * deferredHalfBytes); err != nil {
 		return fmt.Errorf("allocate one-shot staging: %w", err)
+	}
+	if b.ll, err = b.space.Alloc(uint64(2 * llHalfBytes(b.size))); err != nil {
+		return fmt.Errorf("allocate LL buffers: %w", err)
 	}
 	hm, err := b.space.HostMapped(uint64(unsafe.Sizeof(errorWord{})))
 	if err != nil {
@@ -189,17 +201,24 @@ func (b *Backend) Check() error {
 	return err
 }
 
-// Close frees everything. Not collective; idempotent.
+// Close frees everything. Not collective; idempotent. The caller's thread
+// may have another device's context current, so this device's is made
+// current first (frees and IPC closes act on the current context).
 func (b *Backend) Close() error {
+	var err error
 	if b.space != nil {
-		b.space.Close() // also frees the host-mapped error word
+		if cerr := b.drv.EnsureContext(b.device); cerr != nil {
+			err = fmt.Errorf("close the GPU communicator: %w", cerr)
+		} else if cerr := b.space.Close(); cerr != nil { // also frees the host-mapped error word
+			err = fmt.Errorf("close the GPU communicator: %w", cerr)
+		}
 		b.space = nil
 	}
 	b.errHost = nil
 	if b.broken == nil {
 		b.broken = status.Errorf(status.State, "communicator is closed")
 	}
-	return nil
+	return err
 }
 
 func (b *Backend) usable() error {
@@ -230,20 +249,25 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 		return err
 	}
 	nbytes := req.Bytes()
-	algo := b.choose(req.Algo, nbytes)
+	algo := b.choose(req.Algo, req.Count, req.DType)
 	g := b.geometry(algo, req.DType, req.Count)
-	p := b.fill(req.Count, req.Op, signature(req.Count, req.DType, req.Op, algo))
+	sig := signature(req.Count, req.DType, req.Op, algo)
+	if req.Count == 0 {
+		// Still a collective: a peer that passed data learns of the mismatch.
+		return b.launchEmpty(algo, req.DType, g, sig, req.Stream)
+	}
+	p := b.fill(req.Count, req.Op, sig)
 	p.LocalSrc, p.Out = uint64(req.Src), uint64(req.Dst)
-	if g.deferred {
+	switch {
+	case isLL(algo):
+		// Peers receive into their own LL buffers: the input is read where
+		// it is, registered or not.
+		b.useLL(p)
+		return b.launchGrid(algo, req.DType, g.grid, req.Stream)
+	case g.deferred:
 		// Small one-shot: always staged (a local copy is cheaper than the end
 		// barrier that reading a caller's buffer in place would need).
-		p.HalfBytes = deferredHalfBytes
-		for r := range b.size {
-			p.PeerIn[r] = uint64(b.halves.Peers[r])
-		}
-		if req.Count == 0 {
-			return nil
-		}
+		b.useHalves(p)
 		return b.launchGrid(algo, req.DType, g.grid, req.Stream)
 	}
 	// Registered input is read in place by peers; anything else the kernel
@@ -270,10 +294,23 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	if algo == collective.TwoShot && nbytes >= pullMinBytes {
 		p.Flags |= flagPull
 	}
-	if req.Count == 0 {
-		return nil
-	}
 	return b.launchGrid(algo, req.DType, g.grid, req.Stream)
+}
+
+// useLL points the kernel at every rank's LL buffers.
+func (b *Backend) useLL(p *allReduceParams) {
+	p.HalfBytes = uint32(llHalfBytes(b.size))
+	for r := range b.size {
+		p.PeerIn[r] = uint64(b.ll.Peers[r])
+	}
+}
+
+// useHalves points deferred one-shot at every rank's two staging halves.
+func (b *Backend) useHalves(p *allReduceParams) {
+	p.HalfBytes = deferredHalfBytes
+	for r := range b.size {
+		p.PeerIn[r] = uint64(b.halves.Peers[r])
+	}
 }
 
 // fill resets the reused parameter block with what every launch shares.
@@ -301,30 +338,41 @@ func (b *Backend) reject(req collective.AllReduce) error {
 	if !dt.Valid() {
 		dt = reduce.Float32
 	}
-	algo := b.choose(req.Algo, req.Count*int64(dt.Size()))
-	if algo != collective.OneShot && algo != collective.TwoShot {
+	algo := b.choose(req.Algo, req.Count, dt)
+	if algo == collective.Ring || algo == collective.RecursiveDoubling {
 		// Ring and recursive doubling sync only with neighbours and cannot
 		// check signatures: peers will report this rank by timeout.
 		return req.Reject
 	}
-	g := b.geometry(algo, dt, req.Count)
-	p := b.fill(0, reduce.Sum, rejectSignature)
-	// A harmless output each kernel accepts: one-shot's must not be its
-	// staging, two-shot's must not be its scratch.
-	p.Out = uint64(b.scratch.Local)
-	if algo == collective.TwoShot {
-		p.Out = uint64(b.staging.Local)
-	}
-	if g.deferred {
-		p.HalfBytes = deferredHalfBytes
-		for r := range b.size {
-			p.PeerIn[r] = uint64(b.halves.Peers[r])
-		}
-	}
-	if err := b.launchGrid(algo, dt, g.grid, req.Stream); err != nil {
+	if err := b.launchEmpty(algo, dt, b.geometry(algo, dt, req.Count), rejectSignature, req.Stream); err != nil {
 		return err
 	}
 	return req.Reject
+}
+
+// launchEmpty runs algo's kernel with no elements on the grid a call of
+// geometry g uses: its barriers (or LL headers) carry sig to the peers, who
+// compare it with theirs, and nothing else is read or written.
+func (b *Backend) launchEmpty(algo collective.Algorithm, dt reduce.DType, g geometry, sig int32, stream uintptr) error {
+	p := b.fill(0, reduce.Sum, sig)
+	// A harmless output each kernel accepts: not the scratch of the
+	// algorithms that use scratch, nor the staging (peer_in) of those that
+	// forbid out == peer_in[rank].
+	switch algo {
+	case collective.TwoShot:
+		p.Out = uint64(b.staging.Local)
+	case collective.Ring, collective.RecursiveDoubling:
+		p.Out = uint64(b.halves.Local)
+	default:
+		p.Out = uint64(b.scratch.Local)
+	}
+	switch {
+	case isLL(algo):
+		b.useLL(p)
+	case g.deferred:
+		b.useHalves(p)
+	}
+	return b.launchGrid(algo, dt, g.grid, stream)
 }
 
 func (b *Backend) launchGrid(algo collective.Algorithm, dt reduce.DType, grid uint32, stream uintptr) error {

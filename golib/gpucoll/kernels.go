@@ -16,13 +16,15 @@ const (
 	kMaxBlocks = 128
 )
 
-// kernelFile names the source of each algorithm's kernels; the kernel is
-// the file's base name templated on the element type.
-var kernelFile = map[collective.Algorithm]string{
-	collective.OneShot:           "allreduce_oneshot",
-	collective.TwoShot:           "allreduce_twoshot",
-	collective.Ring:              "allreduce_ring",
-	collective.RecursiveDoubling: "allreduce_rd",
+// kernelOf names the source file and kernel of each algorithm; kernels are
+// templated on the element type.
+var kernelOf = map[collective.Algorithm]struct{ file, name string }{
+	collective.OneShot:           {"allreduce_oneshot.cu", "allreduce_oneshot"},
+	collective.TwoShot:           {"allreduce_twoshot.cu", "allreduce_twoshot"},
+	collective.Ring:              {"allreduce_ring.cu", "allreduce_ring"},
+	collective.RecursiveDoubling: {"allreduce_rd.cu", "allreduce_rd"},
+	collective.OneShotLL:         {"allreduce_ll.cu", "allreduce_oneshot_ll"},
+	collective.TwoShotLL:         {"allreduce_ll.cu", "allreduce_twoshot_ll"},
 }
 
 // kernelCache compiles each source once per process (NVRTC, with the disk
@@ -32,8 +34,9 @@ type kernelCache struct {
 	arch  int
 	extra []string
 	mu    sync.Mutex
+	// funcs: all-reduce kernels by (algorithm, dtype), the hot path's lookup.
 	funcs map[[2]int32]cuda.Function
-	// byName holds kernels looked up by file and name expression (named).
+	// byName: every kernel of every compiled file, by file and name expression.
 	byName map[string]cuda.Function
 }
 
@@ -42,67 +45,27 @@ func newKernelCache(drv *cuda.Driver, arch int, extra []string) *kernelCache {
 		byName: map[string]cuda.Function{}}
 }
 
+// function returns the all-reduce kernel of algo for dt.
 func (k *kernelCache) function(algo collective.Algorithm, dt reduce.DType) (cuda.Function, error) {
 	key := [2]int32{int32(algo), int32(dt)}
 	k.mu.Lock()
-	defer k.mu.Unlock()
-	if fn, ok := k.funcs[key]; ok {
+	fn, ok := k.funcs[key]
+	k.mu.Unlock()
+	if ok {
 		return fn, nil
 	}
-	base, ok := kernelFile[algo]
+	src, ok := kernelOf[algo]
 	if !ok {
 		return 0, fmt.Errorf("no kernel for algorithm %s", algo)
 	}
-	if err := k.load(base); err != nil {
+	fn, err := k.named(src.file, fmt.Sprintf("%s<%s>", src.name, cType[dt]))
+	if err != nil {
 		return 0, err
 	}
-	fn, ok := k.funcs[key]
-	if !ok {
-		return 0, fmt.Errorf("%s.cu does not instantiate %s<%s>", base, base, cType[dt])
-	}
+	k.mu.Lock()
+	k.funcs[key] = fn
+	k.mu.Unlock()
 	return fn, nil
-}
-
-// load compiles base.cu and records every instantiation it declares.
-func (k *kernelCache) load(base string) error {
-	nv, err := cuda.LoadNVRTC()
-	if err != nil {
-		return fmt.Errorf("GPU kernels need NVRTC: %w", err)
-	}
-	src, err := kernels.Source(base + ".cu")
-	if err != nil {
-		return err
-	}
-	exprs := kernels.Instantiations(src)
-	res, err := nv.CompileCached(cuda.CompileRequest{
-		Name: base + ".cu", Source: src, Headers: kernels.Headers(), Arch: k.arch,
-		Options: append([]string{"-std=c++17", "-default-device"}, k.extra...), NameExpressions: exprs,
-	})
-	if err != nil {
-		return fmt.Errorf("compile %s.cu for sm_%d: %w", base, k.arch, err)
-	}
-	mod, err := k.drv.ModuleLoadData(res.CUBIN)
-	if err != nil {
-		return fmt.Errorf("load %s.cu: %w", base, err)
-	}
-	for algo, file := range kernelFile {
-		if file != base {
-			continue
-		}
-		for dt, ct := range cType {
-			expr := fmt.Sprintf("%s<%s>", base, ct)
-			name, ok := res.Lowered[expr]
-			if !ok {
-				continue
-			}
-			fn, err := k.drv.ModuleFunction(mod, name)
-			if err != nil {
-				return fmt.Errorf("find %s in %s.cu: %w", expr, base, err)
-			}
-			k.funcs[[2]int32{int32(algo), int32(dt)}] = fn
-		}
-	}
-	return nil
 }
 
 // named compiles file (a .cu in native/kernels, once per process) and

@@ -64,6 +64,23 @@ const (
 	deferredHalfBytes = 1 << 20
 )
 
+// LL buffers (allreduce_ll.cu): per rank two halves, each a header block
+// (kMaxBlocks x kMaxRanks lines of 16 bytes) and 2 x world slots. A line
+// carries 8 bytes of payload, so a slot of llSlotBytes holds llMaxPayload.
+const (
+	llHeaderBytes = kMaxBlocks * kMaxRanks * 16
+	llSlotBytes   = 2 << 20
+	llMaxPayload  = llSlotBytes / 2
+	// LL grids by payload (measured on 4 x H200: small calls are faster on
+	// fewer blocks). Blocks also announce the call in the header rows of
+	// larger grids, so ranks whose calls differ in size still see a mismatch.
+	llSmallBytes = 64 << 10
+	llSmallGrid  = 16
+	llGrid       = 64
+)
+
+func llHalfBytes(world int) int64 { return llHeaderBytes + 2*int64(world)*llSlotBytes }
+
 // signalBytes is sizeof(Signal) in p2p_common.cuh.
 const signalBytes = 33920
 

@@ -70,6 +70,10 @@ func (c *Comm) pickAlgo(req collective.AllReduce) collective.Algorithm {
 	switch req.Algo {
 	case collective.OneShot, collective.TwoShot:
 		return req.Algo
+	case collective.OneShotLL:
+		return collective.OneShot // flags in the data is a GPU protocol; shared memory has one-shot
+	case collective.TwoShotLL:
+		return collective.TwoShot
 	case collective.Auto:
 		if req.Bytes() <= c.opts.OneShotMaxBytes || c.size == 1 {
 			return collective.OneShot

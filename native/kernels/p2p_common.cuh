@@ -60,6 +60,9 @@ enum Op { kOpSum = 0, kOpProd = 1, kOpMin = 2, kOpMax = 3, kOpAvg = 4, kNumOps =
 // Separate slots per phase: a wait for phase X never sees a value that a
 // peer wrote for phase Y, so each slot only ever holds one kind of progress.
 enum Phase { kPhaseStart = 0, kPhaseMid = 1, kPhaseEnd = 2, kPhaseStep = 3, kNumPhases = 4 };
+// kPhaseData names, in ErrorWord only, a wait for a peer's data lines (LL
+// kernels: the flags travel inside the data, not in Signal).
+constexpr int kPhaseData = kNumPhases;
 
 // Error codes written to ErrorWord.code. The host may itself store any
 // nonzero code (e.g. kErrHostAbort) to make spinning kernels give up.
@@ -77,7 +80,9 @@ enum ErrCode { kErrNone = 0, kErrTimeout = 1, kErrBadParams = 2, kErrHostAbort =
 //   offset  size   field
 //   0       1024   counter[kMaxBlocks]   u64: calls run by block b (own use)
 //   1024    4      abort_claim           u32: 0, or 1 once a block failed
-//   1028    124    pad0
+//   1028    4      ll_done               u32: blocks of the running LL kernel that finished
+//   1032    8      ll_epoch              u64: LL kernels completed (allreduce_ll.cu)
+//   1040    112    pad0
 //   1152    32768  flag[4][128][8]       u64: flag[phase][block][src rank]
 //   total   33920 (= 265 * 128), aligned to 128
 //
@@ -89,13 +94,16 @@ enum ErrCode { kErrNone = 0, kErrTimeout = 1, kErrBadParams = 2, kErrHostAbort =
 struct alignas(128) Signal {
   u64 counter[kMaxBlocks];
   u32 abort_claim;
-  u32 pad0[31];
+  u32 ll_done;
+  u64 ll_epoch;
+  u32 pad0[28];
   u64 flag[kNumPhases][kMaxBlocks][kMaxRanks];
 };
 // NVRTC has no offsetof: each layout asserts its size and that the sizes of
 // its fields add up to it (no padding), which pins every offset in the table.
 static_assert(sizeof(Signal) == 33920, "Signal size");
-static_assert(sizeof(Signal::counter) + sizeof(Signal::abort_claim) + sizeof(Signal::pad0) == 1152,
+static_assert(sizeof(Signal::counter) + sizeof(Signal::abort_claim) + sizeof(Signal::ll_done) +
+                      sizeof(Signal::ll_epoch) + sizeof(Signal::pad0) == 1152,
               "Signal.flag offset");
 static_assert(sizeof(Signal::counter) == 1024 && sizeof(Signal::flag) == 32768, "Signal fields");
 

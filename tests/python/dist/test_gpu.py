@@ -18,7 +18,7 @@ def expected_sum(fill, w, n, dtype=torch.float32):
     return sum(fill(q) for q in range(w)).to(dtype)
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling"])
+@pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll"])
 def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
@@ -113,6 +113,22 @@ def test_bad_gpu_inputs(comms):
     torch.cuda.synchronize()
     comm.check()  # reported once, then the communicator is usable
     out = comm.all_reduce(torch.ones(8, device="cuda"))
+    assert torch.equal(out, torch.full_like(out, comm.world_size))
+
+
+@pytest.mark.parametrize("sizes", [(1000, 300_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])
+def test_calls_of_different_sizes_fail_together(comms, sizes):
+    """Under auto these pick different LL grids (or one rank has nothing to
+    send): every rank still raises MismatchError, none times out."""
+    comm = comms("cuda")
+    n = sizes[0] if comm.rank == 0 else sizes[1]
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        comm.all_reduce(torch.ones(n, device="cuda"))
+        torch.cuda.synchronize()
+        comm.check()
+    torch.cuda.synchronize()
+    comm.check()
+    out = comm.all_reduce(torch.ones(300_000, device="cuda"))
     assert torch.equal(out, torch.full_like(out, comm.world_size))
 
 

@@ -1,0 +1,86 @@
+package gpucoll
+
+import (
+	"testing"
+
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+)
+
+func TestChooseResolvesEveryRequest(t *testing.T) {
+	four := &Backend{size: 4, opts: Options{MaxBlocks: kMaxBlocks}}
+	three := &Backend{size: 3, opts: Options{MaxBlocks: kMaxBlocks}}
+	one := &Backend{size: 1, opts: Options{MaxBlocks: kMaxBlocks}}
+	tests := []struct {
+		name  string
+		b     *Backend
+		req   collective.Algorithm
+		count int64
+		dt    reduce.DType
+		want  collective.Algorithm
+	}{
+		{"auto small", four, collective.Auto, 1024, reduce.BFloat16, collective.OneShotLL},
+		{"auto 256 KiB", four, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShotLL},
+		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShotLL},
+		{"auto 4 MiB", four, collective.Auto, 2 << 20, reduce.BFloat16, collective.TwoShot},
+		{"oneshot_ll fits", four, collective.OneShotLL, llMaxPayload / 4, reduce.Float32, collective.OneShotLL},
+		{"oneshot_ll too big", four, collective.OneShotLL, llMaxPayload/4 + 1, reduce.Float32, collective.OneShot},
+		{"twoshot_ll fits", four, collective.TwoShotLL, 4 * llMaxPayload / 8, reduce.Float64, collective.TwoShotLL},
+		{"twoshot_ll too big", four, collective.TwoShotLL, 4*llMaxPayload/8 + 1, reduce.Float64, collective.TwoShot},
+		{"rd non power of two", three, collective.RecursiveDoubling, 100, reduce.Float32, collective.TwoShot},
+		{"rd power of two", four, collective.RecursiveDoubling, 100, reduce.Float32, collective.RecursiveDoubling},
+		{"world one", one, collective.TwoShotLL, 100, reduce.Float32, collective.OneShot},
+	}
+	for _, tt := range tests {
+		if got := tt.b.choose(tt.req, tt.count, tt.dt); got != tt.want {
+			t.Errorf("%s: choose(%s, %d x %s) = %s, want %s", tt.name, tt.req, tt.count, tt.dt, got, tt.want)
+		}
+	}
+}
+
+func TestForcedAlgorithmAndTuneTable(t *testing.T) {
+	b := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks, ForceAlgo: collective.Ring}}
+	if got := b.choose(collective.Auto, 10, reduce.Float32); got != collective.Ring {
+		t.Errorf("P2PCOMM_ALGO=ring: got %s", got)
+	}
+	if got := b.choose(collective.OneShot, 10, reduce.Float32); got != collective.OneShot {
+		t.Errorf("a per-call algorithm beats P2PCOMM_ALGO: got %s", got)
+	}
+	b.opts.ForceAlgo = collective.Auto
+	b.opts.Tune = Table{{4096, "oneshot"}, {1 << 62, "ring"}}
+	if got := b.choose(collective.Auto, 1024, reduce.Float32); got != collective.OneShot {
+		t.Errorf("4 KiB with the tune table: got %s", got)
+	}
+	if got := b.choose(collective.Auto, 1025, reduce.Float32); got != collective.Ring {
+		t.Errorf("above 4 KiB with the tune table: got %s", got)
+	}
+}
+
+// sliceBytes must bound what the kernel's slice_range gives slice 0.
+func TestSliceBytesRoundsToPacks(t *testing.T) {
+	if got := sliceBytes(10, reduce.Float32, 4); got != 16 {
+		t.Errorf("10 floats over 4 ranks: slice %d bytes, want 16 (3 floats rounded up to a pack)", got)
+	}
+	if got := sliceBytes(1<<20, reduce.BFloat16, 4); got != 512<<10 {
+		t.Errorf("1M bf16 over 4 ranks: slice %d bytes, want %d", got, 512<<10)
+	}
+}
+
+func TestLLGridsBySize(t *testing.T) {
+	b := &Backend{size: 4, opts: Options{MaxBlocks: kMaxBlocks}}
+	for _, tt := range []struct {
+		count int64
+		grid  uint32
+	}{{1, llSmallGrid}, {llSmallBytes / 4, llSmallGrid}, {llSmallBytes/4 + 1, llGrid}, {500000, llGrid}} {
+		if g := b.geometry(collective.OneShotLL, reduce.Float32, tt.count); g.grid != tt.grid || g.deferred {
+			t.Errorf("oneshot_ll of %d floats: geometry %+v, want grid %d", tt.count, g, tt.grid)
+		}
+	}
+	b.opts.MaxBlocks = 8
+	if g := b.geometry(collective.TwoShotLL, reduce.Float32, 1<<20); g.grid != 8 {
+		t.Errorf("P2PCOMM_MAX_BLOCKS=8 bounds LL grids: got %d", g.grid)
+	}
+	if llHalfBytes(8) >= 1<<32 {
+		t.Errorf("LL half of %d bytes does not fit AllReduceParams.half_bytes (u32)", llHalfBytes(8))
+	}
+}

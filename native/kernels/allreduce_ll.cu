@@ -1,0 +1,387 @@
+// allreduce_ll.cu: low-latency (LL) all-reduce for small and medium
+// messages. No barrier: every rank pushes its data straight into its peers'
+// receive buffers as 16-byte lines {data0, flag, data1, flag} (8 data bytes,
+// each 4-byte half stored together with the call's flag in one 16-byte
+// store), and a receiver polls its own memory until the flags say "this
+// call". The cost of a call is one one-way NVLink trip per exchange instead
+// of a round trip per barrier plus remote reads; the price is twice the
+// bytes on the wire, so these kernels serve messages up to a few MiB.
+//
+//   allreduce_oneshot_ll: send the whole input to every peer; each rank
+//     reduces every rank's lines in rank order.
+//   allreduce_twoshot_ll: send slice s of the input to rank s, which reduces
+//     it and sends the result to every rank (reduce-scatter + all-gather).
+//
+// Buffers: peer_in[r] is rank r's LL buffer, two halves of half_bytes; a
+// call uses half (epoch & 1), where epoch counts this rank's LL kernels
+// (Signal.ll_epoch, advanced by the last block to finish). Each half holds
+//   hdr [kMaxBlocks][kMaxRanks] lines: block b of rank s announces its call
+//   a   [world] slots of slot bytes: from rank s, its input (one-shot) or its
+//       part of my slice (two-shot)
+//   b   [world] slots: from rank s, its reduced slice (two-shot)
+// A line written for call e is read in call e. Before a rank writes into a
+// half for call e, the peer that reads it has finished call e - 2, the
+// previous call on that half: this rank's call e - 1 waited for every peer's
+// call e - 1 headers, which each peer sent only after its call e - 2 had
+// completed (calls are ordered on one stream). So no barrier is needed, and
+// flags (a function of the epoch, never 0, different for e and e - 2) need
+// no reset. A rank that makes a different call (signature in the headers)
+// makes every rank skip the data and report kErrMismatch.
+//
+// The output may be the input (in place): each output line is written by
+// the thread that read that input line, after every read of it (two-shot:
+// the result for a line only arrives after its input line was sent).
+#include "p2p_common.cuh"
+
+// p2pcomm:instantiate allreduce_oneshot_ll<float>
+// p2pcomm:instantiate allreduce_oneshot_ll<double>
+// p2pcomm:instantiate allreduce_oneshot_ll<half16>
+// p2pcomm:instantiate allreduce_oneshot_ll<bf16>
+// p2pcomm:instantiate allreduce_oneshot_ll<int>
+// p2pcomm:instantiate allreduce_oneshot_ll<long long>
+// p2pcomm:instantiate allreduce_twoshot_ll<float>
+// p2pcomm:instantiate allreduce_twoshot_ll<double>
+// p2pcomm:instantiate allreduce_twoshot_ll<half16>
+// p2pcomm:instantiate allreduce_twoshot_ll<bf16>
+// p2pcomm:instantiate allreduce_twoshot_ll<int>
+// p2pcomm:instantiate allreduce_twoshot_ll<long long>
+
+// kLLLine: bytes of one LL line; kLLData: data bytes it carries.
+constexpr i64 kLLLine = 16;
+constexpr i64 kLLData = 8;
+constexpr i64 kLLHeaderBytes = (i64)kMaxBlocks * kMaxRanks * kLLLine;
+
+// ---------------------------------------------------------------- lines
+
+// ll_flag is the flag of LL call epoch e: never 0 (fresh memory), and
+// different for e and e - 2 (the previous call on the same half).
+DINLINE u32 ll_flag(u64 e) { return (u32)e != 0u ? (u32)e : 1u; }
+
+// ll_store writes 8 data bytes with the flag next to each 4-byte half, in
+// one 16-byte store: a reader that sees both flags sees both halves.
+DINLINE void ll_store(char* line, u64 data, u32 flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               :: "l"(line), "r"((u32)data), "r"(flag), "r"((u32)(data >> 32)), "r"(flag) : "memory");
+}
+
+// ll_try_load reads a line; true when both halves carry flag.
+DINLINE bool ll_try_load(const char* line, u32 flag, u64& data, u32& seen) {
+  u32 d0, f0, d1, f1;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1) : "l"(line) : "memory");
+  data = ((u64)d1 << 32) | d0;
+  seen = f0 != flag ? f0 : f1;
+  return f0 == flag && f1 == flag;
+}
+
+// ll_wait polls a line of this rank's buffer until it carries flag, like
+// wait_flag: bounded by timeout_ns (recording peer and phase), and giving up
+// as soon as another block of this rank failed or the host stored a code.
+DINLINE bool ll_wait(const AllReduceParams& p, const char* line, u32 flag, int peer, int phase, u64& data) {
+  u32 seen;
+  if (ll_try_load(line, flag, data, seen)) return true;
+  const Signal* self = p.peer_signal[p.rank];
+  const u64 timeout = p.timeout_ns != 0 ? p.timeout_ns : kDefaultTimeoutNs;
+  const u64 start = global_timer_ns();
+  for (u32 spin = 1;; ++spin) {
+    if (ll_try_load(line, flag, data, seen)) return true;
+    if ((spin & 63u) != 0) continue;
+    if (ld_volatile_u32(&self->abort_claim) != 0) return false;
+    if ((spin & 0x3fffu) == 0 && p.err != nullptr) {
+      const u32 code = ld_volatile_u32(&p.err->code);
+      if (code != 0 && code != kErrMismatch) return false;
+    }
+    if (global_timer_ns() - start > timeout) {
+      report_error(p, kErrTimeout, peer, phase, -1, flag, seen);
+      return false;
+    }
+  }
+}
+
+// Line<T> views 8 data bytes as elements of T.
+template <typename T> union Line {
+  u64 u;
+  T e[kLLData / sizeof(T)];
+};
+
+// read_line returns bytes [8 i, 8 i + 8) of src, zero past nbytes.
+template <typename T> DINLINE u64 read_line(const char* src, i64 i, i64 nbytes) {
+  const i64 at = i * kLLData;
+  if (at + kLLData <= nbytes) return ld_bits(reinterpret_cast<const u64*>(src + at));
+  Line<T> l;
+  l.u = 0;
+  for (int k = 0; at + (i64)(k + 1) * (i64)sizeof(T) <= nbytes; ++k) l.e[k] = ld_elem<T>(src + at + k * sizeof(T));
+  return l.u;
+}
+
+// write_line stores line i into dst, only the bytes below nbytes.
+template <typename T> DINLINE void write_line(char* dst, i64 i, i64 nbytes, u64 v) {
+  const i64 at = i * kLLData;
+  if (at + kLLData <= nbytes) {
+    st_bits(reinterpret_cast<u64*>(dst + at), v);
+    return;
+  }
+  Line<T> l;
+  l.u = v;
+  for (int k = 0; at + (i64)(k + 1) * (i64)sizeof(T) <= nbytes; ++k) st_elem<T>(dst + at + k * sizeof(T), l.e[k]);
+}
+
+// ---------------------------------------------------------------- buffers and checks
+
+// LLHalf locates the half this call uses, in every rank's buffer.
+struct LLHalf {
+  u64 offset;  // of the half within each rank's buffer
+  i64 slot;    // bytes per slot
+  u32 flag;
+};
+
+DINLINE i64 ll_slot_bytes(const AllReduceParams& p) {
+  return ((i64)p.half_bytes - kLLHeaderBytes) / (2 * p.world) / kLLLine * kLLLine;
+}
+DINLINE const char* ll_my_hdr(const AllReduceParams& p, const LLHalf& h, int src) {
+  return (const char*)pick(p.peer_in, p.rank) + h.offset + ((i64)blockIdx.x * kMaxRanks + src) * kLLLine;
+}
+DINLINE char* ll_slot_a(const AllReduceParams& p, const LLHalf& h, int owner, int src) {
+  return (char*)pick(p.peer_in, owner) + h.offset + kLLHeaderBytes + (i64)src * h.slot;
+}
+DINLINE char* ll_slot_b(const AllReduceParams& p, const LLHalf& h, int owner, int src) {
+  return ll_slot_a(p, h, owner, src) + (i64)p.world * h.slot;
+}
+
+// ll_lines is the number of lines of a run of nbytes bytes.
+DINLINE i64 ll_lines(i64 nbytes) { return (nbytes + kLLData - 1) / kLLData; }
+
+// ll_params_ok is params_ok for the LL kernels: uniform, so a false return
+// lets the whole grid leave. need_lines is the most lines one slot holds.
+DINLINE bool ll_params_ok(const AllReduceParams& p, i64 need_lines) {
+  if (!rank_ok(p) || p.op < 0 || p.op >= kNumOps || p.count < 0) return false;
+  if (gridDim.x < 1 || gridDim.x > (u32)kMaxBlocks || gridDim.y != 1 || gridDim.z != 1) return false;
+  if (blockDim.x < (u32)kMaxRanks || blockDim.x > (u32)kThreads || blockDim.y != 1 || blockDim.z != 1)
+    return false;
+  if (p.out == nullptr || !aligned(p.out, kPackBytes) || !aligned(p.local_src, kPackBytes)) return false;
+  if (p.count > 0 && p.local_src == nullptr) return false;
+  if (p.err != nullptr && !aligned(p.err, 8)) return false;
+  if (p.half_bytes % kLLLine != 0 || (i64)p.half_bytes < kLLHeaderBytes) return false;
+  if (need_lines * kLLLine > ll_slot_bytes(p)) return false;
+  for (int r = 0; r < p.world; ++r) {
+    if (p.peer_in[r] == nullptr || !aligned(p.peer_in[r], kPackBytes)) return false;
+    if (p.peer_signal[r] == nullptr || !aligned(p.peer_signal[r], 128)) return false;
+  }
+  return true;
+}
+
+// ll_begin checks the parameters (block 0 records kErrBadParams) and reads
+// this call's epoch. Every block reads it before any block can advance it.
+DINLINE bool ll_begin(const AllReduceParams& p, i64 need_lines, BlockState& st, LLHalf& h) {
+  if (!ll_params_ok(p, need_lines)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(p, kErrBadParams, -1, -1, -1, 0, 0);
+    return false;
+  }
+  if (threadIdx.x == 0) {
+    st.epoch = *reinterpret_cast<volatile u64*>(&p.peer_signal[p.rank]->ll_epoch) + 1;
+    st.abort = 0;
+  }
+  __syncthreads();
+  h.offset = (st.epoch & 1) * (u64)p.half_bytes;
+  h.slot = ll_slot_bytes(p);
+  h.flag = ll_flag(st.epoch);
+  return true;
+}
+
+// ll_end: the last block to finish advances the epoch for the next call
+// (the kernel boundary publishes it). Every block that began must end here.
+DINLINE void ll_end(const AllReduceParams& p, const BlockState& st) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Signal* self = p.peer_signal[p.rank];
+    if (atomicAdd(&self->ll_done, 1u) == gridDim.x - 1) {
+      self->ll_done = 0;
+      self->ll_epoch = st.epoch;
+    }
+  }
+}
+
+// ll_announce: thread t tells rank t which call this is, in header row b
+// (block b to block b). Headers also make every block hear from every peer
+// in every call, which the reuse argument above relies on. The host sizes
+// the grid by payload, so block b also fills the rows b + grid, b + 2 grid,
+// ... that a larger grid would use: a peer making a call of another size
+// then reads a signature that differs (a mismatch) instead of waiting.
+DINLINE void ll_announce(const AllReduceParams& p, const LLHalf& h) {
+  const int t = (int)threadIdx.x;
+  if (t >= p.world || t == p.rank) return;
+  const u64 v = (u64)(u32)p.signature * 0x100000001ull;
+  char* rows = (char*)pick(p.peer_in, t) + h.offset + (i64)p.rank * kLLLine;
+  for (u32 b = blockIdx.x; b < (u32)kMaxBlocks; b += gridDim.x) ll_store(rows + (i64)b * kMaxRanks * kLLLine, v, h.flag);
+}
+
+// ll_agree waits for every peer's header and compares signatures; false
+// (uniform over the block) when a peer is missing or made another call.
+DINLINE bool ll_agree(const AllReduceParams& p, const LLHalf& h, BlockState& st) {
+  const int t = (int)threadIdx.x;
+  if (t < p.world && t != p.rank) {
+    const u64 mine = (u64)(u32)p.signature * 0x100000001ull;
+    u64 theirs;
+    if (!ll_wait(p, ll_my_hdr(p, h, t), h.flag, t, kPhaseStart, theirs)) {
+      st.abort = 1;
+    } else if (theirs != mine) {
+      if (p.signature != kRejectSignature) report_mismatch(p, t, mine, theirs);
+      st.abort = 1;
+    }
+  }
+  __syncthreads();
+  return st.abort == 0;
+}
+
+// ---------------------------------------------------------------- reduction of lines
+
+// ll_combine reduces one line of every rank, in rank order 0..world-1 (the
+// same order on every rank: bit-identical results).
+template <typename T, typename O>
+DINLINE u64 ll_combine(const u64 (&v)[kMaxRanks], int world, int divisor) {
+  typedef typename Num<T>::Acc Acc;
+  constexpr int N = (int)(kLLData / sizeof(T));
+  Line<T> in, out;
+  in.u = v[0];
+  Acc acc[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) acc[j] = Num<T>::to(in.e[j]);
+#pragma unroll
+  for (int s = 1; s < kMaxRanks; ++s) {
+    if (s < world) {
+      in.u = v[s];
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc[j] = O::apply(acc[j], Num<T>::to(in.e[j]));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) out.e[j] = Num<T>::from(finish(acc[j], divisor));
+  return out.u;
+}
+
+// gather_line fills v with every rank's line i: this rank's own value, the
+// others polled from their slots (a or b region) of this rank's buffer.
+// False when a wait failed.
+DINLINE bool gather_line(const AllReduceParams& p, const LLHalf& h, const char* slots, i64 line, u64 own,
+                         u64 (&v)[kMaxRanks]) {
+#pragma unroll
+  for (int s = 0; s < kMaxRanks; ++s) {
+    if (s >= p.world) break;
+    if (s == p.rank) {
+      v[s] = own;
+    } else if (!ll_wait(p, slots + (i64)s * h.slot + line * kLLLine, h.flag, s, kPhaseData, v[s])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+template <typename T, typename O>
+DINLINE void oneshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
+  const i64 nbytes = p.count * (i64)sizeof(T);
+  const i64 lines = ll_lines(nbytes);
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  const char* src = (const char*)p.local_src;
+  const char* mine = ll_slot_a(p, h, p.rank, 0);
+  const int divisor = p.op == kOpAvg ? p.world : 0;
+  for (i64 i = first; i < lines; i += stride) {
+    u64 v[kMaxRanks];
+    if (!gather_line(p, h, mine, i, read_line<T>(src, i, nbytes), v)) return;
+    write_line<T>((char*)p.out, i, nbytes, ll_combine<T, O>(v, p.world, divisor));
+  }
+}
+
+template <typename T, typename O>
+DINLINE void twoshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
+  constexpr int P = PackOf<T>::kElems;
+  const i64 nbytes = p.count * (i64)sizeof(T);
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  const char* src = (const char*)p.local_src;
+  const int divisor = p.op == kOpAvg ? p.world : 0;
+  // Reduce my slice (lines counted from its start) and send the result.
+  const Range own = slice_range(p.count, p.world, p.rank, P);
+  const i64 own_at = own.begin * (i64)sizeof(T), own_bytes = (own.end - own.begin) * (i64)sizeof(T);
+  const char* from_a = ll_slot_a(p, h, p.rank, 0);
+  for (i64 j = first; j < ll_lines(own_bytes); j += stride) {
+    u64 v[kMaxRanks];
+    if (!gather_line(p, h, from_a, j, read_line<T>(src + own_at, j, own_bytes), v)) return;
+    const u64 r = ll_combine<T, O>(v, p.world, divisor);
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d < p.world && d != p.rank) ll_store(ll_slot_b(p, h, d, p.rank) + j * kLLLine, r, h.flag);
+    }
+    write_line<T>((char*)p.out + own_at, j, own_bytes, r);
+  }
+  // Collect every other slice's result.
+  const char* from_b = ll_slot_b(p, h, p.rank, 0);
+  for (int s = 0; s < p.world; ++s) {
+    if (s == p.rank) continue;
+    const Range sl = slice_range(p.count, p.world, s, P);
+    const i64 at = sl.begin * (i64)sizeof(T), bytes = (sl.end - sl.begin) * (i64)sizeof(T);
+    for (i64 j = first; j < ll_lines(bytes); j += stride) {
+      u64 r;
+      if (!ll_wait(p, from_b + (i64)s * h.slot + j * kLLLine, h.flag, s, kPhaseData, r)) return;
+      write_line<T>((char*)p.out + at, j, bytes, r);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernels
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) allreduce_oneshot_ll(const AllReduceParams p) {
+  __shared__ BlockState st;
+  LLHalf h;
+  const i64 nbytes = p.count * (i64)sizeof(T);
+  if (!ll_begin(p, ll_lines(nbytes), st, h)) return;
+  ll_announce(p, h);
+  // Send: this thread's lines of the input to every peer, slot [rank].
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  for (i64 i = first; i < ll_lines(nbytes); i += stride) {
+    const u64 v = read_line<T>((const char*)p.local_src, i, nbytes);
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d < p.world && d != p.rank) ll_store(ll_slot_a(p, h, d, p.rank) + i * kLLLine, v, h.flag);
+    }
+  }
+  if (ll_agree(p, h, st)) {
+    switch (p.op) {
+      case kOpProd: oneshot_ll_body<T, OpProd>(p, h); break;
+      case kOpMin: oneshot_ll_body<T, OpMin>(p, h); break;
+      case kOpMax: oneshot_ll_body<T, OpMax>(p, h); break;
+      default: oneshot_ll_body<T, OpSum>(p, h); break;
+    }
+  }
+  ll_end(p, st);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) allreduce_twoshot_ll(const AllReduceParams p) {
+  constexpr int P = PackOf<T>::kElems;
+  __shared__ BlockState st;
+  LLHalf h;
+  // Slice 0 is the largest: it bounds what one slot must hold.
+  const Range s0 = slice_range(p.count, p.world > 0 ? p.world : 1, 0, P);
+  if (!ll_begin(p, ll_lines((s0.end - s0.begin) * (i64)sizeof(T)), st, h)) return;
+  ll_announce(p, h);
+  // Send: slice s of the input to rank s, slot [rank] of its a region.
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+  for (int s = 0; s < p.world; ++s) {
+    if (s == p.rank) continue;
+    const Range sl = slice_range(p.count, p.world, s, P);
+    const i64 at = sl.begin * (i64)sizeof(T), bytes = (sl.end - sl.begin) * (i64)sizeof(T);
+    char* dst = ll_slot_a(p, h, s, p.rank);
+    for (i64 j = first; j < ll_lines(bytes); j += stride) {
+      ll_store(dst + j * kLLLine, read_line<T>((const char*)p.local_src + at, j, bytes), h.flag);
+    }
+  }
+  if (ll_agree(p, h, st)) {
+    switch (p.op) {
+      case kOpProd: twoshot_ll_body<T, OpProd>(p, h); break;
+      case kOpMin: twoshot_ll_body<T, OpMin>(p, h); break;
+      case kOpMax: twoshot_ll_body<T, OpMax>(p, h); break;
+      default: twoshot_ll_body<T, OpSum>(p, h); break;
+    }
+  }
+  ll_end(p, st);
+}
