@@ -3,8 +3,6 @@
 package symm
 
 import (
-	"bytes"
-	"encoding/binary"
 	"fmt"
 	"sync"
 	"unsafe"
@@ -213,27 +211,4 @@ func (s *Space) Peers() []Peer { return append([]Peer(nil), s.peers...) }
 // none) so that no rank walks into the next collective while another has
 // given up. It returns this rank's own error first, else the lowest failing
 // rank's, with its status code.
-func (s *Space) agree(local error) error {
-	var msg []byte
-	if local != nil {
-		msg = binary.LittleEndian.AppendUint32(nil, uint32(status.CodeOf(local)))
-		msg = append(msg, local.Error()...)
-	}
-	all, err := s.bs.AllGather(msg)
-	if err != nil {
-		if local != nil {
-			return local
-		}
-		return fmt.Errorf("exchange outcome: %w", err)
-	}
-	if local != nil {
-		return local
-	}
-	for r, m := range all {
-		if len(m) >= 4 {
-			code := status.Code(binary.LittleEndian.Uint32(m))
-			return status.Errorf(code, "rank %d failed: %s", r, bytes.TrimSpace(m[4:]))
-		}
-	}
-	return nil
-}
+func (s *Space) agree(local error) error { return bootstrap.Agree(s.bs, local) }

@@ -1,0 +1,37 @@
+package bootstrap
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+func TestAgreeSpreadsTheFirstFailure(t *testing.T) {
+	bs := startJob(t, 3, 5*time.Second)
+	own := status.Errorf(status.Unsupported, "no CUDA driver here")
+	errs := eachRank(t, bs, func(b *tcpBootstrap) error {
+		var local error
+		if b.Rank() == 1 {
+			local = own
+		}
+		return Agree(b, local)
+	})
+	if !errors.Is(errs[1], own) {
+		t.Errorf("rank 1 got %v, want its own error", errs[1])
+	}
+	for _, r := range []int{0, 2} {
+		if errs[r] == nil || !strings.Contains(errs[r].Error(), "rank 1 failed: no CUDA driver here") ||
+			status.CodeOf(errs[r]) != status.Unsupported {
+			t.Errorf("rank %d got %v, want rank 1's failure with its code", r, errs[r])
+		}
+	}
+	// Everyone succeeding agrees on nil, and the bootstrap stays usable.
+	for r, err := range eachRank(t, bs, func(b *tcpBootstrap) error { return Agree(b, nil) }) {
+		if err != nil {
+			t.Errorf("rank %d: %v", r, err)
+		}
+	}
+}
