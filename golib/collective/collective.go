@@ -27,11 +27,17 @@ const (
 	// rank pushes its input into every peer, no barrier. Small messages.
 	OneShotLL Algorithm = 5
 	// TwoShotLL: two-shot with the flags inside the data. Medium messages.
-	TwoShotLL     Algorithm = 6
-	numAlgorithms           = 7
+	TwoShotLL Algorithm = 6
+	// OneShotPush: each rank pushes its input into every peer, then one flag
+	// per block after a fence; no barrier round trip, no staging copy.
+	OneShotPush Algorithm = 7
+	// TwoShotPush: two-shot pushing slices and results, flagged per block.
+	TwoShotPush   Algorithm = 8
+	numAlgorithms           = 9
 )
 
-var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll"}
+var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling",
+	"oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push"}
 
 // Valid reports whether a is a known algorithm.
 func (a Algorithm) Valid() bool { return a >= 0 && a < numAlgorithms }

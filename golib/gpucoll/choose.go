@@ -3,7 +3,6 @@ package gpucoll
 import (
 	"encoding/json"
 	"fmt"
-	"hash/fnv"
 	"os"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
@@ -50,11 +49,11 @@ func LoadTable(path string, world int) (Table, error) {
 	return t, nil
 }
 
-// defaultTable: the LL protocols while latency dominates (measured on
-// 4 x H200; `python -m p2pcomm.tune` writes a table for the machine at hand),
-// two-shot once bandwidth does.
+// defaultTable: the LL protocols while latency dominates, two-shot once
+// bandwidth does (crossovers measured on 4 x H200, bf16; `python -m
+// p2pcomm.tune` writes a table for the machine at hand).
 func defaultTable(world int) Table {
-	return Table{{256 << 10, "oneshot_ll"}, {2 << 20, "twoshot_ll"}, {1 << 62, "twoshot"}}
+	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
 
 // choose resolves the algorithm of a call of count elements of dt: the
@@ -92,6 +91,12 @@ func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.
 	if algo == collective.TwoShotLL && sliceBytes(count, dt, b.size) > llMaxPayload {
 		algo = collective.TwoShot
 	}
+	if algo == collective.OneShotPush && nbytes > llSlotBytes {
+		algo = collective.OneShot
+	}
+	if algo == collective.TwoShotPush && sliceBytes(count, dt, b.size) > llSlotBytes {
+		algo = collective.TwoShot
+	}
 	if b.size == 1 {
 		algo = collective.OneShot
 	}
@@ -106,8 +111,13 @@ func sliceBytes(count int64, dt reduce.DType, world int) int64 {
 	return (per + pack - 1) / pack * pack * int64(dt.Size())
 }
 
+// isLL: the algorithm runs on the LL buffers (LL and push kernels).
 func isLL(a collective.Algorithm) bool {
-	return a == collective.OneShotLL || a == collective.TwoShotLL
+	switch a {
+	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush:
+		return true
+	}
+	return false
 }
 
 // geometry is how a call is launched; every rank derives the same one from
@@ -141,10 +151,21 @@ func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int
 
 // signature summarizes a call so kernels can check that every rank made
 // the same one (start flags carry it). Never equal to rejectSignature.
+// FNV-1a over the fields' bytes, by hand: this is on every call's path and
+// must not allocate.
 func signature(count int64, dt reduce.DType, op reduce.Op, algo collective.Algorithm) int32 {
-	h := fnv.New32a()
-	fmt.Fprint(h, count, int32(dt), int32(op), int32(algo))
-	return int32(h.Sum32() & 0x7fffffff)
+	h := uint32(2166136261)
+	mix := func(v uint64, n int) {
+		for range n {
+			h = (h ^ uint32(v&0xff)) * 16777619
+			v >>= 8
+		}
+	}
+	mix(uint64(count), 8)
+	mix(uint64(uint32(dt)), 4)
+	mix(uint64(uint32(op)), 4)
+	mix(uint64(uint32(algo)), 4)
+	return int32(h & 0x7fffffff)
 }
 
 // rejectSignature marks a rank that rejected its own arguments: it matches

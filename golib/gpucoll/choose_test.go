@@ -20,13 +20,19 @@ func TestChooseResolvesEveryRequest(t *testing.T) {
 		want  collective.Algorithm
 	}{
 		{"auto small", four, collective.Auto, 1024, reduce.BFloat16, collective.OneShotLL},
-		{"auto 256 KiB", four, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShotLL},
-		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShotLL},
+		{"auto 128 KiB", four, collective.Auto, 64 << 10, reduce.BFloat16, collective.OneShotLL},
+		{"auto 256 KiB", four, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShot},
+		{"auto 512 KiB", four, collective.Auto, 256 << 10, reduce.BFloat16, collective.TwoShotLL},
+		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShot},
 		{"auto 4 MiB", four, collective.Auto, 2 << 20, reduce.BFloat16, collective.TwoShot},
 		{"oneshot_ll fits", four, collective.OneShotLL, llMaxPayload / 4, reduce.Float32, collective.OneShotLL},
 		{"oneshot_ll too big", four, collective.OneShotLL, llMaxPayload/4 + 1, reduce.Float32, collective.OneShot},
 		{"twoshot_ll fits", four, collective.TwoShotLL, 4 * llMaxPayload / 8, reduce.Float64, collective.TwoShotLL},
 		{"twoshot_ll too big", four, collective.TwoShotLL, 4*llMaxPayload/8 + 1, reduce.Float64, collective.TwoShot},
+		{"oneshot_push fits", four, collective.OneShotPush, llSlotBytes / 2, reduce.BFloat16, collective.OneShotPush},
+		{"oneshot_push too big", four, collective.OneShotPush, llSlotBytes/2 + 1, reduce.BFloat16, collective.OneShot},
+		{"twoshot_push fits", four, collective.TwoShotPush, 4 * llSlotBytes / 4, reduce.Float32, collective.TwoShotPush},
+		{"twoshot_push too big", four, collective.TwoShotPush, 4*llSlotBytes/4 + 1, reduce.Float32, collective.TwoShot},
 		{"rd non power of two", three, collective.RecursiveDoubling, 100, reduce.Float32, collective.TwoShot},
 		{"rd power of two", four, collective.RecursiveDoubling, 100, reduce.Float32, collective.RecursiveDoubling},
 		{"world one", one, collective.TwoShotLL, 100, reduce.Float32, collective.OneShot},
@@ -82,5 +88,25 @@ func TestLLGridsBySize(t *testing.T) {
 	}
 	if llHalfBytes(8) >= 1<<32 {
 		t.Errorf("LL half of %d bytes does not fit AllReduceParams.half_bytes (u32)", llHalfBytes(8))
+	}
+}
+
+func TestSignatureSeparatesCallsWithoutAllocating(t *testing.T) {
+	base := signature(4096, reduce.BFloat16, reduce.Sum, collective.OneShotLL)
+	for _, other := range []int32{
+		signature(4097, reduce.BFloat16, reduce.Sum, collective.OneShotLL),
+		signature(4096, reduce.Float16, reduce.Sum, collective.OneShotLL),
+		signature(4096, reduce.BFloat16, reduce.Max, collective.OneShotLL),
+		signature(4096, reduce.BFloat16, reduce.Sum, collective.TwoShotLL),
+	} {
+		if other == base {
+			t.Errorf("two different calls share signature %d", base)
+		}
+	}
+	if base < 0 || base == rejectSignature {
+		t.Errorf("signature %d collides with the reject signature", base)
+	}
+	if n := testing.AllocsPerRun(100, func() { signature(1, reduce.Float32, reduce.Sum, collective.Auto) }); n != 0 {
+		t.Errorf("signature allocates %.0f times per call", n)
 	}
 }

@@ -25,6 +25,8 @@ var kernelOf = map[collective.Algorithm]struct{ file, name string }{
 	collective.RecursiveDoubling: {"allreduce_rd.cu", "allreduce_rd"},
 	collective.OneShotLL:         {"allreduce_ll.cu", "allreduce_oneshot_ll"},
 	collective.TwoShotLL:         {"allreduce_ll.cu", "allreduce_twoshot_ll"},
+	collective.OneShotPush:       {"allreduce_ll.cu", "allreduce_oneshot_push"},
+	collective.TwoShotPush:       {"allreduce_ll.cu", "allreduce_twoshot_push"},
 }
 
 // kernelCache compiles each source once per process (NVRTC, with the disk

@@ -70,9 +70,9 @@ func (c *Comm) pickAlgo(req collective.AllReduce) collective.Algorithm {
 	switch req.Algo {
 	case collective.OneShot, collective.TwoShot:
 		return req.Algo
-	case collective.OneShotLL:
-		return collective.OneShot // flags in the data is a GPU protocol; shared memory has one-shot
-	case collective.TwoShotLL:
+	case collective.OneShotLL, collective.OneShotPush:
+		return collective.OneShot // GPU protocols; shared memory has the one-shot shape
+	case collective.TwoShotLL, collective.TwoShotPush:
 		return collective.TwoShot
 	case collective.Auto:
 		if req.Bytes() <= c.opts.OneShotMaxBytes || c.size == 1 {

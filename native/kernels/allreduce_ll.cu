@@ -31,6 +31,9 @@
 // The output may be the input (in place): each output line is written by
 // the thread that read that input line, after every read of it (two-shot:
 // the result for a line only arrives after its input line was sent).
+//
+// The push kernels at the end (allreduce_oneshot_push, _twoshot_push) share
+// the buffers and headers but send plain data and flag it per block.
 #include "p2p_common.cuh"
 
 // p2pcomm:instantiate allreduce_oneshot_ll<float>
@@ -50,6 +53,11 @@
 constexpr i64 kLLLine = 16;
 constexpr i64 kLLData = 8;
 constexpr i64 kLLHeaderBytes = (i64)kMaxBlocks * kMaxRanks * kLLLine;
+// kLLMaxGrid bounds the grid of these kernels: header rows [0, 64) announce
+// a call, rows [64, 128) carry the push two-shot's second flag.
+constexpr int kLLMaxGrid = kMaxBlocks / 2;
+constexpr int kRowsStart = 0;
+constexpr int kRowsGather = kLLMaxGrid;
 
 // ---------------------------------------------------------------- lines
 
@@ -138,8 +146,8 @@ struct LLHalf {
 DINLINE i64 ll_slot_bytes(const AllReduceParams& p) {
   return ((i64)p.half_bytes - kLLHeaderBytes) / (2 * p.world) / kLLLine * kLLLine;
 }
-DINLINE const char* ll_my_hdr(const AllReduceParams& p, const LLHalf& h, int src) {
-  return (const char*)pick(p.peer_in, p.rank) + h.offset + ((i64)blockIdx.x * kMaxRanks + src) * kLLLine;
+DINLINE const char* ll_my_hdr(const AllReduceParams& p, const LLHalf& h, int rows, int src) {
+  return (const char*)pick(p.peer_in, p.rank) + h.offset + ((i64)(rows + blockIdx.x) * kMaxRanks + src) * kLLLine;
 }
 DINLINE char* ll_slot_a(const AllReduceParams& p, const LLHalf& h, int owner, int src) {
   return (char*)pick(p.peer_in, owner) + h.offset + kLLHeaderBytes + (i64)src * h.slot;
@@ -155,7 +163,7 @@ DINLINE i64 ll_lines(i64 nbytes) { return (nbytes + kLLData - 1) / kLLData; }
 // lets the whole grid leave. need_lines is the most lines one slot holds.
 DINLINE bool ll_params_ok(const AllReduceParams& p, i64 need_lines) {
   if (!rank_ok(p) || p.op < 0 || p.op >= kNumOps || p.count < 0) return false;
-  if (gridDim.x < 1 || gridDim.x > (u32)kMaxBlocks || gridDim.y != 1 || gridDim.z != 1) return false;
+  if (gridDim.x < 1 || gridDim.x > (u32)kLLMaxGrid || gridDim.y != 1 || gridDim.z != 1) return false;
   if (blockDim.x < (u32)kMaxRanks || blockDim.x > (u32)kThreads || blockDim.y != 1 || blockDim.z != 1)
     return false;
   if (p.out == nullptr || !aligned(p.out, kPackBytes) || !aligned(p.local_src, kPackBytes)) return false;
@@ -201,28 +209,71 @@ DINLINE void ll_end(const AllReduceParams& p, const BlockState& st) {
   }
 }
 
-// ll_announce: thread t tells rank t which call this is, in header row b
-// (block b to block b). Headers also make every block hear from every peer
-// in every call, which the reuse argument above relies on. The host sizes
-// the grid by payload, so block b also fills the rows b + grid, b + 2 grid,
-// ... that a larger grid would use: a peer making a call of another size
-// then reads a signature that differs (a mismatch) instead of waiting.
-DINLINE void ll_announce(const AllReduceParams& p, const LLHalf& h) {
+// ll_announce: thread t tells rank t which call this is, in header row
+// rows + b (block b to block b). Headers also make every block hear from
+// every peer in every call, which the reuse argument above relies on. The
+// host sizes the grid by payload, so block b also fills the rows b + grid,
+// b + 2 grid, ... that a larger grid would use: a peer making a call of
+// another size then reads a signature that differs (a mismatch) instead of
+// waiting. A header's first 8 bytes read as one u64 are (flag << 32) |
+// signature. With release (push kernels) only those 8 bytes are written,
+// by a release store that also publishes every write this block made
+// before it (bar.sync orders them before the store, which is cumulative).
+DINLINE void ll_announce(const AllReduceParams& p, const LLHalf& h, int rows, bool release) {
   const int t = (int)threadIdx.x;
+  if (release) __syncthreads();
   if (t >= p.world || t == p.rank) return;
   const u64 v = (u64)(u32)p.signature * 0x100000001ull;
-  char* rows = (char*)pick(p.peer_in, t) + h.offset + (i64)p.rank * kLLLine;
-  for (u32 b = blockIdx.x; b < (u32)kMaxBlocks; b += gridDim.x) ll_store(rows + (i64)b * kMaxRanks * kLLLine, v, h.flag);
+  char* hdr = (char*)pick(p.peer_in, t) + h.offset + (i64)p.rank * kLLLine;
+  for (u32 b = blockIdx.x; b < (u32)kLLMaxGrid; b += gridDim.x) {
+    char* line = hdr + (i64)(rows + b) * kMaxRanks * kLLLine;
+    if (release) {
+      st_flag_release(reinterpret_cast<u64*>(line), ((u64)h.flag << 32) | (u32)p.signature);
+    } else {
+      ll_store(line, v, h.flag);
+    }
+  }
 }
 
-// ll_agree waits for every peer's header and compares signatures; false
-// (uniform over the block) when a peer is missing or made another call.
-DINLINE bool ll_agree(const AllReduceParams& p, const LLHalf& h, BlockState& st) {
+// header_wait polls a header's first 8 bytes with acquire loads until they
+// carry flag (bounded like ll_wait); data holds the signature. Both kinds
+// of header read the same here, so LL and push calls that meet (ranks that
+// disagree on the algorithm) see a mismatch, not a timeout.
+DINLINE bool header_wait(const AllReduceParams& p, const char* line, u32 flag, int peer, int phase, u64& data) {
+  const u64* w = reinterpret_cast<const u64*>(line);
+  u64 v = ld_flag_acquire(w);
+  const Signal* self = p.peer_signal[p.rank];
+  const u64 timeout = p.timeout_ns != 0 ? p.timeout_ns : kDefaultTimeoutNs;
+  const u64 start = global_timer_ns();
+  for (u32 spin = 1; (u32)(v >> 32) != flag; ++spin) {
+    v = ld_flag_acquire(w);
+    if ((spin & 63u) != 0) continue;
+    if (ld_volatile_u32(&self->abort_claim) != 0) return false;
+    if ((spin & 0x3fffu) == 0 && p.err != nullptr) {
+      const u32 code = ld_volatile_u32(&p.err->code);
+      if (code != 0 && code != kErrMismatch) return false;
+    }
+    if (global_timer_ns() - start > timeout) {
+      report_error(p, kErrTimeout, peer, phase, -1, flag, v >> 32);
+      return false;
+    }
+  }
+  data = (u64)(u32)v * 0x100000001ull;
+  return true;
+}
+
+// ll_agree waits for every peer's header in row rows + b and compares
+// signatures; false (uniform over the block) when a peer is missing or made
+// another call. What each peer released before its header (push kernels)
+// is visible to the whole block afterwards (acquire load, then bar.sync).
+DINLINE bool ll_agree(const AllReduceParams& p, const LLHalf& h, BlockState& st, int rows) {
   const int t = (int)threadIdx.x;
   if (t < p.world && t != p.rank) {
     const u64 mine = (u64)(u32)p.signature * 0x100000001ull;
+    const int phase = rows == kRowsStart ? kPhaseStart : kPhaseMid;
     u64 theirs;
-    if (!ll_wait(p, ll_my_hdr(p, h, t), h.flag, t, kPhaseStart, theirs)) {
+    const char* line = ll_my_hdr(p, h, rows, t);
+    if (!header_wait(p, line, h.flag, t, phase, theirs)) {
       st.abort = 1;
     } else if (theirs != mine) {
       if (p.signature != kRejectSignature) report_mismatch(p, t, mine, theirs);
@@ -334,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_oneshot_ll(const AllReduce
   LLHalf h;
   const i64 nbytes = p.count * (i64)sizeof(T);
   if (!ll_begin(p, ll_lines(nbytes), st, h)) return;
-  ll_announce(p, h);
+  ll_announce(p, h, kRowsStart, false);
   // Send: this thread's lines of the input to every peer, slot [rank].
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
   for (i64 i = first; i < ll_lines(nbytes); i += stride) {
@@ -344,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_oneshot_ll(const AllReduce
       if (d < p.world && d != p.rank) ll_store(ll_slot_a(p, h, d, p.rank) + i * kLLLine, v, h.flag);
     }
   }
-  if (ll_agree(p, h, st)) {
+  if (ll_agree(p, h, st, kRowsStart)) {
     switch (p.op) {
       case kOpProd: oneshot_ll_body<T, OpProd>(p, h); break;
       case kOpMin: oneshot_ll_body<T, OpMin>(p, h); break;
@@ -363,7 +414,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_twoshot_ll(const AllReduce
   // Slice 0 is the largest: it bounds what one slot must hold.
   const Range s0 = slice_range(p.count, p.world > 0 ? p.world : 1, 0, P);
   if (!ll_begin(p, ll_lines((s0.end - s0.begin) * (i64)sizeof(T)), st, h)) return;
-  ll_announce(p, h);
+  ll_announce(p, h, kRowsStart, false);
   // Send: slice s of the input to rank s, slot [rank] of its a region.
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
   for (int s = 0; s < p.world; ++s) {
@@ -375,12 +426,118 @@ __global__ void __launch_bounds__(kThreads) allreduce_twoshot_ll(const AllReduce
       ll_store(dst + j * kLLLine, read_line<T>((const char*)p.local_src + at, j, bytes), h.flag);
     }
   }
-  if (ll_agree(p, h, st)) {
+  if (ll_agree(p, h, st, kRowsStart)) {
     switch (p.op) {
       case kOpProd: twoshot_ll_body<T, OpProd>(p, h); break;
       case kOpMin: twoshot_ll_body<T, OpMin>(p, h); break;
       case kOpMax: twoshot_ll_body<T, OpMax>(p, h); break;
       default: twoshot_ll_body<T, OpSum>(p, h); break;
+    }
+  }
+  ll_end(p, st);
+}
+
+// ---------------------------------------------------------------- push kernels
+// The same buffers, epochs and headers, but the data moves as plain 16-byte
+// packs (full payload per byte on the wire) and each block's header goes
+// out with a release store, as the flag that its data has landed. One
+// one-way trip per exchange, no barrier round trip, no staging copy: for
+// messages too large for LL's doubled bytes and too small for the barrier
+// algorithms to amortize their syncs. (A full system fence before the
+// header instead of the release cost ~4 us on H200.)
+// Block b moves the same block_range of each run on every rank.
+
+// p2pcomm:instantiate allreduce_oneshot_push<float>
+// p2pcomm:instantiate allreduce_oneshot_push<double>
+// p2pcomm:instantiate allreduce_oneshot_push<half16>
+// p2pcomm:instantiate allreduce_oneshot_push<bf16>
+// p2pcomm:instantiate allreduce_oneshot_push<int>
+// p2pcomm:instantiate allreduce_oneshot_push<long long>
+// p2pcomm:instantiate allreduce_twoshot_push<float>
+// p2pcomm:instantiate allreduce_twoshot_push<double>
+// p2pcomm:instantiate allreduce_twoshot_push<half16>
+// p2pcomm:instantiate allreduce_twoshot_push<bf16>
+// p2pcomm:instantiate allreduce_twoshot_push<int>
+// p2pcomm:instantiate allreduce_twoshot_push<long long>
+
+// peers_slot_a / peers_slot_b: slot [rank] of every peer's a / b region,
+// peers in the order rank + 1, rank + 2, ... (world - 1 entries).
+DINLINE Ptrs peers_slot_a(const AllReduceParams& p, const LLHalf& h) {
+  Ptrs t;
+#pragma unroll
+  for (int k = 0; k < kMaxRanks - 1; ++k)
+    t.p[k] = k < p.world - 1 ? ll_slot_a(p, h, (p.rank + 1 + k) % p.world, p.rank) : nullptr;
+  t.p[kMaxRanks - 1] = nullptr;
+  return t;
+}
+
+// rank_sources: for each rank r in rank order, where its run of data is:
+// this rank's own input (mine), or what r pushed into region slots (a or
+// b) of this rank's buffer.
+DINLINE Ptrs rank_sources(const AllReduceParams& p, const char* mine, const char* slots, i64 slot) {
+  Ptrs t;
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    t.p[r] = r >= p.world ? nullptr : r == p.rank ? (char*)mine : (char*)slots + (i64)r * slot;
+  return t;
+}
+
+DINLINE i64 push_lines(i64 nbytes) { return (nbytes + kLLLine - 1) / kLLLine; }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) allreduce_oneshot_push(const AllReduceParams p) {
+  constexpr int P = PackOf<T>::kElems;
+  __shared__ BlockState st;
+  LLHalf h;
+  if (!ll_begin(p, push_lines(p.count * (i64)sizeof(T)), st, h)) return;
+  const Range mine = block_range(0, p.count, P);
+  copy_range<T>((const char*)p.local_src, peers_slot_a(p, h), p.world - 1, mine);
+  ll_announce(p, h, kRowsStart, true);
+  if (ll_agree(p, h, st, kRowsStart)) {
+    // Every rank adds in rank order 0..world-1, so all results are bit-identical.
+    reduce_range<T>(rank_sources(p, (const char*)p.local_src, ll_slot_a(p, h, p.rank, 0), h.slot), p.world,
+                    ptrs1(p.out), 1, mine, p.op, p.op == kOpAvg ? p.world : 0);
+  }
+  ll_end(p, st);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) allreduce_twoshot_push(const AllReduceParams p) {
+  constexpr int P = PackOf<T>::kElems;
+  __shared__ BlockState st;
+  LLHalf h;
+  const Range s0 = slice_range(p.count, p.world > 0 ? p.world : 1, 0, P);
+  if (!ll_begin(p, push_lines((s0.end - s0.begin) * (i64)sizeof(T)), st, h)) return;
+  const char* src = (const char*)p.local_src;
+  // 1. Slice s of the input (this block's part) to rank s, slot [rank] of a.
+  for (int s = 0; s < p.world; ++s) {
+    if (s == p.rank) continue;
+    const Range sl = slice_range(p.count, p.world, s, P);
+    copy_range<T>(src + sl.begin * (i64)sizeof(T), ptrs1(ll_slot_a(p, h, s, p.rank)), 1,
+                  block_range(0, sl.end - sl.begin, P));
+  }
+  ll_announce(p, h, kRowsStart, true);
+  if (ll_agree(p, h, st, kRowsStart)) {
+    // 2. Reduce this block's part of my slice, once, into my output and
+    // every peer's b slot [rank]: all ranks end bit-identical.
+    const Range own = slice_range(p.count, p.world, p.rank, P);
+    const i64 own_at = own.begin * (i64)sizeof(T);
+    Ptrs dst;
+    dst.p[0] = (char*)p.out + own_at;
+#pragma unroll
+    for (int k = 1; k < kMaxRanks; ++k)
+      dst.p[k] = k < p.world ? ll_slot_b(p, h, (p.rank + k) % p.world, p.rank) : nullptr;
+    reduce_range<T>(rank_sources(p, src + own_at, ll_slot_a(p, h, p.rank, 0), h.slot), p.world, dst, p.world,
+                    block_range(0, own.end - own.begin, P), p.op, p.op == kOpAvg ? p.world : 0);
+    ll_announce(p, h, kRowsGather, true);
+    // 3. Every other slice's result, from my b slots.
+    if (ll_agree(p, h, st, kRowsGather)) {
+      for (int s = 0; s < p.world; ++s) {
+        if (s == p.rank) continue;
+        const Range sl = slice_range(p.count, p.world, s, P);
+        copy_range<T>(ll_slot_b(p, h, p.rank, s), ptrs1((char*)p.out + sl.begin * (i64)sizeof(T)), 1,
+                      block_range(0, sl.end - sl.begin, P));
+      }
     }
   }
   ll_end(p, st);

@@ -51,6 +51,7 @@ func TestEveryKernelCompiles(t *testing.T) {
 		exprs := kernels.Instantiations(src)
 		for _, arch := range []int{80, 90} {
 			t.Run(name+"/sm_"+strconv.Itoa(arch), func(t *testing.T) {
+				t.Parallel() // NVRTC compiles are independent: use every core
 				res, err := n.Compile(cuda.CompileRequest{Name: name, Source: src, Headers: headers,
 					Arch: arch, Options: []string{"-std=c++17"}, NameExpressions: exprs})
 				if err != nil {

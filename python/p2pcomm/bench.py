@@ -557,8 +557,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-iters", type=int, default=2000, help="cap on calls per repetition")
     p.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the captured calls")
     p.add_argument("--algorithms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()],
-                   default=["auto", "oneshot_ll", "twoshot_ll", "oneshot", "twoshot"],
-                   help="p2pcomm algorithms: auto,oneshot_ll,twoshot_ll,oneshot,twoshot,ring,recursive_doubling")
+                   default=["auto", "oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot", "twoshot"],
+                   help="p2pcomm algorithms: auto, oneshot_ll, twoshot_ll, oneshot_push, twoshot_push, oneshot, twoshot, "
+                        "ring, recursive_doubling")
     p.add_argument("--out", default="bench_out", help="directory for the CSV, markdown and PNG")
     return p
 

@@ -32,7 +32,8 @@ _DTYPES = {
     torch.float32: 0, torch.float64: 1, torch.float16: 2,
     torch.bfloat16: 3, torch.int32: 4, torch.int64: 5,
 }
-ALGORITHMS = ("auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll")
+ALGORITHMS = ("auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll", "oneshot_push",
+              "twoshot_push")
 _ALGO_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
 _ENV_PREFIXES = ("P2PCOMM_", "OMPI_", "PMI_", "PMIX_")
 _ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -22,7 +22,7 @@ def _no_multicast() -> None:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot", "twoshot", "ring", "recursive_doubling")
+CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot", "twoshot", "ring", "recursive_doubling")
 
 
 def default_path() -> pathlib.Path:

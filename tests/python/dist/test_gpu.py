@@ -18,7 +18,8 @@ def expected_sum(fill, w, n, dtype=torch.float32):
     return sum(fill(q) for q in range(w)).to(dtype)
 
 
-@pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll"])
+@pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
+                                       "oneshot_push", "twoshot_push"])
 def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
@@ -114,6 +115,27 @@ def test_bad_gpu_inputs(comms):
     comm.check()  # reported once, then the communicator is usable
     out = comm.all_reduce(torch.ones(8, device="cuda"))
     assert torch.equal(out, torch.full_like(out, comm.world_size))
+
+
+def test_thousand_calls_without_sync(comms):
+    """1000 calls back to back, no host sync, cycling through every
+    algorithm and sizes that cross the protocol boundaries: buffer halves,
+    epochs and flags must never let a call see another call's data."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    algos = [a for a in p2pcomm.ALGORITHMS]
+    sizes = [1000, 20_001, 3, 100_000, 600_000]
+    outs = []
+    for i in range(1000):
+        n = sizes[i % len(sizes)]
+        x = torch.arange(n, device="cuda", dtype=torch.float32) + float(i * w + r)
+        outs.append(comm.all_reduce(x, algorithm=algos[(i // len(sizes)) % len(algos)]))
+    torch.cuda.synchronize()
+    comm.check()
+    for i, out in enumerate(outs):
+        n = out.numel()
+        want = w * torch.arange(n, device="cuda", dtype=torch.float64) + sum(float(i * w + q) for q in range(w))
+        assert torch.equal(out.double(), want), f"call {i} ({n} elements) wrong"
 
 
 @pytest.mark.parametrize("sizes", [(1000, 300_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])

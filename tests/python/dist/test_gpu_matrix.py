@@ -50,7 +50,8 @@ def make_input(n, dtype, op, rank, seed):
 
 
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
-@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll"])
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
+                                       "oneshot_push", "twoshot_push"])
 def test_matrix(big_comm, algorithm, n):
     comm = big_comm
     w, r = comm.world_size, comm.rank
