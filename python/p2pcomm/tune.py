@@ -23,6 +23,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot", "twoshot", "ring", "recursive_doubling")
+# Above this the LL and push algorithms fall back to the plain ones (their
+# slots hold 1 MiB of LL payload, 2 MiB pushed, per rank).
+LL_MAX_BYTES = 8 << 20
 
 
 def default_path() -> pathlib.Path:
@@ -85,6 +88,8 @@ def main(argv=None) -> None:
         iters = 200 if nbytes <= (1 << 20) else 20
         results = {}
         for algo in CANDIDATES:
+            if nbytes > LL_MAX_BYTES and algo.endswith(("_ll", "_push")):
+                continue  # past their slots these run the plain algorithms
             try:
                 comm.all_reduce_(x, algorithm=algo)
             except p2pcomm.CapacityError:  # e.g. ring needs twice the scratch
