@@ -38,7 +38,7 @@ import (
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 1
+const abiVersion = 2
 
 var loadPid = os.Getpid()
 
@@ -179,6 +179,24 @@ func p2p_all_reduce(h C.uint64_t, src, dst C.uint64_t, count C.int64_t, dtype, o
 			Src: uintptr(src), Dst: uintptr(dst), Count: int64(count),
 			DType: reduce.DType(dtype), Op: reduce.Op(op), Algo: collective.Algorithm(algo), Stream: uintptr(stream),
 		})
+	})
+}
+
+// p2p_register_graph_buffers collectively registers the inputs of calls
+// captured into CUDA graphs since the last time, so replays read them in
+// place; *count receives their number (0 on backends without graphs).
+//
+//export p2p_register_graph_buffers
+func p2p_register_graph_buffers(h C.uint64_t, count *C.int64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		*count = 0
+		g, ok := b.(collective.GraphBuffers)
+		if !ok {
+			return nil
+		}
+		n, err := g.RegisterGraphBuffers()
+		*count = C.int64_t(n)
+		return err
 	})
 }
 

@@ -111,3 +111,11 @@ type PeerMemory interface {
 	// The CPU backend waits on the host.
 	StreamBarrier(stream uintptr) error
 }
+
+// GraphBuffers is implemented by backends whose kernels can read inputs
+// captured into CUDA graphs in place once they are registered (GPU).
+type GraphBuffers interface {
+	// RegisterGraphBuffers collectively registers the inputs that calls
+	// captured since the last time had to stage, and returns their number.
+	RegisterGraphBuffers() (int, error)
+}

@@ -3,7 +3,9 @@
 package gpucoll
 
 import (
+	"encoding/binary"
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -42,8 +44,10 @@ type Backend struct {
 	signal  *symm.Buffer
 	staging *symm.Buffer
 	scratch *symm.Buffer
-	halves  *symm.Buffer   // deferred one-shot staging: two halves per rank
-	ll      *symm.Buffer   // LL receive buffers: two halves of llHalfBytes
+	halves  *symm.Buffer // deferred one-shot staging: two halves per rank
+	ll      *symm.Buffer // LL receive buffers: two halves of llHalfBytes
+	bs      bootstrap.Bootstrap
+	graph   graphSlots
 	errHost unsafe.Pointer // *errorWord in pinned host memory
 	errDev  uintptr
 	kernels *kernelCache
@@ -78,7 +82,7 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &Backend{drv: drv, space: space, rank: bs.Rank(), size: bs.Size(), device: device, arch: cc, sms: sms, opts: opts}
+	b := &Backend{drv: drv, space: space, bs: bs, rank: bs.Rank(), size: bs.Size(), device: device, arch: cc, sms: sms, opts: opts}
 	if err := b.allocWorkspace(); err != nil {
 		b.Close()
 		return nil, err
@@ -129,6 +133,9 @@ func (b *Backend) allocWorkspace() error {
 	}
 	if b.ll, err = b.space.Alloc(uint64(2 * llHalfBytes(b.size))); err != nil {
 		return fmt.Errorf("allocate LL buffers: %w", err)
+	}
+	if b.graph.table, err = b.space.Alloc(maxGraphSlots * graphSlotBytes); err != nil {
+		return fmt.Errorf("allocate graph slots: %w", err)
 	}
 	hm, err := b.space.HostMapped(uint64(unsafe.Sizeof(errorWord{})))
 	if err != nil {
@@ -293,6 +300,9 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	}
 	if algo == collective.TwoShot && nbytes >= pullMinBytes {
 		p.Flags |= flagPull
+	}
+	if algo == collective.TwoShot && p.LocalSrc != 0 {
+		p.GraphSlot = uint64(b.graph.slotFor(b.drv, req.Src, nbytes, req.Stream))
 	}
 	return b.launchGrid(algo, req.DType, g.grid, req.Stream)
 }
@@ -470,3 +480,86 @@ func (b *Backend) Launch(file, expr string, grid, block, sharedBytes uint32, str
 
 // SMCount is the number of multiprocessors of this rank's GPU.
 func (b *Backend) SMCount() int { return b.sms }
+
+// graphSlots tracks two-shot calls captured into CUDA graphs with inputs
+// the kernel stages, so that RegisterGraphBuffers can let their replays read
+// the inputs in place (GraphSlot in p2p_common.cuh).
+type graphSlots struct {
+	table   *symm.Buffer // maxGraphSlots GraphSlots, zero (not ready) until registered
+	used    int          // slots handed out
+	pending []graphInput // captured since the last registration, in call order
+}
+
+type graphInput struct {
+	src    uintptr
+	nbytes int64
+	slot   int
+}
+
+// slotFor returns a fresh slot's device address if stream is capturing a
+// graph, else 0 (the call stages as usual).
+func (g *graphSlots) slotFor(drv *cuda.Driver, src uintptr, nbytes int64, stream uintptr) uintptr {
+	if g.table == nil || g.used == maxGraphSlots {
+		return 0
+	}
+	if st, err := drv.StreamCaptureStatus(stream); err != nil || st != cuda.CaptureActive {
+		return 0
+	}
+	g.pending = append(g.pending, graphInput{src: src, nbytes: nbytes, slot: g.used})
+	g.used++
+	return g.table.Local + uintptr(g.pending[len(g.pending)-1].slot)*graphSlotBytes
+}
+
+// RegisterGraphBuffers is collective: it registers the inputs of the
+// two-shot calls captured since the last time (every rank must have
+// captured the same calls) and readies their slots, so graph replays read
+// those inputs in place instead of staging them. Returns how many inputs it
+// registered. Call it after capture and before replaying, on every rank.
+func (b *Backend) RegisterGraphBuffers() (int, error) {
+	if err := b.usable(); err != nil {
+		return 0, err
+	}
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return 0, err
+	}
+	pending := b.graph.pending
+	counts, err := b.bs.AllGather(binary.LittleEndian.AppendUint64(nil, uint64(len(pending))))
+	if err != nil {
+		return 0, fmt.Errorf("register graph buffers: %w", err)
+	}
+	for r, c := range counts {
+		if n := binary.LittleEndian.Uint64(c); n != uint64(len(pending)) {
+			return 0, status.Errorf(status.Mismatch,
+				"register_graph_buffers: rank %d captured %d two-shot all-reduces of unregistered tensors, rank %d captured %d",
+				b.rank, len(pending), r, n)
+		}
+	}
+	slots := make([]byte, len(pending)*graphSlotBytes)
+	for i, in := range pending {
+		buf, err := b.space.Register(in.src, uint64(in.nbytes)) // collective
+		if err != nil {
+			return 0, fmt.Errorf("register graph buffer %d of %d: %w", i+1, len(pending), err)
+		}
+		rec := slots[i*graphSlotBytes:]
+		binary.LittleEndian.PutUint64(rec, 1)
+		off := in.src - buf.Local
+		for r := range b.size {
+			binary.LittleEndian.PutUint64(rec[8+8*r:], uint64(buf.Peers[r]+off))
+		}
+	}
+	if len(pending) > 0 {
+		first := b.graph.table.Local + uintptr(pending[0].slot)*graphSlotBytes
+		err = b.drv.MemcpyAsync(first, uintptr(unsafe.Pointer(&slots[0])), uint64(len(slots)), 0)
+		if err == nil {
+			err = b.drv.StreamSynchronize(0)
+		}
+		runtime.KeepAlive(slots)
+	}
+	// No rank may replay before every rank's slots are ready: a ready rank
+	// stops staging what a peer that is not ready yet would read.
+	if err = bootstrap.Agree(b.bs, err); err != nil {
+		return 0, fmt.Errorf("register graph buffers: %w", err)
+	}
+	b.graph.pending = nil
+	return len(pending), nil
+}

@@ -13,7 +13,8 @@ func TestLayoutsMatchTheKernels(t *testing.T) {
 		name      string
 		got, want uintptr
 	}{
-		{"sizeof(AllReduceParams)", unsafe.Sizeof(p), 256},
+		{"sizeof(AllReduceParams)", unsafe.Sizeof(p), 264},
+		{"graph_slot", unsafe.Offsetof(p.GraphSlot), 256},
 		{"peer_scratch", unsafe.Offsetof(p.PeerScratch), 64},
 		{"peer_signal", unsafe.Offsetof(p.PeerSignal), 128},
 		{"local_src", unsafe.Offsetof(p.LocalSrc), 192},

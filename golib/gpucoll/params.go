@@ -27,7 +27,15 @@ type allReduceParams struct {
 	Signature   int32
 	HalfBytes   uint32 // deferred one-shot when nonzero
 	Flags       uint32 // flagFence
+	GraphSlot   uint64 // *GraphSlot, for calls captured with a staged input
 }
+
+// GraphSlot in p2p_common.cuh: {u64 ready; void* peer_in[8]}.
+const graphSlotBytes = 8 + 8*kMaxRanks
+
+// maxGraphSlots bounds the captured two-shot calls with unregistered inputs
+// a communicator keeps slots for; later ones stage on every replay.
+const maxGraphSlots = 4096
 
 func (p *allReduceParams) bytes() []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(p)), unsafe.Sizeof(*p))

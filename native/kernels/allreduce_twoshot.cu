@@ -33,8 +33,7 @@
 // p2pcomm:instantiate allreduce_twoshot<long long>
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot(const AllReduceParams p) {
-  __shared__ BlockState st;
+DINLINE void twoshot(const AllReduceParams& p, BlockState& st) {
   if (!check_params(p, Needs{true, true, false})) return;
   begin_block(p, st);
   constexpr int P = PackOf<T>::kElems;
@@ -68,5 +67,18 @@ __global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot(const AllReduce
   for (int s = 0; s < p.world; ++s) {
     const Range sl = slice_range(p.count, p.world, s, P);
     copy_range<T>(scratch, ptrs1(p.out), 1, block_range(sl.begin, sl.end, P));
+  }
+}
+
+// A call captured into a CUDA graph may carry a graph slot: once the host has
+// registered its input on every rank, the same code reads it in place. The
+// common path keeps reading the parameters where they are (no copy).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot(const AllReduceParams p) {
+  __shared__ BlockState st;
+  if (p.graph_slot != nullptr && *reinterpret_cast<const volatile u64*>(&p.graph_slot->ready) != 0) {
+    twoshot<T>(with_graph_slot(p), st);
+  } else {
+    twoshot<T>(p, st);
   }
 }

@@ -152,7 +152,9 @@ static_assert(sizeof(ErrorWord) == 40 && 6 * sizeof(int) + 2 * sizeof(u64) == 40
 //   244    4    signature       i32, the call's summary; ranks must agree
 //   248    4    half_bytes      u32: deferred one-shot when nonzero (see oneshot)
 //   252    4    flags           u32: kFlagFence
-//   total  256, aligned to 8
+//   256    8    graph_slot      GraphSlot*, may be null (see with_graph_slot)
+//   total  264, aligned to 8
+struct GraphSlot;
 struct AllReduceParams {
   void* peer_in[kMaxRanks];
   void* peer_scratch[kMaxRanks];
@@ -168,17 +170,44 @@ struct AllReduceParams {
   int signature;
   unsigned half_bytes;
   unsigned flags;
+  const GraphSlot* graph_slot;
 };
-static_assert(sizeof(AllReduceParams) == 256, "AllReduceParams size");
+static_assert(sizeof(AllReduceParams) == 264, "AllReduceParams size");
 static_assert(sizeof(AllReduceParams::peer_in) + sizeof(AllReduceParams::peer_scratch) +
                       sizeof(AllReduceParams::peer_signal) + sizeof(AllReduceParams::local_src) +
                       sizeof(AllReduceParams::out) + sizeof(AllReduceParams::err) ==
                   216,
               "AllReduceParams.count offset");
 static_assert(sizeof(AllReduceParams::count) + sizeof(AllReduceParams::timeout_ns) +
-                      4 * sizeof(int) + 2 * sizeof(unsigned) ==
-                  256 - 216,
+                      4 * sizeof(int) + 2 * sizeof(unsigned) + sizeof(AllReduceParams::graph_slot) ==
+                  264 - 216,
               "AllReduceParams tail");
+
+// GraphSlot (device memory, one per call captured into a CUDA graph with an
+// input the kernel had to stage) says where that input lives once the host
+// has registered it on every rank (register_graph_buffers):
+//
+//   offset size field
+//   0      8    ready       u64: 0 = stage as captured; 1 = read peer_in below
+//   8      64   peer_in[8]  each rank's copy of the captured input
+//   total  72, aligned to 8
+struct GraphSlot {
+  u64 ready;
+  void* peer_in[kMaxRanks];
+};
+static_assert(sizeof(GraphSlot) == 72, "GraphSlot size");
+
+// with_graph_slot returns the parameters of a call whose graph slot is
+// ready: every rank's input read in place, nothing staged. The host sets
+// ready on all ranks before any replay, so every rank of a call takes the
+// same path. (Two-shot only: the path auto takes for large calls.)
+DINLINE AllReduceParams with_graph_slot(const AllReduceParams& args) {
+  AllReduceParams p = args;
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) p.peer_in[r] = args.graph_slot->peer_in[r];
+  p.local_src = nullptr;
+  return p;
+}
 
 // ---------------------------------------------------------------- element types
 

@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _LOAD_PID = os.getpid()
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -39,6 +39,7 @@ _SIGNATURES = {
     "p2p_launch": ([_u64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, _i64, ctypes.c_uint32, ctypes.c_uint32,
                     ctypes.c_uint32, _u64], ctypes.c_int),
     "p2p_device_info": ([_u64, ctypes.POINTER(_i32)], ctypes.c_int),
+    "p2p_register_graph_buffers": ([_u64, ctypes.POINTER(_i64)], ctypes.c_int),
 }
 
 _lock = threading.Lock()
@@ -74,12 +75,13 @@ def _load() -> ctypes.CDLL:
             tried.append(f"{path} (missing)")
             continue
         handle = ctypes.CDLL(str(path))
+        handle.p2p_abi_version.argtypes, handle.p2p_abi_version.restype = [], ctypes.c_int
+        version = handle.p2p_abi_version()  # first: an older library may lack newer exports
+        if version != ABI_VERSION:
+            raise P2PCommError(f"{path} has C ABI version {version}, this package needs {ABI_VERSION}: rebuild it")
         for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(handle, name)
             fn.argtypes, fn.restype = argtypes, restype
-        version = handle.p2p_abi_version()
-        if version != ABI_VERSION:
-            raise P2PCommError(f"{path} has C ABI version {version}, this package needs {ABI_VERSION}: rebuild it")
         atexit.register(_shutdown, handle)
         return handle
     raise P2PCommError(

@@ -278,6 +278,18 @@ class Communicator:
         """Collective. Undo :meth:`register_buffer`."""
         self._check(_lib.lib().p2p_deregister(self._h(), tensor.data_ptr()))
 
+    def register_graph_buffers(self) -> int:
+        """Collective. Call after capturing CUDA graphs and before replaying
+        them, on every rank: registers the unregistered inputs of the
+        two-shot all-reduces captured since the last call, so that replays
+        read them in place instead of copying them into staging (replays are
+        correct either way). Every rank must have captured the same calls.
+        The buffers stay registered until :meth:`close`. Returns how many
+        inputs were registered (0 on CPU)."""
+        n = ctypes.c_int64()
+        self._check(_lib.lib().p2p_register_graph_buffers(self._h(), ctypes.byref(n)))
+        return n.value
+
     # -- collectives ---------------------------------------------------------------------------------
 
     def all_reduce(self, tensor: torch.Tensor, op="sum", algorithm: str = "auto") -> torch.Tensor:
@@ -486,6 +498,10 @@ class TorchFallbackCommunicator(Communicator):
 
     def deregister_buffer(self, tensor) -> None:
         self._h()
+
+    def register_graph_buffers(self) -> int:
+        self._h()
+        return 0
 
     def barrier(self) -> None:
         self._h()

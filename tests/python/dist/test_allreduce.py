@@ -164,3 +164,10 @@ def test_tcp_bootstrap_alongside_torch(comms):
         assert comm.rank == dist.get_rank() and comm.world_size == dist.get_world_size()
         out = comm.all_reduce(torch.ones(5) * comm.rank)
         assert torch.equal(out, torch.ones(5) * sum(range(comm.world_size)))
+
+
+def test_register_graph_buffers_is_a_collective_no_op_on_cpu(comms):
+    comm = comms("cpu")
+    assert comm.register_graph_buffers() == 0
+    out = comm.all_reduce(torch.ones(5))
+    assert torch.equal(out, torch.full((5,), float(comm.world_size)))

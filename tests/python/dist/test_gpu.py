@@ -52,6 +52,46 @@ def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     assert same_on_all_ranks(static_out)
 
 
+def test_register_graph_buffers_then_replays_read_in_place(comms):
+    """Two-shot calls captured on unregistered inputs (one of them allocated
+    inside the graph) stage on replay until register_graph_buffers readies
+    their slots; then they read the inputs in place. Results must be right
+    before and after, on fresh data every replay."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    n = 1_000_003
+    static_in = torch.empty(n, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        comm.all_reduce(static_in, algorithm="twoshot")
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = comm.all_reduce(static_in, algorithm="twoshot")
+        second = comm.all_reduce(first * 0.5, algorithm="twoshot")
+
+    def replay_and_check(i):
+        parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(77 * i + q))
+                 for q in range(w)]
+        static_in.copy_(parts[r])
+        first.fill_(float("nan"))
+        second.fill_(float("nan"))
+        graph.replay()
+        want = torch.stack(parts).double().sum(0)
+        scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+        assert ((first.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i}: first all-reduce wrong"
+        assert ((second.double() - 0.5 * w * want).abs() <= 1e-5 * w * scale).all(), f"replay {i}: second wrong"
+        assert same_on_all_ranks(second)
+
+    replay_and_check(0)
+    assert comm.register_graph_buffers() == 2
+    assert comm.register_graph_buffers() == 0  # nothing new captured
+    for i in range(1, 21):
+        replay_and_check(i)
+    comm.check()
+
+
 def test_torch_compile_fullgraph(comms):
     comm = comms("cuda")
 
