@@ -2,7 +2,8 @@
 # The last device calls of a session, when device time is short. Needs the
 # library built without MPI in .devbuild/ (see tools/gpu_session.sh).
 #   tools/gpu_final.sh tests   GPU tests on all GPUs and on 2, MoE benchmark
-#   tools/gpu_final.sh bench   tune + all-reduce benchmark (eager and graph) on all GPUs and on 2
+#   tools/gpu_final.sh bench [N...]   tune + all-reduce benchmark (eager and graph) on N GPUs
+#                                     (default: all, then 2)
 # Logs and tables land under $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -10,24 +11,26 @@ export P2PCOMM_TEST_GPU=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python" P2PCOMM_LI
 export P2PCOMM_CACHE_DIR=/tmp/p2pcomm-cache P2PCOMM_TIMEOUT_MS=10000
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=$(nvidia-smi -L | wc -l)
-run() { local n=$1; shift; CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) python3 -m torch.distributed.run --nproc_per_node="$n" "$@"; }
+# run SECONDS NPROC ARGS...: torchrun on the first NPROC GPUs, bounded.
+run() { local t=$1 n=$2; shift 2; CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "$t" python3 -m torch.distributed.run --nproc_per_node="$n" "$@"; }
 case "${1:-tests}" in
 tests)
-    timeout 240 run "$N" -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist > "$OUT/test$N.txt" 2>&1
+    run 240 "$N" -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist > "$OUT/test$N.txt" 2>&1
     echo "tests nproc=$N rc=$?"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/test$N.txt" | sort | uniq -c | sort -rn | head -12
     grep -E "[0-9]+ (passed|failed)" "$OUT/test$N.txt" | sort | uniq -c
-    timeout 150 run 2 -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist --ignore=tests/python/dist/test_gpu_matrix.py \
+    run 150 2 -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist --ignore=tests/python/dist/test_gpu_matrix.py \
         > "$OUT/test2.txt" 2>&1
     echo "tests nproc=2 rc=$?"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/test2.txt" | sort | uniq -c | sort -rn | head -12
     grep -E "[0-9]+ (passed|failed)" "$OUT/test2.txt" | sort | uniq -c
-    timeout 150 run "$N" -m p2pcomm.bench moe --out "$OUT/moe" > "$OUT/moe.txt" 2>&1; echo "moe rc=$?"
+    run 150 "$N" -m p2pcomm.bench moe --out "$OUT/moe" > "$OUT/moe.txt" 2>&1; echo "moe rc=$?"
     tail -30 "$OUT/moe.txt"
     ;;
 bench)
-    for n in "$N" 2; do
+    shift
+    for n in ${@:-$N 2}; do
         export P2PCOMM_TUNE_FILE=/tmp/tune$n.json
-        timeout 120 run "$n" -m p2pcomm.tune > "$OUT/tune$n.txt" 2>&1; echo "tune nproc=$n rc=$?"; cp /tmp/tune$n.json "$OUT/" 2>/dev/null
-        timeout 200 run "$n" -m p2pcomm.bench --graph --algorithms auto,oneshot_ll,twoshot_ll,oneshot,twoshot \
+        run 120 "$n" -m p2pcomm.tune > "$OUT/tune$n.txt" 2>&1; echo "tune nproc=$n rc=$?"; cp /tmp/tune$n.json "$OUT/" 2>/dev/null
+        run 200 "$n" -m p2pcomm.bench --graph --algorithms auto,oneshot_ll,twoshot_ll,oneshot,twoshot \
             --out "$OUT/ar$n" > "$OUT/bench$n.txt" 2>&1
         echo "bench nproc=$n rc=$?"; sed -n '/summary/,$p' "$OUT/bench$n.txt"
     done

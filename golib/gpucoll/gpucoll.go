@@ -487,7 +487,10 @@ func (b *Backend) SMCount() int { return b.sms }
 type graphSlots struct {
 	table   *symm.Buffer // maxGraphSlots GraphSlots, zero (not ready) until registered
 	used    int          // slots handed out
-	pending []graphInput // captured since the last registration, in call order
+	pending []graphInput // inputs captured since the last registration, in first-call order
+	// bySrc: the slot of each input captured and not yet registered; calls
+	// on the same input share it (one registration, one slot).
+	bySrc map[[2]uint64]int
 }
 
 type graphInput struct {
@@ -505,16 +508,26 @@ func (g *graphSlots) slotFor(drv *cuda.Driver, src uintptr, nbytes int64, stream
 	if st, err := drv.StreamCaptureStatus(stream); err != nil || st != cuda.CaptureActive {
 		return 0
 	}
-	g.pending = append(g.pending, graphInput{src: src, nbytes: nbytes, slot: g.used})
-	g.used++
-	return g.table.Local + uintptr(g.pending[len(g.pending)-1].slot)*graphSlotBytes
+	key := [2]uint64{uint64(src), uint64(nbytes)}
+	slot, ok := g.bySrc[key]
+	if !ok {
+		if g.bySrc == nil {
+			g.bySrc = map[[2]uint64]int{}
+		}
+		slot = g.used
+		g.used++
+		g.bySrc[key] = slot
+		g.pending = append(g.pending, graphInput{src: src, nbytes: nbytes, slot: slot})
+	}
+	return g.table.Local + uintptr(slot)*graphSlotBytes
 }
 
 // RegisterGraphBuffers is collective: it registers the inputs of the
 // two-shot calls captured since the last time (every rank must have
 // captured the same calls) and readies their slots, so graph replays read
-// those inputs in place instead of staging them. Returns how many inputs it
-// registered. Call it after capture and before replaying, on every rank.
+// those inputs in place instead of staging them. Returns how many distinct
+// inputs it registered. Call it after capture and before replaying, on
+// every rank.
 func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if err := b.usable(); err != nil {
 		return 0, err
@@ -530,7 +543,7 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 	for r, c := range counts {
 		if n := binary.LittleEndian.Uint64(c); n != uint64(len(pending)) {
 			return 0, status.Errorf(status.Mismatch,
-				"register_graph_buffers: rank %d captured %d two-shot all-reduces of unregistered tensors, rank %d captured %d",
+				"register_graph_buffers: rank %d captured two-shot all-reduces on %d unregistered tensors, rank %d on %d",
 				b.rank, len(pending), r, n)
 		}
 	}
@@ -560,6 +573,6 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if err = bootstrap.Agree(b.bs, err); err != nil {
 		return 0, fmt.Errorf("register graph buffers: %w", err)
 	}
-	b.graph.pending = nil
+	b.graph.pending, b.graph.bySrc = nil, nil
 	return len(pending), nil
 }

@@ -154,8 +154,10 @@ class Timer:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctl)
         return bool(t.item())
 
-    def run(self, fn: Callable[[], object], n: int, graph: bool = False) -> float:
-        """Seconds for n calls (graph: one replay of n captured calls)."""
+    def run(self, fn: Callable[[], object], n: int, graph: bool = False,
+            after_capture: Optional[Callable[[], object]] = None) -> float:
+        """Seconds for n calls (graph: one replay of n captured calls, after
+        after_capture(), e.g. p2pcomm's register_graph_buffers)."""
         if graph:
             g = torch.cuda.CUDAGraph()
             s = torch.cuda.Stream()
@@ -167,6 +169,8 @@ class Timer:
             with torch.cuda.graph(g):
                 for _ in range(n):
                     fn()
+            if after_capture is not None:
+                after_capture()
             g.replay()
             self._barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -190,7 +194,8 @@ class Timer:
         return time.perf_counter() - t0
 
     def measure(self, fn: Callable[[], object], refill: Callable[[], None], *, iters: Optional[int],
-                warmup: Optional[int], rep_seconds: float, cap: int, graph: bool = False) -> tuple[float, int]:
+                warmup: Optional[int], rep_seconds: float, cap: int, graph: bool = False,
+                after_capture: Optional[Callable[[], object]] = None) -> tuple[float, int]:
         """Median seconds per call over self.reps repetitions, and the call count
         per repetition. Data is refilled (untimed) before each repetition."""
         refill()
@@ -204,7 +209,7 @@ class Timer:
         times = []
         for _ in range(self.reps):
             refill()
-            times.append(self.run(fn, n, graph) / n)
+            times.append(self.run(fn, n, graph, after_capture) / n)
         return statistics.median(self.agree_max(times)), n
 
 
@@ -225,6 +230,18 @@ class Impl:
     baseline: bool = False
     unavailable: str = ""
     graph_ok: bool = True
+    after_capture: Optional[Callable[[], object]] = None
+    cleanup: Optional[Callable[[torch.Tensor], object]] = None  # after the last mode, with buf
+
+
+def _forget_registration(comm, buf: torch.Tensor) -> None:
+    """Collective: deregister buf if graph capture registered it."""
+    from .errors import InvalidArgumentError
+
+    try:
+        comm.deregister_buffer(buf)
+    except InvalidArgumentError:  # nothing was registered (not a two-shot capture)
+        pass
 
 
 def build_impls(args, device: torch.device, dtype: torch.dtype, max_numel: int, base_group, world: int):
@@ -260,7 +277,11 @@ def build_impls(args, device: torch.device, dtype: torch.dtype, max_numel: int, 
             return buf, lambda: comm.all_reduce_(buf, algorithm=algo)
 
         impls.append(Impl("p2pcomm", algo, sym_setup, unavailable=why if sym is None else ""))
-        impls.append(Impl("p2pcomm-staged", algo, staged_setup, unavailable=why if comm is None else ""))
+        # Graph mode registers the captured input (register_graph_buffers), as an application
+        # would; deregistering it afterwards keeps later rows' eager calls staged.
+        impls.append(Impl("p2pcomm-staged", algo, staged_setup, unavailable=why if comm is None else "",
+                          after_capture=comm.register_graph_buffers if comm is not None else None,
+                          cleanup=(lambda buf: _forget_registration(comm, buf)) if comm is not None else None))
 
     if device.type == "cuda":
         impls += torch_symm_mem_impls(device, dtype, max_numel, base_group)
@@ -341,13 +362,16 @@ def bench_size(args, timer: Timer, impls: list[Impl], size: int, dtype, device, 
                     continue
                 try:
                     sec, n = timer.measure(call, lambda: buf.copy_(timing_in), iters=args.iters, warmup=args.warmup,
-                                           rep_seconds=rep_seconds, cap=icap, graph=mode == "graph")
+                                           rep_seconds=rep_seconds, cap=icap, graph=mode == "graph",
+                                           after_capture=impl.after_capture)
                     rows.append(Row(size, impl.name, impl.algorithm, sec * 1e6, busbytes / sec / 1e9, iters=n,
                                     mode=mode, status="ok" if ok else "WRONG"))
                 except Exception as e:  # noqa: BLE001
                     if mode == "eager":
                         raise
                     rows.append(Row(size, impl.name, impl.algorithm, mode=mode, status=_na(e)))
+            if impl.cleanup is not None and "graph" in modes:
+                impl.cleanup(buf)
         except Exception as e:  # noqa: BLE001 - one failing impl should not end the run
             rows.append(Row(size, impl.name, impl.algorithm, status=_na(e)))
             if device.type == "cuda":

@@ -58,6 +58,7 @@ def test_register_graph_buffers_then_replays_read_in_place(comms):
     their slots; then they read the inputs in place. Results must be right
     before and after, on fresh data every replay."""
     comm = comms("cuda")
+    comm.register_graph_buffers()  # what earlier tests captured on this communicator
     w, r = comm.world_size, comm.rank
     n = 1_000_003
     static_in = torch.empty(n, device="cuda")
