@@ -14,7 +14,8 @@
 //                             pairs of that expert, in (token, k) order
 //   hdr     [W, L+1] i32      symmetric: per source s: tokens sent, then pairs
 //                             sent per local expert
-//   comb    [W, Tm+1, H] f32  symmetric: [d, slot] = partial of expert rank d
+//   comb    [W, Tm+1, H] C    symmetric: [d, slot] = partial of expert rank d;
+//                             C (the combine transit) is float or T
 //   send_slot [Tm, W] i32     local: slot of token t on rank d, -1: not sent
 //   pair_rank [Tm * K] i32    local scratch of moe_dispatch_send
 //   comb_rows [W*Tm, K] i32   local: output row of pair (s, slot, k), -1: none
@@ -22,11 +23,40 @@
 // mirrored by ctypes in moe.py (checked at import).
 #include "p2p_common.cuh"
 
-// kMoeMaxTopK bounds topk (one warp lane per k).
+// kMoeMaxTopK bounds topk (one warp lane per k; moe.py checks it).
 constexpr int kMoeMaxTopK = 32;
+static_assert(kMoeMaxTopK <= 32, "one warp lane per k");
 constexpr int kMoeWarps = kThreads / 32;
-// kMoeUnroll: 16-byte packs per lane in flight in the row copies.
-constexpr int kMoeUnroll = 4;
+// Tuning knobs. Each has a default below and can be overridden for an
+// experiment without editing this file, e.g.
+//   P2PCOMM_NVRTC_OPTIONS="-DMOE_UNROLL=4 -DMOE_NC_LOADS=0"
+// Results are the same bits for any value: the knobs change only how many
+// loads are in flight, which load instruction reads rows, and the order in
+// which independent items run.
+#ifndef MOE_UNROLL
+#define MOE_UNROLL 8  // packs per lane in flight in the dispatch row copies (4 before)
+#endif
+#ifndef MOE_COMB_GROUP
+#define MOE_COMB_GROUP 4  // expert rows loaded together in the combine send
+#endif
+#ifndef MOE_COMB_UNROLL
+#define MOE_COMB_UNROLL 4  // packs per lane per pass of the combine send (2 before)
+#endif
+#ifndef MOE_REDUCE_LOADS
+#define MOE_REDUCE_LOADS 16  // partial loads in flight per lane in the combine reduce
+#endif
+#ifndef MOE_NC_LOADS
+#define MOE_NC_LOADS 0  // 1: rows read through ld.global.nc (see ld_v16_stable); 0: ld.global.cg (measured faster: dispatch 1161 vs 1290 us in a graph, 4096 tokens)
+#endif
+#ifndef MOE_COMB_INTERLEAVE
+#define MOE_COMB_INTERLEAVE 1  // 1: combine send items slot-major, sources rotated; 0: source-major (before)
+#endif
+
+// kMoeUnroll: 16-byte packs per lane loaded before the first store in the
+// row copies. Each pass waits one HBM read latency, so 8 packs (4 KiB per
+// warp, 64 KiB per SM in flight) halve the passes of the former 4.
+constexpr int kMoeUnroll = MOE_UNROLL;
+static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 
 // MoeDispatchParams is the argument of moe_dispatch_send.
 //
@@ -162,12 +192,17 @@ static_assert(sizeof(MoeCombineParams::peer_comb) == 64 &&
 // p2pcomm:instantiate moe_dispatch_expand<bf16>
 // p2pcomm:instantiate moe_dispatch_expand<half16>
 // p2pcomm:instantiate moe_dispatch_expand<float>
-// p2pcomm:instantiate moe_combine_send<bf16>
-// p2pcomm:instantiate moe_combine_send<half16>
-// p2pcomm:instantiate moe_combine_send<float>
-// p2pcomm:instantiate moe_combine_reduce<bf16>
-// p2pcomm:instantiate moe_combine_reduce<half16>
-// p2pcomm:instantiate moe_combine_reduce<float>
+// Combine kernels: <T, C>, C the partials' transit type (float, or T).
+// p2pcomm:instantiate moe_combine_send<bf16, float>
+// p2pcomm:instantiate moe_combine_send<bf16, bf16>
+// p2pcomm:instantiate moe_combine_send<half16, float>
+// p2pcomm:instantiate moe_combine_send<half16, half16>
+// p2pcomm:instantiate moe_combine_send<float, float>
+// p2pcomm:instantiate moe_combine_reduce<bf16, float>
+// p2pcomm:instantiate moe_combine_reduce<bf16, bf16>
+// p2pcomm:instantiate moe_combine_reduce<half16, float>
+// p2pcomm:instantiate moe_combine_reduce<half16, half16>
+// p2pcomm:instantiate moe_combine_reduce<float, float>
 
 // ---------------------------------------------------------------- helpers
 
@@ -175,6 +210,46 @@ DINLINE u32 lanemask_lt() {
   u32 m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
   return m;
+}
+
+// ld_v16_stable loads 16 bytes that nothing writes while the kernel runs:
+// the caller's inputs, or rows that peers (or this rank's earlier kernel)
+// wrote before the barrier kernel that precedes this one. A kernel boundary
+// leaves no stale L1 line, so the read-only path is safe; the rows are read
+// once, so nothing is allocated in L1, and L2 fetches 256 bytes per miss.
+DINLINE V16 ld_v16_stable(const void* p) {
+#if MOE_NC_LOADS
+  V16 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+#else
+  return ld_v16(p);
+#endif
+}
+
+// row_parts is how many pieces to cut each of n rows into so that nwarps
+// warps all get work when rows are fewer than warps, with no piece shorter
+// than one warp pass of pass_packs packs. 1 when n >= nwarps: the common
+// large case keeps one warp per row.
+DINLINE int row_parts(i64 n, i64 nwarps, i64 packs, int pass_packs) {
+  if (n <= 0 || n >= nwarps) return 1;
+  const i64 most = (packs + pass_packs - 1) / pass_packs;
+  const i64 want = nwarps / n;
+  const i64 parts = want < most ? want : most;
+  return parts > 1 ? (int)parts : 1;
+}
+
+// piece_begin is the first pack of piece `part` of `parts` of a row of
+// `packs` packs (piece_begin(parts) == packs).
+DINLINE i64 piece_begin(i64 packs, int part, int parts) { return packs * part / parts; }
+
+// received_tokens is the number of (source, slot) rows this rank received
+// in the latest dispatch (hdr column 0 summed over sources).
+DINLINE i64 received_tokens(const int* hdr, int W, int L) {
+  i64 n = 0;
+  for (int s = 0; s < W; ++s) n += hdr[s * (L + 1)];
+  return n;
 }
 
 // expert_at is global expert id q (flat [T, K] index) of topk_idx, or -1
@@ -331,11 +406,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
     }
   }
 
-  // 5. Rows and metadata: one warp per token, each row read once.
+  // 5. Rows and metadata, each row read once. Warps take (token, piece)
+  // units; rows are cut into pieces only when the block has fewer tokens
+  // than warps, so that small batches still use every warp.
   const i64 row_bytes = (i64)p.hidden * (i64)sizeof(T);
   const i64 packs = row_bytes / kPackBytes;
   const int MW = 3 * K + 1;
-  for (int t = t0 + warp; t < t1; t += nw) {
+  const int parts = row_parts(t1 - t0, nw, packs, 32 * kMoeUnroll);
+  for (int unit = warp; unit < (t1 - t0) * parts; unit += nw) {
+    const int t = t0 + unit / parts, part = unit % parts;
     char* dst[kMaxRanks];
     int* mdst[kMaxRanks];
 #pragma unroll
@@ -345,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
       dst[d] = slot >= 0 ? (char*)pick(p.peer_recv_x, d) + at * row_bytes : nullptr;
       mdst[d] = slot >= 0 ? (int*)pick(p.peer_meta, d) + at * MW : nullptr;
     }
-    for (int j = lane; j < MW; j += 32) {
+    for (int j = part == 0 ? lane : MW; j < MW; j += 32) {  // metadata: the first piece only
       int g = -1, v = 0;
       if (j < K) {
         g = expert_at(p, (i64)t * K + j);
@@ -367,15 +446,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
       }
     }
     const char* src = (const char*)p.x + (i64)t * row_bytes;
-    for (i64 i = lane; i < packs; i += 32 * kMoeUnroll) {
-      V16 v[kMoeUnroll];
+    const i64 c1 = piece_begin(packs, part + 1, parts);
+    for (i64 i = piece_begin(packs, part, parts) + lane; i < c1; i += 32 * kMoeUnroll) {
+      V16 v[kMoeUnroll];  // every load of the pass in flight before the first store
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
-        if (i + u * 32 < packs) v[u] = ld_v16(src + (i + u * 32) * kPackBytes);
+        if (i + u * 32 < c1) v[u] = ld_v16_stable(src + (i + u * 32) * kPackBytes);
       }
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
-        if (i + u * 32 < packs) {
+        if (i + u * 32 < c1) {
 #pragma unroll
           for (int d = 0; d < kMaxRanks; ++d) {
             if (dst[d] != nullptr) st_v16(dst[d] + (i + u * 32) * kPackBytes, v[u]);
@@ -391,14 +471,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
 // experts in order, then sources in order; the sender's pair ranks place
 // each pair within that run, so row order is (local expert, source, token,
 // k). One warp per received (source, slot) writes its rows' metadata and
-// copies the token row once per valid k. Block 0 writes expert_counts and R.
-// Dynamic shared memory: 4 * (W + 1) * L bytes.
+// copies the token row once per valid k (rows are cut into pieces, one warp
+// each, when the grid has more warps than received rows). Block 0 writes
+// expert_counts and R. Dynamic shared memory: 4 * (W + 1) * L bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpandParams p) {
   extern __shared__ int sh[];  // tot[L] (then expert bases) | base[W][L]
   __shared__ int wsum[kMoeWarps];
   __shared__ int carry;
-  __shared__ int rows[kMoeWarps][kMoeMaxTopK];
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
   const int L = p.num_local, W = p.world, K = p.topk, Tm = p.max_tokens;
   int* tot = sh;
@@ -426,7 +506,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   int* info_tok = p.out_info + 2 * p.row_cap;
   int* info_w = p.out_info + 3 * p.row_cap;
   const i64 items = (i64)W * Tm;
-  for (i64 item = (i64)blockIdx.x * nw + warp; item < items; item += (i64)gridDim.x * nw) {
+  const i64 gwarps = (i64)gridDim.x * nw;
+  const int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, packs, 32 * kMoeUnroll);
+  char* out = (char*)p.out_x;
+  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < items * parts; unit += gwarps) {
+    const i64 item = unit / parts;
+    const int part = (int)(unit % parts);
     const int s = (int)(item / Tm), slot = (int)(item % Tm);
     if (slot >= p.hdr[s * (L + 1)]) continue;  // warp-uniform
     const int* m = p.meta + item * MW;
@@ -435,55 +520,194 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
       const int lid = m[lane], rk = m[2 * K + 1 + lane];
       if (lid >= 0 && lid < L && rk >= 0) {
         const i64 r = (i64)base[s * L + lid] + rk;
-        if (r < p.row_cap) {
-          row = (int)r;
-          info_le[r] = lid;
-          info_src[r] = s;
-          info_tok[r] = m[2 * K];
-          info_w[r] = m[K + lane];
-        }
+        if (r < p.row_cap) row = (int)r;
       }
-      p.comb_rows[item * K + lane] = row;
+      if (part == 0) {  // metadata once per item
+        if (row >= 0) {
+          info_le[row] = lid;
+          info_src[row] = s;
+          info_tok[row] = m[2 * K];
+          info_w[row] = m[K + lane];
+        }
+        p.comb_rows[item * K + lane] = row;
+      }
     }
     const u32 bal = __ballot_sync(~0u, row >= 0);
-    if (row >= 0) rows[warp][__popc(bal & lanemask_lt())] = row;
-    __syncwarp();
-    const int n = __popc(bal);
     const char* src = (const char*)p.recv_x + item * row_bytes;
-    char* out = (char*)p.out_x;
-    for (i64 i = lane; i < packs; i += 32 * kMoeUnroll) {
-      V16 v[kMoeUnroll];
+    const i64 c0 = piece_begin(packs, part, parts), c1 = piece_begin(packs, part + 1, parts);
+    // Passes are warp-uniform (not per lane): every lane must reach the shuffle.
+    for (i64 pass = c0; pass < c1; pass += 32 * kMoeUnroll) {
+      const i64 i = pass + lane;
+      V16 v[kMoeUnroll];  // every load of the pass in flight before the first store
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
-        if (i + u * 32 < packs) v[u] = ld_v16(src + (i + u * 32) * kPackBytes);
+        if (i + u * 32 < c1) v[u] = ld_v16_stable(src + (i + u * 32) * kPackBytes);
       }
-      for (int j = 0; j < n; ++j) {
-        char* o = out + (i64)rows[warp][j] * row_bytes;
+      // One copy per valid k, its row taken from the lane that computed it
+      // (a register shuffle instead of a shared-memory list per item).
+      for (u32 rest = bal; rest != 0; rest &= rest - 1) {
+        char* o = out + (i64)__shfl_sync(~0u, row, __ffs(rest) - 1) * row_bytes;
 #pragma unroll
         for (int u = 0; u < kMoeUnroll; ++u) {
-          if (i + u * 32 < packs) st_v16(o + (i + u * 32) * kPackBytes, v[u]);
+          if (i + u * 32 < c1) st_v16(o + (i + u * 32) * kPackBytes, v[u]);
         }
       }
     }
-    __syncwarp();  // rows[warp] is reused by the next item
   }
 }
 
 // ---------------------------------------------------------------- combine
 
-// kCombGroup: expert_out rows loaded together per pack in the combine send.
-constexpr int kCombGroup = 8;
-constexpr int kCombUnroll = 2;
+// kCombGroup: expert_out rows whose loads are in flight together in the
+// combine send; items with more valid k's than that take the slower path.
+constexpr int kCombGroup = MOE_COMB_GROUP;
+// kCombUnroll: packs of T per lane per pass of the combine send.
+constexpr int kCombUnroll = MOE_COMB_UNROLL;
+// The combine reduce keeps kReduceLoads 16-byte partial loads in flight per
+// lane: kReduceRanks ranks at a time, times the passes' packs.
+constexpr int kReduceLoads = MOE_REDUCE_LOADS;
+constexpr int kReduceRanks = 4;
+static_assert(kCombGroup >= 1 && kCombGroup <= 32 && kCombUnroll >= 1 && kReduceLoads >= 8, "combine knobs");
+
+// Transit<T, C> checks the combine transit type: float (exact partials) or
+// T (each partial rounded once; half the bytes).
+template <typename T, typename C> struct Transit {
+  static constexpr bool kOk = sizeof(C) == sizeof(T) || sizeof(C) == sizeof(float);
+  static constexpr int kIn = PackOf<T>::kElems / PackOf<C>::kElems;  // C packs per T pack
+};
+
+// store_partial rounds the float32 sums acc of one pack of T to C (exact
+// for float) and stores them at pack c of the partial row dst.
+template <typename T, typename C>
+DINLINE void store_partial(C* dst, i64 c, const float (&acc)[PackOf<T>::kElems]) {
+  constexpr int P = PackOf<T>::kElems, PC = PackOf<C>::kElems;
+#pragma unroll
+  for (int q = 0; q < P / PC; ++q) {
+    Pack<C> o;
+#pragma unroll
+    for (int e = 0; e < PC; ++e) o.e[e] = Num<C>::from(acc[q * PC + e]);
+    st_v16(dst + c * P + q * PC, o.v);
+  }
+}
+
+// add_weighted: acc += weight * in, elementwise, each product and sum
+// rounded to float32 (no FMA: the same bits as torch's mul, then add).
+template <typename T>
+DINLINE void add_weighted(float (&acc)[PackOf<T>::kElems], float weight, V16 raw) {
+  Pack<T> in;
+  in.v = raw;
+#pragma unroll
+  for (int e = 0; e < PackOf<T>::kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(weight, Num<T>::to(in.e[e])));
+}
+
+// ItemRows is one combine item's valid pairs, one per lane (lane = k):
+// row is its expert_out row (-1: none), weight its topk weight. `valid`
+// has bit k set for each valid pair, identical on every lane.
+struct ItemRows {
+  int row;
+  float weight;
+  u32 valid;
+};
+
+// take_group gives every lane the next kCombGroup valid pairs of `rest`
+// (lowest k first) as row pointers and weights, through register shuffles,
+// and clears them from rest. Missing ones point at expert_out and weigh 0;
+// the caller bounds its loops by the count. Every lane must call it.
+DINLINE int take_group(const ItemRows& it, u32& rest, const char* out, i64 row_bytes,
+                       const char* (&src)[kCombGroup], float (&wt)[kCombGroup]) {
+  const int n = __popc(rest) < kCombGroup ? __popc(rest) : kCombGroup;
+#pragma unroll
+  for (int j = 0; j < kCombGroup; ++j) {
+    const int from = rest != 0 ? __ffs(rest) - 1 : 0;
+    const int r = __shfl_sync(~0u, it.row, from);
+    wt[j] = __shfl_sync(~0u, it.weight, from);
+    src[j] = out + (i64)(r >= 0 ? r : 0) * row_bytes;
+    rest &= rest - 1;
+  }
+  return n;
+}
+
+// combine_pieces_few: packs [c0, c1) of one item's partial when it has at
+// most kCombGroup valid pairs (the common case): per pass, every lane loads
+// kCombUnroll packs of every row before any math, then sums each pack over
+// the rows in k order from +0 and stores it.
+template <typename T, typename C>
+DINLINE void combine_pieces_few(const ItemRows& it, const char* out, i64 row_bytes, C* dst, i64 c0, i64 c1) {
+  constexpr int P = PackOf<T>::kElems;
+  const char* src[kCombGroup];
+  float wt[kCombGroup];
+  u32 rest = it.valid;
+  const int n = take_group(it, rest, out, row_bytes, src, wt);
+  const int lane = (int)(threadIdx.x & 31);
+  for (i64 pass = c0; pass < c1; pass += 32 * kCombUnroll) {
+    V16 raw[kCombGroup][kCombUnroll];
+#pragma unroll
+    for (int j = 0; j < kCombGroup; ++j) {
+#pragma unroll
+      for (int u = 0; u < kCombUnroll; ++u) {
+        const i64 c = pass + lane + 32 * u;
+        if (j < n && c < c1) raw[j][u] = ld_v16_stable(src[j] + c * kPackBytes);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCombUnroll; ++u) {
+      const i64 c = pass + lane + 32 * u;
+      if (c < c1) {
+        float acc[P];
+#pragma unroll
+        for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kCombGroup; ++j) {
+          if (j < n) add_weighted<T>(acc, wt[j], raw[j][u]);
+        }
+        store_partial<T, C>(dst, c, acc);
+      }
+    }
+  }
+}
+
+// combine_pieces_many: the same for items with more than kCombGroup valid
+// pairs (up to topk), one pack per lane per pass and kCombGroup rows at a
+// time, still summed in k order.
+template <typename T, typename C>
+DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_bytes, C* dst, i64 c0, i64 c1) {
+  constexpr int P = PackOf<T>::kElems;
+  const int lane = (int)(threadIdx.x & 31);
+  for (i64 pass = c0; pass < c1; pass += 32) {
+    const i64 c = pass + lane;
+    float acc[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+    for (u32 rest = it.valid; rest != 0;) {  // warp-uniform: every lane shuffles
+      const char* src[kCombGroup];
+      float wt[kCombGroup];
+      const int n = take_group(it, rest, out, row_bytes, src, wt);
+      V16 raw[kCombGroup];
+#pragma unroll
+      for (int j = 0; j < kCombGroup; ++j) {
+        if (j < n && c < c1) raw[j] = ld_v16_stable(src[j] + c * kPackBytes);
+      }
+#pragma unroll
+      for (int j = 0; j < kCombGroup; ++j) {
+        if (j < n && c < c1) add_weighted<T>(acc, wt[j], raw[j]);
+      }
+    }
+    if (c < c1) store_partial<T, C>(dst, c, acc);
+  }
+}
 
 // moe_combine_send runs on the expert rank between the start and mid
-// barriers. One warp per received (source, slot): the partial sum over k
-// ascending of weight_k * expert_out[row_k], each product and sum rounded
-// to float32 (no FMA: the same bits as torch's mul then add), stored as
-// float32 into the source's comb[this rank, slot].
-template <typename T>
+// barriers. Per received (source, slot): the partial sum over k ascending
+// of weight_k * expert_out[row_k], each product and sum rounded to float32
+// from +0, rounded once to C (exact for float) and stored into the source's
+// comb[this rank, slot]. One warp per item (or per piece of it, when the
+// grid has more warps than items). Items go slot-major with sources rotated
+// by rank, so consecutive warps write to different ranks: in source-major
+// order every expert rank wrote into the same source at once, and that one
+// rank's NVLink ingress bounded the whole exchange.
+template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombineParams p) {
-  __shared__ int rows[kMoeWarps][kMoeMaxTopK];
-  __shared__ float wts[kMoeWarps][kMoeMaxTopK];
+  static_assert(Transit<T, C>::kOk, "combine transit is float or T");
   constexpr int P = PackOf<T>::kElems;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
   const int L = p.num_local, W = p.world, K = p.topk, Tm = p.max_tokens, H = p.hidden;
@@ -492,125 +716,104 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   const i64 ppr = H / P;  // packs per row
   const char* out = (const char*)p.expert_out;
   const i64 items = (i64)W * Tm;
-  for (i64 item = (i64)blockIdx.x * nw + warp; item < items; item += (i64)gridDim.x * nw) {
-    const int s = (int)(item / Tm), slot = (int)(item % Tm);
+  const i64 gwarps = (i64)gridDim.x * nw;
+  const int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, ppr, 32 * kCombUnroll);
+  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < items * parts; unit += gwarps) {
+    const i64 order = unit / parts;
+    const int part = (int)(unit % parts);
+#if MOE_COMB_INTERLEAVE
+    const int slot = (int)(order / W), s = (int)((order % W + p.rank + 1) % W);
+#else
+    const int s = (int)(order / Tm), slot = (int)(order % Tm);
+#endif
     if (slot >= p.hdr[s * (L + 1)]) continue;  // warp-uniform
-    int row = -1;
-    float w = 0.0f;
+    const i64 item = (i64)s * Tm + slot;
+    ItemRows it;
+    it.row = -1;
+    it.weight = 0.0f;
     if (lane < K) {
-      row = p.comb_rows[item * K + lane];
-      w = __int_as_float(p.meta[item * MW + K + lane]);
-      if (row >= p.row_cap) row = -1;
+      it.row = p.comb_rows[item * K + lane];
+      it.weight = __int_as_float(p.meta[item * MW + K + lane]);
+      if (it.row >= p.row_cap) it.row = -1;
     }
-    const u32 bal = __ballot_sync(~0u, row >= 0);
-    if (row >= 0) {
-      const int j = __popc(bal & lanemask_lt());
-      rows[warp][j] = row;
-      wts[warp][j] = w;
+    it.valid = __ballot_sync(~0u, it.row >= 0);
+    C* dst = (C*)pick(p.peer_comb, s) + ((i64)p.rank * (Tm + 1) + slot) * (i64)H;
+    const i64 c0 = piece_begin(ppr, part, parts), c1 = piece_begin(ppr, part + 1, parts);
+    if (__popc(it.valid) <= kCombGroup) {
+      combine_pieces_few<T, C>(it, out, row_bytes, dst, c0, c1);
+    } else {
+      combine_pieces_many<T, C>(it, out, row_bytes, dst, c0, c1);
     }
-    __syncwarp();
-    const int n = __popc(bal);
-    float* dst = (float*)pick(p.peer_comb, s) + ((i64)p.rank * (Tm + 1) + slot) * (i64)H;
-    for (i64 c = lane; c < ppr; c += 32 * kCombUnroll) {
-      float acc[kCombUnroll][P];
-#pragma unroll
-      for (int u = 0; u < kCombUnroll; ++u) {
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[u][e] = 0.0f;
-      }
-      for (int j0 = 0; j0 < n; j0 += kCombGroup) {
-        V16 raw[kCombUnroll][kCombGroup];
-#pragma unroll
-        for (int jj = 0; jj < kCombGroup; ++jj) {
-          if (j0 + jj < n) {
-            const char* r = out + (i64)rows[warp][j0 + jj] * row_bytes;
-#pragma unroll
-            for (int u = 0; u < kCombUnroll; ++u) {
-              const i64 cc = c + u * 32;
-              if (cc < ppr) raw[u][jj] = ld_v16(r + cc * kPackBytes);
-            }
-          }
-        }
-#pragma unroll
-        for (int jj = 0; jj < kCombGroup; ++jj) {
-          if (j0 + jj < n) {
-            const float wj = wts[warp][j0 + jj];
-#pragma unroll
-            for (int u = 0; u < kCombUnroll; ++u) {
-              if (c + u * 32 < ppr) {
-                Pack<T> in;
-                in.v = raw[u][jj];
-#pragma unroll
-                for (int e = 0; e < P; ++e) acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(wj, Num<T>::to(in.e[e])));
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kCombUnroll; ++u) {
-        const i64 cc = c + u * 32;
-        if (cc < ppr) {
-#pragma unroll
-          for (int q = 0; q < P / 4; ++q) {
-            V16 v;
-            v.x = __float_as_uint(acc[u][4 * q]);
-            v.y = __float_as_uint(acc[u][4 * q + 1]);
-            v.z = __float_as_uint(acc[u][4 * q + 2]);
-            v.w = __float_as_uint(acc[u][4 * q + 3]);
-            st_v16(dst + cc * P + 4 * q, v);
-          }
-        }
-      }
-    }
-    __syncwarp();  // rows[warp] / wts[warp] are reused by the next item
   }
 }
 
 // moe_combine_reduce runs on the source after the mid barrier: y[t] = sum
-// over ranks d ascending (those token t went to) of comb[d, slot of t on d],
-// in float32 from +0, rounded once to T; zeros for a token sent nowhere.
-// One thread per 16-byte pack of y.
-template <typename T>
+// over ranks d ascending (those token t went to) of comb[d, slot of t on d]
+// (C widened to float32), in float32 from +0, rounded once to T; zeros for
+// a token sent nowhere. One warp per (token, run of 32 * U packs): the
+// token's slots are loaded once per lane, then the partials of
+// kReduceRanks ranks for all U packs, kReduceLoads loads in flight.
+template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombineParams p) {
-  constexpr int P = PackOf<T>::kElems;
-  constexpr int Q = P / 4;  // float32 packs per T pack
+  static_assert(Transit<T, C>::kOk, "combine transit is float or T");
+  constexpr int P = PackOf<T>::kElems, PC = PackOf<C>::kElems, Q = Transit<T, C>::kIn;
+  constexpr int U = kReduceLoads / (kReduceRanks * Q);
+  static_assert(U >= 1, "reduce unroll");
+  const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5), nw = (int)blockDim.x >> 5;
   const int W = p.world, H = p.hidden, Tm = p.max_tokens;
   const i64 ppr = H / P;
-  const i64 total = (i64)p.num_tokens * ppr;
-  const float* comb = (const float*)pick(p.peer_comb, p.rank);
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-    const i64 t = i / ppr, c = i % ppr;
-    V16 raw[kMaxRanks][Q];
-    bool has[kMaxRanks];
+  const i64 runs = (ppr + 32 * U - 1) / (32 * U);  // per token
+  const C* comb = (const C*)pick(p.peer_comb, p.rank);
+  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < (i64)p.num_tokens * runs; unit += (i64)gridDim.x * nw) {
+    const i64 t = unit / runs, c0 = (unit % runs) * 32 * U + lane;
+    float acc[U][P];
 #pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      const int slot = d < W ? p.send_slot[t * W + d] : -1;
-      has[d] = slot >= 0;
-      if (has[d]) {
-        const float* part = comb + ((i64)d * (Tm + 1) + slot) * (i64)H + c * P;
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int q = 0; q < Q; ++q) raw[d][q] = ld_v16(part + 4 * q);
-      }
+      for (int e = 0; e < P; ++e) acc[u][e] = 0.0f;
     }
-    float acc[P];
+    for (int d0 = 0; d0 < W; d0 += kReduceRanks) {
+      int slot[kReduceRanks];  // all slot loads issued before the partials that need them
 #pragma unroll
-    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+      for (int r = 0; r < kReduceRanks; ++r) slot[r] = d0 + r < W ? p.send_slot[t * W + d0 + r] : -1;
+      V16 raw[kReduceRanks][U][Q];
 #pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      if (has[d]) {
+      for (int r = 0; r < kReduceRanks; ++r) {
+        const C* part = comb + ((i64)(d0 + r) * (Tm + 1) + slot[r]) * (i64)H;
 #pragma unroll
-        for (int q = 0; q < Q; ++q) {
-          acc[4 * q] = __fadd_rn(acc[4 * q], __uint_as_float(raw[d][q].x));
-          acc[4 * q + 1] = __fadd_rn(acc[4 * q + 1], __uint_as_float(raw[d][q].y));
-          acc[4 * q + 2] = __fadd_rn(acc[4 * q + 2], __uint_as_float(raw[d][q].z));
-          acc[4 * q + 3] = __fadd_rn(acc[4 * q + 3], __uint_as_float(raw[d][q].w));
+        for (int u = 0; u < U; ++u) {
+          const i64 c = c0 + 32 * u;
+          if (slot[r] >= 0 && c < ppr) {
+#pragma unroll
+            for (int q = 0; q < Q; ++q) raw[r][u][q] = ld_v16_stable(part + c * P + q * PC);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kReduceRanks; ++r) {
+        if (slot[r] < 0) continue;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (c0 + 32 * u >= ppr) continue;  // nothing loaded there
+#pragma unroll
+          for (int q = 0; q < Q; ++q) {
+            Pack<C> in;
+            in.v = raw[r][u][q];
+#pragma unroll
+            for (int e = 0; e < PC; ++e) acc[u][q * PC + e] = __fadd_rn(acc[u][q * PC + e], Num<C>::to(in.e[e]));
+          }
         }
       }
     }
-    Pack<T> o;
 #pragma unroll
-    for (int e = 0; e < P; ++e) o.e[e] = Num<T>::from(acc[e]);
-    st_v16((char*)p.y + (t * ppr + c) * kPackBytes, o.v);
+    for (int u = 0; u < U; ++u) {
+      const i64 c = c0 + 32 * u;
+      if (c < ppr) {
+        Pack<T> o;
+#pragma unroll
+        for (int e = 0; e < P; ++e) o.e[e] = Num<T>::from(acc[u][e]);
+        st_v16((char*)p.y + (t * ppr + c) * kPackBytes, o.v);
+      }
+    }
   }
 }

@@ -4,15 +4,29 @@ all-to-all baseline over torch.distributed (NCCL on GPU, gloo on CPU).
     torchrun --nproc_per_node=4 -m p2pcomm.bench moe                       # GPU: E=256 H=7168 K=8, 4096 and 128 tokens
     torchrun --nproc_per_node=2 -m p2pcomm.bench moe --device cpu          # small CPU run
 
-Every rank runs it; rank 0 prints a table and writes CSV and markdown into
---out. Times are medians over --reps of CUDA-event (GPU) or wall (CPU)
+Every rank runs it; rank 0 prints two tables and writes CSV and markdown
+into --out. Times are medians over --reps of CUDA-event (GPU) or wall (CPU)
 times, the slowest rank's; dispatch and combine are timed separately.
 GB/s counts only token bytes that cross between ranks: p2pcomm sends a token
-row once per destination rank and gets back one float32 partial per (token,
-rank); the baseline sends a row per (token, expert) pair and gets a row of
-dtype back per pair (the usual all-to-all dispatcher: count exchange,
-all_to_all_single of the permuted rows, local permute into expert-major
-order, and the reverse for combine).
+row once per destination rank and gets back one partial per (token, rank)
+in the combine transit type (column "partials": float32, or the model dtype
+with --combine-dtype; both by default); the baseline sends a row per
+(token, expert) pair and gets a row of dtype back per pair (the usual
+all-to-all dispatcher: count exchange, all_to_all_single of the permuted
+rows, local permute into expert-major order, and the reverse for combine).
+
+The first table times each call after a host barrier, as before, so a
+dispatch also absorbs the ranks' launch skew. The phase table (on by
+default; --no-breakdown skips it) reruns eager calls, capturable calls
+launched from Python and (GPU) CUDA-graph replays, with the ranks' streams
+first aligned by a stream barrier (on GPU a barrier kernel), and times each
+phase between CUDA events (wall clock on CPU; event-record nodes inside the
+graphs) that ExpertParallel records as each phase ends: dispatch: agree
+(argument agreement with its host sync, or the bare start barrier in
+capturable mode), send kernel, mid barrier, size (eager kernels: the host
+reads the received counts), expand kernel; combine: agree, send kernel, mid
+barrier, reduce kernel (on CPU the torch-op steps of the same names). Each
+phase is the slowest rank's median, so phases need not add up to the total.
 """
 
 from __future__ import annotations
@@ -36,6 +50,7 @@ class MoeRow:
     tokens: int
     impl: str
     mode: str
+    partials: str = "-"
     dispatch_us: Optional[float] = None
     dispatch_gbps: Optional[float] = None
     combine_us: Optional[float] = None
@@ -43,20 +58,49 @@ class MoeRow:
     status: str = "ok"
 
     def cells(self) -> list[str]:
-        f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
-        return [str(self.tokens), self.impl, self.mode, f(self.dispatch_us, 1), f(self.dispatch_gbps, 1),
-                f(self.combine_us, 1), f(self.combine_gbps, 1), self.status]
+        return [str(self.tokens), self.impl, self.mode, self.partials, _num(self.dispatch_us, 1),
+                _num(self.dispatch_gbps, 1), _num(self.combine_us, 1), _num(self.combine_gbps, 1), self.status]
 
 
-HEADERS = ["tokens/rank", "impl", "mode", "dispatch us", "dispatch GB/s", "combine us", "combine GB/s", "status"]
-_NUMERIC = (0, 3, 4, 5, 6)
+HEADERS = ["tokens/rank", "impl", "mode", "partials", "dispatch us", "dispatch GB/s", "combine us", "combine GB/s",
+           "status"]
+_NUMERIC = (0, 4, 5, 6, 7)
+
+# Phases as ExpertParallel._phase names them, in call order ("size" only on the eager kernel path).
+DISPATCH_PHASES = ("agree", "send", "mid barrier", "size", "expand")
+COMBINE_PHASES = ("agree", "send", "mid barrier", "reduce")
+PHASE_COLUMNS = [f"dispatch {p}" for p in DISPATCH_PHASES + ("total",)] + \
+    [f"combine {p}" for p in COMBINE_PHASES + ("total",)]
+PHASE_HEADERS = ["tokens/rank", "mode", "partials"] + \
+    [c.replace("dispatch ", "d.").replace("combine ", "c.").replace("mid barrier", "mid") for c in PHASE_COLUMNS] + \
+    ["status"]
+_PHASE_NUMERIC = (0,) + tuple(range(3, 3 + len(PHASE_COLUMNS)))
 
 
-def text_table(rows: list[list[str]], widths: list[int]) -> str:
-    widths = [max([len(h), w] + [len(r[i]) for r in rows]) for i, (h, w) in enumerate(zip(HEADERS, widths))]
-    line = lambda cells: "  ".join(c.rjust(w) if i in _NUMERIC else c.ljust(w)  # noqa: E731
+@dataclasses.dataclass
+class PhaseRow:
+    tokens: int
+    mode: str
+    partials: str
+    us: dict  # PHASE_COLUMNS name -> microseconds, or None where the path has no such phase
+    status: str = "ok"
+
+    def cells(self) -> list[str]:
+        return [str(self.tokens), self.mode, self.partials] + [_num(self.us.get(c), 1) for c in PHASE_COLUMNS] + \
+            [self.status]
+
+
+def _num(v: Optional[float], places: int) -> str:
+    return "-" if v is None else f"{v:.{places}f}"
+
+
+def text_table(headers: list[str], rows: list[list[str]], numeric, min_widths: Optional[list[int]] = None) -> str:
+    """Aligned columns; min_widths keeps tables printed piecewise aligned."""
+    min_widths = min_widths or [0] * len(headers)
+    widths = [max([len(h), m] + [len(r[i]) for r in rows]) for i, (h, m) in enumerate(zip(headers, min_widths))]
+    line = lambda cells: "  ".join(c.rjust(w) if i in numeric else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(HEADERS), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def routing(T: int, E: int, K: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,6 +142,13 @@ def slowest_median(times: list[float], ctl) -> float:
     return t.item()
 
 
+def slowest_medians(times: dict, names: list[str], ctl) -> dict:
+    """{name: slowest rank's median seconds, None where no rank has it}."""
+    t = torch.tensor([statistics.median(times[n]) if times.get(n) else -1.0 for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctl)
+    return {n: (v if v >= 0 else None) for n, v in zip(names, t.tolist())}
+
+
 def mean_over_ranks(v: float, ctl) -> float:
     t = torch.tensor([v], dtype=torch.float64)
     dist.all_reduce(t, group=ctl)
@@ -137,6 +188,98 @@ def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl) -
         combine(recv)
     sync_all(device, ctl)
     return time_pair(lambda: gd.replay(), lambda _: gc.replay(), reps, 2, device, ctl)
+
+
+def phase_times(ep, x, idx, w, mode: str, reps: int, warmup: int, device, ctl) -> dict:
+    """Per-rep seconds of each phase, {PHASE_COLUMNS name: [s, ...]}, of
+    dispatch then combine in `mode` (eager, capturable, or graph: both
+    captured with the phase marks inside), the ranks' streams aligned by a
+    stream barrier before each rep (not timed)."""
+    if mode == "graph":
+        return _graph_phase_times(ep, x, idx, w, reps, device, ctl)
+    clock = Clock(device)
+    capturable = mode == "capturable"
+    for _ in range(warmup):
+        _round(ep, x, idx, w, capturable)
+    times: dict = {}
+    for _ in range(reps):
+        sync_all(device, ctl)
+        ep.comm.stream_barrier()  # every rank's stream starts within one barrier's skew of the others
+        start = clock.mark()
+        dispatch_marks, combine_marks = [], []
+        try:
+            ep._on_phase = lambda name: dispatch_marks.append((name, clock.mark()))
+            recv = ep.dispatch(x, idx, w, capturable=capturable)
+            ep._on_phase = lambda name: combine_marks.append((name, clock.mark()))
+            ep.combine(recv.x, recv)
+        finally:
+            ep._on_phase = None
+        _add_phases(times, "dispatch", start, dispatch_marks, clock)
+        _add_phases(times, "combine", dispatch_marks[-1][1], combine_marks, clock)
+    return times
+
+
+def _graph_phase_times(ep, x, idx, w, reps: int, device, ctl) -> dict:
+    """phase_times for CUDA graphs: the phase marks are event-record nodes
+    (torch.cuda.Event(external=True)) captured with dispatch and combine,
+    so each replay re-records them. No replay runs unless every rank
+    captured."""
+    clock = Clock(device)
+
+    def recorder(marks: list):
+        def mark(name: str) -> None:
+            e = torch.cuda.Event(enable_timing=True, external=True)
+            e.record()
+            marks.append((name, e))
+        return mark
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _round(ep, x, idx, w, True)  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    sync_all(device, ctl)
+    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    dispatch_marks, combine_marks, captured = [], [], None
+    try:
+        ep._on_phase = recorder(dispatch_marks)
+        with torch.cuda.graph(gd):
+            recv = ep.dispatch(x, idx, w, capturable=True)
+        ep._on_phase = recorder(combine_marks)
+        with torch.cuda.graph(gc, pool=gd.pool()):
+            ep.combine(recv.x, recv)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        captured = e
+    finally:
+        ep._on_phase = None
+    if not _agree(captured is None, ctl):
+        raise RuntimeError(f"graph capture with phase events failed on some rank: {captured!r}")
+    sync_all(device, ctl)
+    times: dict = {}
+    for _ in range(reps):
+        sync_all(device, ctl)
+        ep.comm.stream_barrier()
+        start = clock.mark()
+        gd.replay()
+        gc.replay()
+        _add_phases(times, "dispatch", start, dispatch_marks, clock)
+        _add_phases(times, "combine", dispatch_marks[-1][1], combine_marks, clock)
+    return times
+
+
+def _add_phases(times: dict, call: str, begin, marks: list, clock: Clock) -> None:
+    """Append each phase's seconds (from the previous mark, the first from
+    begin) and the call's total to times["<call> <phase>"]."""
+    before = begin
+    for name, mark in marks:
+        times.setdefault(f"{call} {name}", []).append(clock.seconds(before, mark))
+        before = mark
+    times.setdefault(f"{call} total", []).append(clock.seconds(begin, marks[-1][1]))
+
+
+def _round(ep, x, idx, w, capturable: bool):
+    recv = ep.dispatch(x, idx, w, capturable=capturable)
+    return ep.combine(recv.x, recv)
 
 
 class AllToAllBaseline:
@@ -182,14 +325,42 @@ class AllToAllBaseline:
         return y.to(out.dtype)
 
 
+def combine_dtypes(choice: str, dtype: torch.dtype) -> Optional[list]:
+    """The combine transit types to run for --combine-dtype (None: not
+    allowed with this --dtype)."""
+    if choice == "both":
+        return [torch.float32] + ([dtype] if dtype != torch.float32 else [])
+    if choice == "dtype":
+        return [dtype]
+    named = _DTYPES[choice]
+    return [named] if named in (torch.float32, dtype) else None
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def bench_moe(args) -> int:
+    """The benchmark; tears the process group down on the way out, as the
+    all-reduce benchmark does."""
+    try:
+        return _bench_moe(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _bench_moe(args) -> int:
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
     init_distributed(device)
     from .communicator import Communicator
-    from .moe import ExpertParallel
 
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = _DTYPES[args.dtype]
+    transits = combine_dtypes(args.combine_dtype, dtype)
+    if transits is None:
+        say(f"--combine-dtype {args.combine_dtype}: use float32, {args.dtype} (= dtype) or both")
+        return 2
     cuda = device.type == "cuda"
     hidden = args.hidden or (7168 if cuda else 256)
     tokens = args.tokens or ([4096, 128] if cuda else [64])
@@ -203,28 +374,29 @@ def bench_moe(args) -> int:
     base_name = "nccl a2a" if cuda else "gloo a2a"
     header = header_lines(args, device, dtype, world) + [
         f"experts: {E} ({E // world} per rank), hidden: {hidden}, topk: {K}, random routing (distinct experts)",
-        ("note: fused kernels (native/kernels/moe.cu) on " + str(args.num_sms) + " SMs; float32 partials in combine"
+        ("note: fused kernels (native/kernels/moe.cu) on " + str(args.num_sms) + " SMs"
          if cuda and dtype in (torch.bfloat16, torch.float16, torch.float32) else
          "note: torch-op implementation; num_sms is not bounded") + "; capturable mode moves worst-case buffers",
+        "combine partials travel in: " + ", ".join(_name(t) for t in transits) + " (column partials)",
     ]
     say("\n".join(header) + "\n")
     comm = Communicator(group=dist.group.WORLD, device=device)
     baseline = AllToAllBaseline(base_group, E, world, rank, device)
     rows: list[MoeRow] = []
-    widths = [11, 8, 10, 11, 13, 10, 12, 6]
-    say(text_table([], widths))
+    phase_rows: list[PhaseRow] = []
+    widths = [11, 8, 10, 8, 11, 13, 10, 12, 6]
+    say(text_table(HEADERS, [], _NUMERIC, widths))
     for T in tokens:
         g = torch.Generator().manual_seed(1000 * rank + T)
         x = (torch.randn(T, hidden, generator=g) * 0.5).to(dtype).to(device)
         idx, w, _ = routing(T, E, K, 7 * rank + T, device)
-        # Off-rank bytes per rank, for GB/s: p2pcomm rows per (token, other destination rank).
+        # Off-rank rows per rank, for GB/s: p2pcomm rows per (token, other destination rank).
         dest = torch.div(idx, E // world, rounding_mode="floor")
         hit = torch.zeros(T, world, dtype=torch.bool, device=device).scatter_(1, dest, True)
         hit[:, rank] = False
         p2p_rows = mean_over_ranks(float(hit.sum()), ctl)
         pair_rows = mean_over_ranks(float((dest != rank).sum()), ctl)
-        p2p_bytes = (p2p_rows * hidden * dtype.itemsize, p2p_rows * hidden * 4)
-        base_bytes = (pair_rows * hidden * dtype.itemsize,) * 2
+        base_bytes = pair_rows * hidden * dtype.itemsize
         new = []
         ref = None
         try:
@@ -232,49 +404,113 @@ def bench_moe(args) -> int:
             ref = baseline.combine(st["x"], st)
             td, tc = time_pair(lambda: baseline.dispatch(x, idx, w), lambda s: baseline.combine(s["x"], s),
                                args.reps, args.warmup, device, ctl)
-            new.append(MoeRow(T, base_name, "eager", td * 1e6, base_bytes[0] / td / 1e9, tc * 1e6,
-                              base_bytes[1] / tc / 1e9))
+            new.append(MoeRow(T, base_name, "eager", args.dtype, td * 1e6, base_bytes / td / 1e9, tc * 1e6,
+                              base_bytes / tc / 1e9))
         except Exception as e:  # noqa: BLE001 - reported as a row
-            new.append(MoeRow(T, base_name, "eager", status=_na(e)))
+            new.append(MoeRow(T, base_name, "eager", args.dtype, status=_na(e)))
             if cuda:
                 torch.cuda.synchronize()
-        modes = ["eager"] + (["graph"] if cuda and not args.no_graph else []) + \
-            (["capturable"] if not cuda and not args.no_graph else [])
-        for mode in modes:
-            try:
-                ep = ExpertParallel(comm, num_experts=E, hidden=hidden, max_tokens_per_rank=T, topk=K, dtype=dtype,
-                                    capturable=mode != "eager", num_sms=args.num_sms)
-                recv = ep.dispatch(x, idx, w)
-                y = ep.combine(recv.x, recv)
-                ok = ref is None or _close(y, ref, dtype, K)
-                ok = _agree(bool(ok), ctl)
-                if mode == "graph":
-                    td, tc = time_graphs(lambda: ep.dispatch(x, idx, w), lambda r: ep.combine(r.x, r), args.reps,
-                                         device, ctl)
-                else:
-                    td, tc = time_pair(lambda: ep.dispatch(x, idx, w), lambda r: ep.combine(r.x, r), args.reps,
-                                       args.warmup, device, ctl)
-                new.append(MoeRow(T, "p2pcomm", mode, td * 1e6, p2p_bytes[0] / td / 1e9, tc * 1e6,
-                                  p2p_bytes[1] / tc / 1e9, "ok" if ok else "WRONG"))
-                del ep, recv, y
-            except Exception as e:  # noqa: BLE001
-                new.append(MoeRow(T, "p2pcomm", mode, status=_na(e)))
-                if cuda:
-                    torch.cuda.synchronize()
+        run = P2PRun(comm, args, T, hidden, dtype, (x, idx, w), ref, p2p_rows, device, ctl)
+        for transit in transits:
+            got, phases = run.bench(transit)
+            new += got
+            phase_rows += phases
         rows += new
-        say("\n".join(text_table([r.cells() for r in new], widths).splitlines()[2:]))
+        say("\n".join(text_table(HEADERS, [r.cells() for r in new], _NUMERIC, widths).splitlines()[2:]))
+    if phase_rows:
+        say("\nper phase, us (ranks aligned by a stream barrier first; each phase the slowest rank's median):")
+        say(text_table(PHASE_HEADERS, [r.cells() for r in phase_rows], _PHASE_NUMERIC))
     if rank == 0:
-        for p in write_outputs(args.out, f"moe_{device.type}_{args.dtype}_w{world}", header, rows):
+        for p in write_outputs(args.out, f"moe_{device.type}_{args.dtype}_w{world}", header, rows, phase_rows):
             print(f"wrote {p}")
     dist.barrier(group=ctl)
     comm.close()
     return 0
 
 
-def _close(y, ref, dtype, K) -> bool:
-    # Both sum K weighted rows in float32 (different orders) and round once to dtype.
+@dataclasses.dataclass
+class P2PRun:
+    """p2pcomm's rows for one token count: one ExpertParallel per combine
+    transit serves every mode (capturable is a per-call choice)."""
+
+    comm: object
+    args: argparse.Namespace
+    tokens: int
+    hidden: int
+    dtype: torch.dtype
+    data: tuple  # x, topk_idx, topk_weights
+    ref: Optional[torch.Tensor]  # the baseline's combine, to check against
+    p2p_rows: float  # off-rank rows per rank, for GB/s
+    device: torch.device
+    ctl: object
+
+    def modes(self) -> list[str]:
+        cuda, graphs = self.device.type == "cuda", not self.args.no_graph
+        return ["eager"] + (["graph"] if cuda and graphs else []) + (["capturable"] if not cuda and graphs else [])
+
+    def bench(self, transit: torch.dtype) -> tuple[list[MoeRow], list[PhaseRow]]:
+        from .moe import ExpertParallel
+
+        a, T, label = self.args, self.tokens, _name(transit)
+        try:
+            ep = ExpertParallel(self.comm, num_experts=a.experts, hidden=self.hidden, max_tokens_per_rank=T,
+                                topk=a.topk, dtype=self.dtype, num_sms=a.num_sms, combine_dtype=transit)
+        except Exception as e:  # noqa: BLE001 - reported as rows
+            return [MoeRow(T, "p2pcomm", m, label, status=_na(e)) for m in self.modes()], []
+        rows = [self.time_mode(ep, mode, transit) for mode in self.modes()]
+        phases = [self.time_phases(ep, mode, label) for mode in self.phase_modes()] if a.breakdown else []
+        del ep
+        return rows, phases
+
+    def phase_modes(self) -> list[str]:
+        cuda, graphs = self.device.type == "cuda", not self.args.no_graph
+        return ["eager", "capturable"] + (["graph"] if cuda and graphs else [])
+
+    def time_phases(self, ep, mode: str, label: str) -> PhaseRow:
+        """One phase-table row; the ranks agree that every one measured
+        before they compare numbers, so a failure on one rank cannot leave
+        the others waiting in a collective."""
+        a, failure = self.args, None
+        try:
+            times = phase_times(ep, *self.data, mode, a.reps, a.warmup, self.device, self.ctl)
+        except Exception as e:  # noqa: BLE001 - reported as a row
+            times, failure = {}, e
+            self._settle()
+        if not _agree(failure is None, self.ctl):
+            return PhaseRow(self.tokens, mode, label, {}, status=_na(failure) if failure else "n/a: failed elsewhere")
+        medians = slowest_medians(times, PHASE_COLUMNS, self.ctl)
+        return PhaseRow(self.tokens, mode, label, {n: (v * 1e6 if v is not None else None) for n, v in medians.items()})
+
+    def time_mode(self, ep, mode: str, transit: torch.dtype) -> MoeRow:
+        a, (x, idx, w), label = self.args, self.data, _name(transit)
+        capturable = mode != "eager"
+        try:
+            y = _round(ep, x, idx, w, capturable)
+            ok = _agree(self.ref is None or _close(y, self.ref, self.dtype, transit), self.ctl)
+            dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
+            combine = lambda r: ep.combine(r.x, r)  # noqa: E731
+            if mode == "graph":
+                td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl)
+            else:
+                td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl)
+            sent = self.p2p_rows * self.hidden
+            return MoeRow(self.tokens, "p2pcomm", mode, label, td * 1e6, sent * self.dtype.itemsize / td / 1e9,
+                          tc * 1e6, sent * transit.itemsize / tc / 1e9, "ok" if ok else "WRONG")
+        except Exception as e:  # noqa: BLE001
+            self._settle()
+            return MoeRow(self.tokens, "p2pcomm", mode, label, status=_na(e))
+
+    def _settle(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def _close(y, ref, dtype, transit) -> bool:
+    # Both sum K weighted rows in float32 (different orders) and round once to dtype; partials
+    # rounded to dtype in transit add up to eps/2 of their sum (same signs here: no cancellation).
     eps = torch.finfo(dtype).eps
-    return bool(torch.allclose(y.double(), ref.double(), rtol=2 * eps, atol=2 * eps))
+    rtol = (2 if transit == torch.float32 else 3) * eps
+    return bool(torch.allclose(y.double(), ref.double(), rtol=rtol, atol=2 * eps))
 
 
 def _agree(ok: bool, ctl) -> bool:
@@ -288,24 +524,43 @@ def _na(e: BaseException) -> str:
     return f"n/a: {type(e).__name__}: {msg}"
 
 
-def write_outputs(out_dir: str, stem: str, header: list[str], rows: list[MoeRow]) -> list[str]:
+def write_outputs(out_dir: str, stem: str, header: list[str], rows: list[MoeRow],
+                  phase_rows: list[PhaseRow]) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    csv_path = os.path.join(out_dir, stem + ".csv")
-    with open(csv_path, "w", newline="") as f:
-        for line in header:
-            f.write(f"# {line}\n")
-        wr = csv.writer(f)
-        wr.writerow(["tokens_per_rank", "impl", "mode", "dispatch_us", "dispatch_gbps", "combine_us", "combine_gbps",
-                     "status"])
-        for r in rows:
-            wr.writerow([r.tokens, r.impl, r.mode] + ["" if v is None else f"{v:.3f}" for v in
-                                                      (r.dispatch_us, r.dispatch_gbps, r.combine_us, r.combine_gbps)]
-                        + [r.status])
+    paths = [os.path.join(out_dir, stem + ".csv")]
+    _write_csv(paths[0], header, ["tokens_per_rank", "impl", "mode", "partials", "dispatch_us", "dispatch_gbps",
+                                  "combine_us", "combine_gbps", "status"],
+               [[r.tokens, r.impl, r.mode, r.partials] + [_csv_num(v) for v in (r.dispatch_us, r.dispatch_gbps,
+                                                                                r.combine_us, r.combine_gbps)]
+                + [r.status] for r in rows])
+    if phase_rows:
+        paths.append(os.path.join(out_dir, stem + "_phases.csv"))
+        _write_csv(paths[-1], header, ["tokens_per_rank", "mode", "partials"]
+                   + [c.replace(" ", "_") + "_us" for c in PHASE_COLUMNS] + ["status"],
+                   [[r.tokens, r.mode, r.partials] + [_csv_num(r.us.get(c)) for c in PHASE_COLUMNS] + [r.status]
+                    for r in phase_rows])
     md_path = os.path.join(out_dir, stem + ".md")
     with open(md_path, "w") as f:
         f.write("# p2pcomm MoE dispatch/combine benchmark\n\n" + "\n".join(f"- {line}" for line in header) + "\n\n")
         f.write(md_table(HEADERS, [r.cells() for r in rows]) + "\n")
-    return [csv_path, md_path]
+        if phase_rows:
+            f.write("\n## Per phase, µs\n\nRanks aligned by a stream barrier first; each phase is the slowest rank's "
+                    "median (d. dispatch, c. combine).\n\n")
+            f.write(md_table(PHASE_HEADERS, [r.cells() for r in phase_rows]) + "\n")
+    return paths + [md_path]
+
+
+def _write_csv(path: str, header: list[str], columns: list[str], rows: list[list]) -> None:
+    with open(path, "w", newline="") as f:
+        for line in header:
+            f.write(f"# {line}\n")
+        wr = csv.writer(f)
+        wr.writerow(columns)
+        wr.writerows(rows)
+
+
+def _csv_num(v: Optional[float]) -> str:
+    return "" if v is None else f"{v:.3f}"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -313,6 +568,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="MoE dispatch/combine of p2pcomm.ExpertParallel vs all_to_all_single.")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--combine-dtype", choices=("both", "dtype") + tuple(sorted(_DTYPES)), default="both",
+                   help="combine transit: float32, the --dtype itself ('dtype' or its name), or both (default)")
     p.add_argument("--experts", type=int, default=256, help="num_experts E (divisible by the world size)")
     p.add_argument("--hidden", type=int, default=None, help="default 7168 on GPU, 256 on CPU")
     p.add_argument("--topk", type=int, default=8)
@@ -322,5 +579,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=20, help="timed repetitions; the median is reported")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph (capturable) rows")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each phase of dispatch and combine (default on; --no-breakdown skips it)")
     p.add_argument("--out", default="bench_out", help="directory for the CSV and markdown")
     return p

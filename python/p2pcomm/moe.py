@@ -21,11 +21,12 @@ as below:
   sort; rows are copied locally. Eager mode reads ``hdr`` once (the host
   sync) to size the result exactly.
 - ``moe_combine_send`` (expert rank): per received token, float32 sum over
-  k ascending of round(weight * row), stored as float32 into the source's
-  ``comb[d, slot]``. Partials travel in float32, not the model dtype:
-  rounding each rank's partial to bfloat16 would add an error relative to
-  the partials' magnitudes (which can cancel), beyond the documented
-  tolerance; it would halve combine's NVLink bytes.
+  k ascending of round(weight * row), stored into the source's
+  ``comb[d, slot]`` in the combine transit type: float32 by default (exact),
+  or the ep's dtype with ``combine_dtype=dtype`` (the partial rounded once;
+  half the NVLink bytes; see :class:`ExpertParallel` for the accuracy).
+  Items go slot-major with sources rotated by rank, so every rank's NVLink
+  ingress is busy at once.
 - ``moe_combine_reduce`` (source, after the mid barrier): the float32 sum
   over d ascending of the partials of the ranks token t went to, from +0,
   rounded once.
@@ -57,11 +58,15 @@ combine on expert rank d
   1. start barrier.
   2. For each (source, slot) received: partial = sum over k ascending of
      weight_k * expert_out[row(k)], in float32; packed in slot order and
-     copied contiguously into the source's ``comb[d, slot]`` (float32, so no
-     precision is lost in transit).
+     copied contiguously into the source's ``comb[d, slot]``, converted to
+     the combine transit type (float32: exact; the ep's dtype: rounded once).
   3. mid barrier.
-  4. The source sums ``comb[d, slot of t on d]`` over d ascending, in
-     float32, only for ranks d its token t was sent to, and casts to dtype.
+  4. The source sums ``comb[d, slot of t on d]`` (widened to float32) over d
+     ascending, in float32, only for ranks d its token t was sent to, and
+     casts to dtype.
+
+Peers are written in rotated order (rank + 1 first), so ranks that copy at
+the same time write into different peers.
 
 Why two barriers per call: the mid barrier orders writes before reads. The
 start barrier keeps a fast rank from overwriting a buffer that a slow peer
@@ -87,8 +92,13 @@ from .communicator import Communicator, ReduceOp
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-_CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "capturable", "world_size",
-                  "P2PCOMM_MOE_TORCH")
+_CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "combine_dtype", "capturable",
+                  "world_size", "P2PCOMM_MOE_TORCH")
+
+
+def _dtype_code(dtype) -> int:
+    """_EP_DTYPES code of dtype; -1 for anything else (unhashable included)."""
+    return _EP_DTYPES.get(dtype, -1) if isinstance(dtype, torch.dtype) else -1
 
 
 def _torch_path_forced() -> bool:
@@ -104,6 +114,24 @@ _KERNEL_TYPES = {torch.bfloat16: "bf16", torch.float16: "half16", torch.float32:
 _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
+_DISPATCH_KERNELS = ("moe_dispatch_send", "moe_dispatch_expand")
+_COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
+
+
+def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype) -> str:
+    """The name expression of ``kernel`` as moe.cu instantiates it."""
+    t = _KERNEL_TYPES[dtype]
+    return f"{kernel}<{t}, {_KERNEL_TYPES[combine_dtype]}>" if kernel in _COMBINE_KERNELS else f"{kernel}<{t}>"
+
+
+def kernel_expressions() -> set:
+    """Every kernel name expression this module may launch (each must be a
+    ``// p2pcomm:instantiate`` line of moe.cu)."""
+    exprs = set()
+    for dtype in _KERNEL_TYPES:
+        for transit in {torch.float32, dtype}:
+            exprs.update(_kernel_expr(k, dtype, transit) for k in _DISPATCH_KERNELS + _COMBINE_KERNELS)
+    return exprs
 
 
 class _DispatchParams(ctypes.Structure):
@@ -174,7 +202,9 @@ class DispatchResult:
       possibly NaN; weight and src fields there are undefined too).
 
     The private fields carry what :meth:`ExpertParallel.combine` needs; a
-    result stays valid for combine until the next dispatch of the same ep.
+    result stays valid for combine until the next dispatch of the same ep
+    (which reuses the ep's buffers): combine with an older one raises
+    StateError (see :meth:`ExpertParallel.combine`).
     """
 
     x: torch.Tensor
@@ -186,6 +216,7 @@ class DispatchResult:
     weight: torch.Tensor
     capturable: bool
     _ep_id: int = dataclasses.field(repr=False)
+    _seq: int = dataclasses.field(repr=False)  # which dispatch of the ep made it (1, 2, ...)
     _num_tokens: int = dataclasses.field(repr=False)  # T on this (source) rank
     _send_mask: torch.Tensor = dataclasses.field(repr=False)  # [W, T] bool: token t went to rank d
     _send_slot: torch.Tensor = dataclasses.field(repr=False)  # [W, T] int64: its slot there (T_max if not)
@@ -220,17 +251,34 @@ class ExpertParallel:
       default 24, clamped to the GPU's SM count. Ignored by the torch-op
       path (CPU, float64, or shapes the kernels do not take; see
       :attr:`uses_kernels`).
+    - ``combine_dtype``: the type partials travel in during :meth:`combine`:
+      torch.float32 (default; None means the same) or the ep's ``dtype``.
+      Anything else raises UnsupportedError (InvalidArgumentError if it is
+      not a torch.dtype).
 
-    Memory: symmetric buffers of about W*(T_max+1)*(H*(itemsize+4) +
-    (2K+1)*4) bytes per rank, held until the communicator closes; in
-    capturable mode each dispatch also returns worst-case [W*T_max*K, H]
-    rows.
+    Accuracy of combine. Each expert rank d sums its share of a token in
+    float32 (k ascending) into a partial p_d; the token's rank adds the
+    partials in float32 (d ascending) and rounds once to dtype. With
+    combine_dtype=float32 the partials arrive exact, so y is within
+    eps/2*|y| + (K+W)*eps32*S of the exact sum (eps: dtype's, eps32:
+    float32's, S = sum over k of |w_k * out_k|). With combine_dtype=dtype
+    each p_d is rounded once to dtype before it travels (half the bytes),
+    adding at most eps/2 * sum over d of |p_d| <= eps/2 * S: no more than
+    the final rounding when the contributions share a sign, more when they
+    cancel. Tokens whose experts all live on one rank get the same bits
+    either way. Both are deterministic and bit-identical run to run.
+
+    Memory: symmetric buffers of about W*(T_max+1)*(H*(itemsize +
+    combine itemsize) + (3K+1)*4) bytes per rank, held until the
+    communicator closes; in capturable mode each dispatch also returns
+    worst-case [W*T_max*K, H] rows.
     """
 
     _next_id = 0
 
     def __init__(self, comm: Communicator, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
-                 dtype: torch.dtype = torch.bfloat16, *, capturable: bool = False, num_sms: Optional[int] = None):
+                 dtype: torch.dtype = torch.bfloat16, *, capturable: bool = False, num_sms: Optional[int] = None,
+                 combine_dtype: Optional[torch.dtype] = torch.float32):
         if not isinstance(comm, Communicator):
             raise InvalidArgumentError(f"comm must be a p2pcomm.Communicator, got {type(comm).__name__}")
         self.comm = comm
@@ -239,8 +287,11 @@ class ExpertParallel:
         if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
             raise InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         self.num_sms = num_sms
-        problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable)
-        self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable)
+        combine_dtype = torch.float32 if combine_dtype is None else combine_dtype
+        problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
+                                             combine_dtype)
+        self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
+                              combine_dtype)
         if problem is not None:
             raise problem
         if num_experts % self.world_size:
@@ -249,10 +300,15 @@ class ExpertParallel:
         W, K = self.world_size, topk
         self.num_experts, self.hidden, self.topk = num_experts, hidden, topk
         self.max_tokens_per_rank, self.dtype, self.capturable = max_tokens_per_rank, dtype, bool(capturable)
+        self.combine_dtype = combine_dtype
         self.num_local_experts = num_experts // W
         self.max_recv_rows = W * max_tokens_per_rank * K
         ExpertParallel._next_id += 1
         self._id = ExpertParallel._next_id
+        # The latest dispatch that moved data: its number (0: none yet) and mode. Every rank agrees
+        # on both (same calls in the same order), so combine takes its mode from here, not from recv.
+        self._seq, self._seq_capturable = 0, self.capturable
+        self._on_phase = None  # benchmarks: called with each phase's name as it ends (see _phase)
         Tm, dev = max_tokens_per_rank, self.device
         # Symmetric buffers, all collective allocations in the same order on every rank.
         self._recv_x = comm.empty((W, Tm, hidden), dtype)  # [source, slot] token rows
@@ -261,7 +317,7 @@ class ExpertParallel:
         self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
         self._status = comm.empty(W, torch.int32)  # eager argument checks of each rank
         # [expert rank, slot] partials; row Tm is gathered (and masked) for tokens not sent to a rank.
-        self._comb = comm.empty((W, Tm + 1, hidden), torch.float32)
+        self._comb = comm.empty((W, Tm + 1, hidden), combine_dtype)
         # Kernels: per source, tokens sent, then pairs sent per local expert.
         self._hdr = comm.empty((W, self.num_local_experts + 1), torch.int32)
         for t in (self._recv_x, self._meta, self._counts, self._status, self._comb, self._hdr):
@@ -302,7 +358,6 @@ class ExpertParallel:
                          and W * Tm * K < 2 ** 31 and not _torch_path_forced())
         if not self._kernels:
             return
-        self._tname = _KERNEL_TYPES[self.dtype]
         sms = self.comm.sm_count
         self._blocks = max(1, min(self.num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS))
         # Peer pointer tables, once: entry d is rank d's copy, mapped here.
@@ -319,7 +374,7 @@ class ExpertParallel:
     def __repr__(self) -> str:
         return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
-                f"dtype={self.dtype}, capturable={self.capturable})")
+                f"dtype={self.dtype}, capturable={self.capturable}, combine_dtype={self.combine_dtype})")
 
     def close(self) -> None:
         """Drop this rank's references. The symmetric memory is released
@@ -334,26 +389,32 @@ class ExpertParallel:
 
     # -- construction checks -------------------------------------------------------------------------
 
-    def _local_config_problem(self, E, H, Tm, K, dtype, capturable) -> Optional[P2PCommError]:
+    def _local_config_problem(self, E, H, Tm, K, dtype, capturable, combine_dtype) -> Optional[P2PCommError]:
         for name, v in (("num_experts", E), ("hidden", H), ("max_tokens_per_rank", Tm), ("topk", K)):
             if isinstance(v, bool) or not isinstance(v, int):
                 return InvalidArgumentError(f"{name} must be an int, got {type(v).__name__}")
             if v < 1:
                 return InvalidArgumentError(f"{name} must be positive, got {v}")
-        if dtype not in _EP_DTYPES:
+        if _dtype_code(dtype) < 0:
             return UnsupportedError(f"dtype {dtype} is not supported; use one of "
                                     f"{', '.join(sorted(str(d) for d in _EP_DTYPES))}")
         if not isinstance(capturable, bool):
             return InvalidArgumentError(f"capturable must be a bool, got {type(capturable).__name__}")
+        if not isinstance(combine_dtype, torch.dtype):
+            return InvalidArgumentError(f"combine_dtype must be a torch.dtype, got {type(combine_dtype).__name__}")
+        if combine_dtype not in (torch.float32, dtype):
+            return UnsupportedError(f"combine_dtype {combine_dtype} is not supported with dtype {dtype}; use "
+                                    f"torch.float32 (exact partials) or {dtype} (partials rounded once, half the "
+                                    "bytes)")
         return None
 
-    def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable) -> None:
+    def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable, combine_dtype) -> None:
         """All ranks reduce (config, who failed) with MIN and MAX through the
         communicator itself, so a mismatch raises everywhere instead of
         hanging in the first collective allocation."""
         W = self.world_size
         ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
-        fields = [ints(E), ints(H), ints(K), ints(Tm), _EP_DTYPES.get(dtype, -1),
+        fields = [ints(E), ints(H), ints(K), ints(Tm), _dtype_code(dtype), _dtype_code(combine_dtype),
                   int(capturable) if isinstance(capturable, bool) else -1, W, int(_torch_path_forced())]
         failed = [0] * W
         if problem is not None:
@@ -369,7 +430,7 @@ class ExpertParallel:
         differ = [f"{_CONFIG_FIELDS[i]} (from {lo[i]} to {hi[i]})" for i in range(len(fields)) if lo[i] != hi[i]]
         if differ:
             raise InvalidArgumentError("ExpertParallel: ranks passed different " + ", ".join(differ)
-                                       + "; every rank must pass the same configuration (dtype and capturable "
+                                       + "; every rank must pass the same configuration (dtypes and capturable "
                                          "are compared as codes)")
 
     # -- dispatch ------------------------------------------------------------------------------------
@@ -405,6 +466,9 @@ class ExpertParallel:
             self.comm.stream_barrier()  # start barrier (see module doc)
         else:
             self._agree(problem, lambda: self._id_problem(topk_idx), topk_idx, "dispatch")
+        self._phase("agree")
+        # Data moves from here on: earlier results no longer match the buffers.
+        self._seq, self._seq_capturable = self._seq + 1, capturable
         if self._kernels:
             return self._dispatch_kernels(x, topk_idx, topk_weights, capturable)
         W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
@@ -428,11 +492,13 @@ class ExpertParallel:
                           self._token_ids[:T].view(1, T, 1).expand(W, T, 1)], dim=2)  # [W, T, 2K+1]
 
         # 2. Write rows, metadata and counts straight into every destination's buffers.
-        for d in range(W):  # slots past count[d] get unsent tokens, never read
+        for d in self._peers_rotated():  # slots past count[d] get unsent tokens, never read
             self._peer_recv_x[d][:T].copy_(x.index_select(0, packed[d]))
             self._peer_meta[d][:T, :2 * K + 1].copy_(meta[d].index_select(0, packed[d]))
             self._peer_counts[d].copy_(count[d:d + 1])
+        self._phase("send")
         self.comm.stream_barrier()  # 3. mid barrier: every source's writes are visible here
+        self._phase("mid barrier")
 
         # 4. Expand into expert-major order on the receiver.
         got = self._meta  # [W, Tm, 2K+1]
@@ -483,10 +549,11 @@ class ExpertParallel:
             comb_slot = torch.div(order, K, rounding_mode="floor")
             comb_rows = comb_rows.flatten().index_select(0, order)
             comb_weight = comb_weight.flatten().index_select(0, order)
+        self._phase("expand")
         return DispatchResult(
             x=recv_x, expert_counts=expert_counts, num_rows=num_rows, local_expert=sorted_key[:R],
             src_rank=src.to(torch.int32), src_token=src_token, weight=weight, capturable=capturable,
-            _ep_id=self._id, _num_tokens=T, _send_mask=send, _send_slot=slot, _comb_rows=comb_rows,
+            _ep_id=self._id, _seq=self._seq, _num_tokens=T, _send_mask=send, _send_slot=slot, _comb_rows=comb_rows,
             _comb_weight=comb_weight, _comb_valid=pair_ok_grid, _comb_ranges=ranges, _comb_slot=comb_slot,
             _comb_layers=layers)
 
@@ -502,22 +569,35 @@ class ExpertParallel:
           device, in ``recv.x``'s row order (R = recv.x.shape[0]; in
           capturable mode rows past ``recv.num_rows`` are ignored, and may
           hold anything, NaN included).
-        - ``recv``: this rank's result of the latest :meth:`dispatch`.
+        - ``recv``: this rank's result of the latest :meth:`dispatch` of this
+          ep (combining one result several times is fine). An older result
+          raises StateError: the ep's buffers now hold the newer routing.
 
         Summation order, fixed so results are bit-identical run to run: on
         each expert rank d, a float32 partial per token, adding weight *
-        output for k = 0, 1, ..., K-1 (those on d); then on the token's rank,
-        float32 partials added for d = 0, 1, ..., W-1; one final cast to
-        dtype. Eager mode syncs the host once to agree that every rank's
-        arguments are valid; capturable mode (``recv.capturable``) never does.
+        output for k = 0, 1, ..., K-1 (those on d), rounded to
+        ``combine_dtype`` (exact for float32); then on the token's rank,
+        partials added in float32 for d = 0, 1, ..., W-1; one final cast to
+        dtype (accuracy: see :class:`ExpertParallel`).
+
+        The mode is the latest dispatch's, which every rank shares. Eager
+        syncs the host once to agree that every rank's arguments are valid:
+        a rank with bad arguments (a stale ``recv`` included) raises its
+        error and every other rank raises MismatchError, all still usable.
+        Capturable never syncs: a rank with bad arguments raises alone, before
+        any barrier, and its peers time out in the start barrier
+        (PeerTimeoutError after P2PCOMM_TIMEOUT_MS); the argument checks are
+        host-side and run when the call is made (or captured), not on graph
+        replays.
         """
         problem = self._check_combine(expert_out, recv)
-        if recv is not None and getattr(recv, "capturable", False) and isinstance(recv, DispatchResult):
+        if self._seq_capturable:
             if problem is not None:
                 raise problem
             self.comm.stream_barrier()  # start barrier (see module doc)
         else:
             self._agree(problem, None, None, "combine")
+        self._phase("agree")
         if recv._kernel:
             return self._combine_kernels(expert_out, recv)
         K = self.topk
@@ -542,22 +622,46 @@ class ExpertParallel:
                 part = out.index_select(0, recv._comb_rows[sl]).float().mul_(recv._comb_weight[sl].unsqueeze(1))
                 acc.index_add_(0, recv._comb_slot[sl], part)
                 start += n
-        # 2. Into each source's buffer at [this rank, slot]: one contiguous copy per source.
-        for s, start, n in recv._comb_ranges:
+        # 2. Into each source's buffer at [this rank, slot]: one contiguous copy per source,
+        # rounded once to the transit type there (copy_ rounds to nearest even).
+        ranges = {s: (start, n) for s, start, n in recv._comb_ranges}
+        for s in self._peers_rotated():
+            start, n = ranges[s]
             self._peer_comb[s][:n].copy_(acc[start:start + n])
+        self._phase("send")
         self.comm.stream_barrier()  # 3. mid barrier
+        self._phase("mid barrier")
         # 4. Sum the partials of the ranks each token went to, in rank order.
         T = recv._num_tokens
         y = torch.zeros(T, self.hidden, dtype=torch.float32, device=self.device)
         for d in range(self.world_size):
-            part = self._comb[d].index_select(0, recv._send_slot[d])  # row T_max where not sent: masked
+            part = self._comb[d].index_select(0, recv._send_slot[d]).float()  # row T_max where not sent: masked
             y.add_(torch.where(recv._send_mask[d].unsqueeze(1), part, 0.0))
-        return y.to(self.dtype)
+        y = y.to(self.dtype)
+        self._phase("reduce")
+        return y
+
+    def _peers_rotated(self) -> list:
+        """Every rank, from rank + 1 up and wrapping to this rank last: ranks
+        that copy at the same time write into different peers, instead of
+        all into rank 0 first (one rank's link would bound them all)."""
+        W = self.world_size
+        return [(self.rank + 1 + i) % W for i in range(W)]
+
+    def _phase(self, name: str) -> None:
+        """Marks the end of a phase for a benchmark's hook (bench_moe's
+        breakdown records a CUDA event there). Phases: dispatch: agree
+        (argument agreement and start barrier), send, mid barrier, size
+        (eager kernels: reading the counts on the host), expand; combine:
+        agree, send, mid barrier, reduce."""
+        if self._on_phase is not None:
+            self._on_phase(name)
 
     # -- GPU kernels -----------------------------------------------------------------------------------
 
     def _launch(self, kernel: str, params: ctypes.Structure, grid: int, shared_bytes: int = 0) -> None:
-        self.comm.launch_kernel(_KERNEL_FILE, f"{kernel}<{self._tname}>", params, grid, _THREADS, shared_bytes)
+        expr = _kernel_expr(kernel, self.dtype, self.combine_dtype)
+        self.comm.launch_kernel(_KERNEL_FILE, expr, params, grid, _THREADS, shared_bytes)
 
     @staticmethod
     def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -578,7 +682,9 @@ class ExpertParallel:
                             num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
                             rank=self.rank, world=W, idx_bytes=idx.element_size())
         self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
+        self._phase("send")
         self.comm.stream_barrier()  # mid barrier: every source's rows, metadata and hdr are here
+        self._phase("mid barrier")
         if capturable:
             R = self.max_recv_rows
         else:
@@ -586,21 +692,23 @@ class ExpertParallel:
         out_x = torch.empty(R, H, dtype=self.dtype, device=self.device)
         info = torch.empty(4, R, dtype=torch.int32, device=self.device)  # local expert | source | token | weight
         counts = torch.empty(L + 1, dtype=torch.int32, device=self.device)  # rows per local expert | R
+        self._phase("size")
         e = _ExpandParams(recv_x=self._recv_x.data_ptr(), meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
                           out_x=out_x.data_ptr(), out_info=info.data_ptr(), expert_counts=counts.data_ptr(),
                           comb_rows=self._comb_row_map.data_ptr(), row_cap=R, max_tokens=Tm, hidden=H, topk=K,
                           num_local=L, world=W)
         self._launch("moe_dispatch_expand", e, self._blocks, 4 * (W + 1) * L)
+        self._phase("expand")
         return DispatchResult(
             x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
             src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=self._id,
-            _num_tokens=T, _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None, _comb_valid=None,
-            _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True)
+            _seq=self._seq, _num_tokens=T, _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
+            _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True)
 
     def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult) -> torch.Tensor:
-        """combine after the start barrier: moe_combine_send puts float32
-        partials into the sources' comb; mid barrier; moe_combine_reduce sums
-        them here."""
+        """combine after the start barrier: moe_combine_send puts partials
+        (float32 or dtype: combine_dtype) into the sources' comb; mid
+        barrier; moe_combine_reduce sums them here."""
         T, H = recv._num_tokens, self.hidden
         out = self._aligned(expert_out)
         y = torch.empty(T, H, dtype=self.dtype, device=self.device)
@@ -610,10 +718,13 @@ class ExpertParallel:
                            num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
                            rank=self.rank, world=self.world_size, num_local=self.num_local_experts)
         self._launch("moe_combine_send", p, self._blocks)
+        self._phase("send")
         self.comm.stream_barrier()  # mid barrier: every expert rank's partials are here
+        self._phase("mid barrier")
         if T:
             packs = T * H * out.element_size() // 16
             self._launch("moe_combine_reduce", p, max(1, min(self._blocks, -(-packs // _THREADS))))
+        self._phase("reduce")
         return y
 
     # -- argument checks -----------------------------------------------------------------------------
@@ -622,7 +733,10 @@ class ExpertParallel:
         """Eager only: every rank posts its status into every peer's slot,
         start barrier, then all read all statuses (one host sync) and raise
         together. device_check(), run only when the static checks passed,
-        returns an int32 [1] status computed on the device (no sync)."""
+        returns an int32 [1] status computed on the device (no sync). A
+        closed ep can no longer post to its peers: it raises at once."""
+        if not self._peer_status:
+            raise problem if problem is not None else StateError("ExpertParallel is closed")
         if problem is not None:
             code = self._codes[_UNSUPPORTED if isinstance(problem, UnsupportedError) else _INVALID].view(1)
         elif device_check is not None:
@@ -688,4 +802,8 @@ class ExpertParallel:
             return InvalidArgumentError(f"recv must be a DispatchResult, got {type(recv).__name__}")
         if recv._ep_id != self._id:
             return InvalidArgumentError("recv comes from another ExpertParallel")
+        if recv._seq != self._seq:
+            return StateError(f"recv is from dispatch #{recv._seq} of this ExpertParallel, but dispatch "
+                              f"#{self._seq} has run since and reused its buffers; combine the latest "
+                              "dispatch's result")
         return self._check_tensor("expert_out", expert_out, (self.dtype,), (recv.x.shape[0], self.hidden))

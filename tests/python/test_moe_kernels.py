@@ -1,7 +1,13 @@
 """The ctypes mirrors of moe.cu's parameter structs (python/p2pcomm/moe.py)
-against the layout tables and static_asserts in native/kernels/moe.cu."""
+against the layout tables and static_asserts in native/kernels/moe.cu; the
+kernel names moe.py launches against moe.cu's instantiations; and, where
+NVRTC is installed (torch's nvidia wheels), every kernel compiled for sm_80
+and sm_90 with no register spills (the kernels are tuned to keep many loads
+in flight in registers; a spill would quietly cost bandwidth)."""
 
 import ctypes
+import glob
+import os
 import pathlib
 import re
 
@@ -9,7 +15,8 @@ import pytest
 
 from p2pcomm import moe
 
-MOE_CU = pathlib.Path(__file__).resolve().parents[2] / "native" / "kernels" / "moe.cu"
+KERNELS = pathlib.Path(__file__).resolve().parents[2] / "native" / "kernels"
+MOE_CU = KERNELS / "moe.cu"
 STRUCTS = {"MoeDispatchParams": moe._DispatchParams, "MoeExpandParams": moe._ExpandParams,
            "MoeCombineParams": moe._CombineParams}
 
@@ -52,8 +59,100 @@ def test_struct_fields_in_table_order(name):
     assert declared == [f for f, _ in STRUCTS[name]._fields_]
 
 
+def instantiations() -> list:
+    return re.findall(r"^// p2pcomm:instantiate (.+)$", MOE_CU.read_text(), re.M)
+
+
 def test_every_kernel_instantiated_for_each_type():
-    exprs = re.findall(r"^// p2pcomm:instantiate (.+)$", MOE_CU.read_text(), re.M)
-    kernels = ["moe_dispatch_send", "moe_dispatch_expand", "moe_combine_send", "moe_combine_reduce"]
-    want = {f"{k}<{t}>" for k in kernels for t in moe._KERNEL_TYPES.values()}
-    assert set(exprs) == want
+    exprs = instantiations()
+    assert set(exprs) == moe.kernel_expressions()
+    assert len(exprs) == len(set(exprs))
+    # Dispatch kernels per dtype; combine kernels per dtype and transit (float32 or the dtype itself).
+    assert {e for e in exprs if e.startswith("moe_combine_send")} == {
+        "moe_combine_send<bf16, float>", "moe_combine_send<bf16, bf16>", "moe_combine_send<half16, float>",
+        "moe_combine_send<half16, half16>", "moe_combine_send<float, float>"}
+
+
+def load_nvrtc():
+    """libnvrtc from torch's nvidia wheels (or P2PCOMM_NVRTC), with its
+    builtins library loaded first so that NVRTC finds it; None if absent."""
+    paths = [os.environ["P2PCOMM_NVRTC"]] if os.environ.get("P2PCOMM_NVRTC") else []
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            paths += sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so.*")), reverse=True)
+    except ImportError:
+        pass
+    for path in paths:
+        if ".alt." in path or "builtins" in path:
+            continue
+        try:
+            for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
+                if ".alt." not in builtins:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def compile_moe(nvrtc, arch: int) -> tuple:
+    """(status, log, {expression: lowered name}) of moe.cu built as the
+    library builds it (golib/gpucoll/kernels.go), plus ptxas -v."""
+    prog = ctypes.c_void_p()
+    header = (KERNELS / "p2p_common.cuh").read_bytes()
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), MOE_CU.read_bytes(), b"moe.cu", 1,
+                                  (ctypes.c_char_p * 1)(header), (ctypes.c_char_p * 1)(b"p2p_common.cuh"))
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    try:
+        exprs = instantiations()
+        for e in exprs:
+            assert nvrtc.nvrtcAddNameExpression(prog, e.encode()) == 0
+        opts = [b"-std=c++17", b"-default-device", f"-arch=sm_{arch}".encode(), b"--ptxas-options=-v"]
+        status = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        lowered = {}
+        if status == 0:
+            for e in exprs:
+                name = ctypes.c_char_p()
+                nvrtc.nvrtcGetLoweredName(prog, e.encode(), ctypes.byref(name))
+                lowered[e] = name.value.decode() if name.value else None
+        return status, log.value.decode(errors="replace"), lowered
+    finally:
+        nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def ptxas_report(log: str, lowered: dict) -> dict:
+    """{expression: (registers, spill store bytes, spill load bytes, stack bytes)} from ptxas -v."""
+    by_name = {v: k for k, v in lowered.items()}
+    out, current = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = by_name.get(m.group(1))
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            out.setdefault(current, [None, 0, 0, 0])[1:] = [int(m.group(2)), int(m.group(3)), int(m.group(1))]
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            out.setdefault(current, [None, 0, 0, 0])[0] = int(m.group(1))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_without_spills(arch):
+    nvrtc = load_nvrtc()
+    if nvrtc is None:
+        pytest.skip("NVRTC not found (torch's nvidia wheels or P2PCOMM_NVRTC)")
+    status, log, lowered = compile_moe(nvrtc, arch)
+    assert status == 0, log
+    assert all(v and v.startswith("_Z") for v in lowered.values()), lowered
+    report = ptxas_report(log, lowered)
+    assert set(report) == set(lowered), f"ptxas reported {sorted(report)}"
+    spilled = {e: r for e, r in report.items() if r[1] or r[2] or r[3]}
+    assert not spilled, f"sm_{arch} (registers, spill stores, spill loads, stack bytes): {spilled}"
+    assert all(r[0] <= 65536 // moe._THREADS for r in report.values()), report

@@ -1,5 +1,6 @@
 """ExpertParallel dispatch/combine on every rank against a float64 reference
-built from every rank's inputs (each rank regenerates them from seeds)."""
+built from every rank's inputs (each rank regenerates them from seeds), and
+combine bit for bit against a torch emulation of its documented rounding."""
 
 import dataclasses
 
@@ -106,12 +107,48 @@ def check_dispatch(recv, inputs, rank, W, E, K, dtype, capturable=False):
     assert torch.equal(got.view(torch.uint8), want_x.contiguous().view(torch.uint8)), "token rows differ"
 
 
-def check_combine(y, inputs, rank, W, E, K, dtype):
+def emulate_combine(inputs, rank, W, E, K, dtype, combine_dtype=torch.float32) -> torch.Tensor:
+    """combine's documented rounding, op by op in torch on the CPU: on each
+    expert rank d, a float32 partial from +0 adding fl32(w * out) for k
+    ascending (those whose expert is on d), rounded once to combine_dtype;
+    then on this rank the float32 sum from +0 of the partials of the ranks
+    the token went to, d ascending, rounded once to dtype."""
+    L = E // W
+    inp = inputs[rank]
+    T, H = inp.x.shape
+    dest = torch.where(inp.idx >= 0, torch.div(inp.idx, L, rounding_mode="floor"), -1)  # [T, K]
+    src = torch.full((T,), rank, dtype=torch.int32)
+    y = torch.zeros(T, H, dtype=torch.float32)
+    for d in range(W):
+        partial = torch.zeros(T, H, dtype=torch.float32)
+        for k in range(K):
+            out = expert_fn(inp.x, inp.idx[:, k].remainder(L), src).float()
+            on_d = (dest[:, k] == d).unsqueeze(1)
+            partial = torch.where(on_d, partial + out * inp.w[:, k:k + 1], partial)
+        sent = (dest == d).any(dim=1).unsqueeze(1)
+        y = torch.where(sent, y + partial.to(combine_dtype).float(), y)
+    return y.to(dtype)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.cpu()
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    differ = got.contiguous().view(-1).view(torch.uint8).view(-1, got.element_size()) != \
+        want.contiguous().view(-1).view(torch.uint8).view(-1, want.element_size())
+    bad = int(differ.any(dim=1).sum())
+    assert bad == 0, f"{what}: {bad} of {got.numel()} elements differ from the emulation"
+
+
+def check_combine(y, inputs, rank, W, E, K, dtype, combine_dtype=torch.float32):
+    """Every element within the documented bound of the float64 reference
+    (see ExpertParallel: partials rounded to combine_dtype add up to
+    eps(combine_dtype)/2 * sum |w * out|)."""
     want, scale = reference_combine(inputs, rank, W, E, K, dtype)
     y = y.cpu()
     assert y.dtype == dtype and y.shape == want.shape
     eps = torch.finfo(dtype).eps
-    bound = eps * want.abs() + 4 * (K + W) * torch.finfo(torch.float32).eps * scale + 1e-30
+    transit = torch.finfo(combine_dtype).eps if combine_dtype != torch.float32 else 0.0
+    bound = eps * want.abs() + (4 * (K + W) * torch.finfo(torch.float32).eps + transit) * scale + 1e-30
     err = (y.double() - want).abs()
     bad = (err > bound).sum().item()
     assert bad == 0, f"{bad} of {y.numel()} elements off; worst {err.max().item():.3g}"
@@ -150,6 +187,7 @@ def test_dispatch_combine_match_reference(comms, device, case):
     recv, out, y = run_round(ep, inputs, r, device)
     check_dispatch(recv, inputs, r, W, E, K, dtype)
     check_combine(y, inputs, r, W, E, K, dtype)
+    assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine")
     # Again, with new data: bit-identical to a fresh computation, and stable run to run.
     recv2, _, y2 = run_round(ep, inputs, r, device)
     assert torch.equal(recv2.x.cpu().view(torch.uint8), recv.x.cpu().view(torch.uint8))
@@ -161,6 +199,47 @@ def test_dispatch_combine_match_reference(comms, device, case):
     check_dispatch(recv3, other, r, W, E, K, dtype)
     check_combine(y3, other, r, W, E, K, dtype)
     check_combine(ep.combine(out3, recv3), other, r, W, E, K, dtype)
+
+
+TRANSITS = ["float32", "dtype"]  # combine_dtype: float32, or the ep's own dtype
+
+
+def transit_dtype(transit: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if transit == "float32" else dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transit", TRANSITS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}_K{c[1]}_{str(c[4])[6:]}_{c[5]}")
+def test_combine_transit_matches_emulation(comms, device, transit, case):
+    """Each combine transit gives the emulation's exact bits, in eager and
+    capturable mode, within the documented bound; tokens whose experts all
+    live on one rank get the same bits in both transits."""
+    E, K, H, Tm, dtype, routing, minus_one = case
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    if E % W:
+        pytest.skip(f"E={E} not divisible by {W}")
+    combine_dtype = transit_dtype(transit, dtype)
+    sizes = [Tm - (3 * q) % Tm for q in range(W)]
+    inputs = [make_inputs(E + 3 * K, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                combine_dtype=combine_dtype)
+    assert ep.combine_dtype == combine_dtype
+    want = emulate_combine(inputs, r, W, E, K, dtype, combine_dtype)
+    for capturable in (False, True):
+        _, _, y = run_round(ep, inputs, r, device, capturable=capturable)
+        assert_same_bits(y, want, f"combine_dtype={combine_dtype}, capturable={capturable}")
+        check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
+    exact = emulate_combine(inputs, r, W, E, K, dtype, torch.float32)
+    L = E // W
+    idx = inputs[r].idx
+    dest = torch.where(idx >= 0, torch.div(idx, L, rounding_mode="floor"), -1)
+    first = dest.max(dim=1, keepdim=True).values
+    one_rank = ((dest == first) | (dest < 0)).all(dim=1)
+    assert_same_bits(want[one_rank], exact[one_rank], "tokens on one expert rank")
+    if combine_dtype != torch.float32 and routing == "random" and W > 1 and K > 1:
+        assert not torch.equal(want, exact), "a rounded transit should change some token split across ranks"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -181,19 +260,26 @@ def test_int32_ids_and_all_to_one_expert(comms, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_capturable_mode(comms, device):
+@pytest.mark.parametrize("transit", TRANSITS)
+def test_capturable_mode(comms, device, transit):
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 8 * W, 4, 64, 16, torch.bfloat16
+    combine_dtype = transit_dtype(transit, dtype)
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
-                                capturable=True)
+                                capturable=True, combine_dtype=combine_dtype)
     rounds = [[make_inputs(100 + i, q, Tm, H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+
+    def check_round(recv, y, inputs):
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+        check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype), "capturable combine")
+
     if device == "cpu":
         for inputs in rounds:
             recv, out, y = run_round(ep, inputs, r, device, capturable=True)
             assert recv.capturable and recv.x.shape == (W * Tm * K, H)
-            check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
-            check_combine(y, inputs, r, W, E, K, dtype)
+            check_round(recv, y, inputs)
         return
     # CUDA: capture dispatch + expert + combine once, replay with new routing copied in.
     static_x = torch.zeros(Tm, H, dtype=dtype, device=device)
@@ -225,8 +311,7 @@ def test_capturable_mode(comms, device):
         graph.replay()
         torch.cuda.synchronize()
         assert recv.x.shape == (W * Tm * K, H)
-        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
-        check_combine(y, inputs, r, W, E, K, dtype)
+        check_round(recv, y, inputs)
     comm.check()
 
 
@@ -312,19 +397,108 @@ def test_construction_checks(comms, device):
     for field, kw in [("hidden", dict(hidden=64 + 8 * r)), ("topk", dict(topk=1 + (r == 1))),
                       ("max_tokens_per_rank", dict(max_tokens_per_rank=4 + r)),
                       ("dtype", dict(dtype=torch.float32 if r else torch.bfloat16)),
+                      ("combine_dtype", dict(combine_dtype=torch.bfloat16 if r else torch.float32)),
                       ("capturable", dict(capturable=r == 0))]:
         args = dict(num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2)
         args.update(kw)
         with pytest.raises(ValueError, match=field):
             p2pcomm.ExpertParallel(comm, **args)
-    bad = dict(num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2)
-    if r == 1:
-        bad["dtype"] = torch.int32
-        with pytest.raises(p2pcomm.UnsupportedError, match="dtype"):
-            p2pcomm.ExpertParallel(comm, **bad)
-    else:
-        with pytest.raises(p2pcomm.MismatchError, match="rank 1"):
-            p2pcomm.ExpertParallel(comm, **bad)
+    for field, value, error, message in [
+            ("dtype", torch.int32, p2pcomm.UnsupportedError, "dtype"),
+            ("combine_dtype", torch.float16, p2pcomm.UnsupportedError, "combine_dtype torch.float16 is not supported"),
+            ("combine_dtype", torch.float64, p2pcomm.UnsupportedError, "combine_dtype"),
+            ("combine_dtype", "bfloat16", p2pcomm.InvalidArgumentError, "combine_dtype must be a torch.dtype")]:
+        bad = dict(num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2)  # bfloat16
+        if r == 1:
+            bad[field] = value
+            with pytest.raises(error, match=message):
+                p2pcomm.ExpertParallel(comm, **bad)
+        else:
+            with pytest.raises(p2pcomm.MismatchError, match="rank 1"):
+                p2pcomm.ExpertParallel(comm, **bad)
+    # None is the default transit, float32; a float32 ep's own dtype is float32 too.
+    assert p2pcomm.ExpertParallel(comm, num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2,
+                                  combine_dtype=None).combine_dtype == torch.float32
     # And a good one still works after all that.
     still_works(p2pcomm.ExpertParallel(comm, num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2), comm,
                 device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stale_dispatch_result_raises_state_error(comms, device):
+    """combine needs the latest dispatch's result: an older one raises
+    StateError (eager: the other ranks raise MismatchError), and every rank
+    stays usable; a dispatch that every rank rejected moves no data and
+    leaves the latest result valid."""
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
+    first = [make_inputs(21, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
+    second = [make_inputs(22, q, Tm - 1, H, E, K, torch.bfloat16) for q in range(W)]
+    old, old_out, _ = run_round(ep, first, r, device)
+    new, new_out, y = run_round(ep, second, r, device)
+    # One rank passes the stale result.
+    if r == 1:
+        with pytest.raises(p2pcomm.StateError, match=r"dispatch #1 .* dispatch #2"):
+            ep.combine(old_out, old)
+    else:
+        with pytest.raises(p2pcomm.MismatchError, match="rank 1"):
+            ep.combine(new_out, new)
+    # Every rank does: each raises StateError.
+    with pytest.raises(p2pcomm.StateError, match="latest"):
+        ep.combine(old_out, old)
+    # The latest result still combines to the same bits, again and again.
+    assert_same_bits(ep.combine(new_out, new), y.cpu(), "combine after a rejected one")
+    # A dispatch rejected by rank 0 moves nothing: the latest result stays valid.
+    inp = second[r]
+    bad_idx = inp.idx.clone()
+    bad_idx[0, 0] = E
+    if r == 0:
+        with pytest.raises(p2pcomm.InvalidArgumentError, match="topk_idx"):
+            ep.dispatch(inp.x.to(device), bad_idx.to(device), inp.w.to(device))
+    else:
+        with pytest.raises(p2pcomm.MismatchError, match="rank 0"):
+            ep.dispatch(inp.x.to(device), inp.idx.to(device), inp.w.to(device))
+    assert_same_bits(ep.combine(new_out, new), y.cpu(), "combine after a rejected dispatch")
+    still_works(ep, comm, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stale_dispatch_result_in_capturable_mode(comms, device):
+    """Capturable combine checks without any host sync: every rank passing a
+    stale result raises StateError before any barrier, so nothing waits;
+    the mode comes from the latest dispatch, not from the result passed."""
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, capturable=True)
+    first = [make_inputs(31, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
+    second = [make_inputs(32, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
+    old, old_out, _ = run_round(ep, first, r, device, capturable=False)  # an eager result...
+    new, new_out, _ = run_round(ep, second, r, device, capturable=True)  # ...then a capturable one
+    with pytest.raises(p2pcomm.StateError, match="latest"):
+        ep.combine(old_out, old)
+    check_combine(ep.combine(new_out, new), second, r, W, E, K, torch.bfloat16)
+    if device == "cuda":
+        comm.check()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_closed_raises_state_error(comms, device):
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    inputs = [make_inputs(41, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
+    for capturable in (False, True):
+        ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K,
+                                    capturable=capturable)
+        recv, out, _ = run_round(ep, inputs, r, device)
+        with ep:
+            pass  # closes it
+        inp = inputs[r]
+        with pytest.raises(p2pcomm.StateError, match="closed"):
+            ep.dispatch(inp.x.to(device), inp.idx.to(device), inp.w.to(device))
+        with pytest.raises(p2pcomm.StateError, match="closed"):
+            ep.combine(out, recv)
+        ep.close()  # idempotent
