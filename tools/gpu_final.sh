@@ -30,7 +30,7 @@ bench)
     for n in ${@:-$N 2}; do
         export P2PCOMM_TUNE_FILE=/tmp/tune$n.json
         run 120 "$n" -m p2pcomm.tune > "$OUT/tune$n.txt" 2>&1; echo "tune nproc=$n rc=$?"; cp /tmp/tune$n.json "$OUT/" 2>/dev/null
-        run 200 "$n" -m p2pcomm.bench --graph --algorithms auto,oneshot_ll,twoshot_ll,oneshot,twoshot \
+        run 200 "$n" -m p2pcomm.bench --graph --reps 9 --rep-ms 30 --algorithms auto,oneshot_ll,twoshot_ll,oneshot,twoshot \
             --out "$OUT/ar$n" > "$OUT/bench$n.txt" 2>&1
         echo "bench nproc=$n rc=$?"; sed -n '/summary/,$p' "$OUT/bench$n.txt"
     done
