@@ -82,28 +82,16 @@ DINLINE bool ll_try_load(const char* line, u32 flag, u64& data, u32& seen) {
   return f0 == flag && f1 == flag;
 }
 
-// ll_wait polls a line of this rank's buffer until it carries flag, like
-// wait_flag: bounded by timeout_ns (recording peer and phase), and giving up
-// as soon as another block of this rank failed or the host stored a code.
+// ll_wait polls a line of this rank's buffer until it carries flag,
+// bounded like every wait (spin_until).
 DINLINE bool ll_wait(const AllReduceParams& p, const char* line, u32 flag, int peer, int phase, u64& data) {
-  u32 seen;
-  if (ll_try_load(line, flag, data, seen)) return true;
-  const Signal* self = p.peer_signal[p.rank];
-  const u64 timeout = p.timeout_ns != 0 ? p.timeout_ns : kDefaultTimeoutNs;
-  const u64 start = global_timer_ns();
-  for (u32 spin = 1;; ++spin) {
-    if (ll_try_load(line, flag, data, seen)) return true;
-    if ((spin & 63u) != 0) continue;
-    if (ld_volatile_u32(&self->abort_claim) != 0) return false;
-    if ((spin & 0x3fffu) == 0 && p.err != nullptr) {
-      const u32 code = ld_volatile_u32(&p.err->code);
-      if (code != 0 && code != kErrMismatch) return false;
-    }
-    if (global_timer_ns() - start > timeout) {
-      report_error(p, kErrTimeout, peer, phase, -1, flag, seen);
-      return false;
-    }
-  }
+  u64 seen = 0;
+  return spin_until(p, [&] {
+    u32 f;
+    const bool ok = ll_try_load(line, flag, data, f);
+    seen = f;
+    return ok;
+  }, seen, peer, phase, -1, flag);
 }
 
 // Line<T> views 8 data bytes as elements of T.
@@ -241,25 +229,14 @@ DINLINE void ll_announce(const AllReduceParams& p, const LLHalf& h, int rows, bo
 // disagree on the algorithm) see a mismatch, not a timeout.
 DINLINE bool header_wait(const AllReduceParams& p, const char* line, u32 flag, int peer, int phase, u64& data) {
   const u64* w = reinterpret_cast<const u64*>(line);
-  u64 v = ld_flag_acquire(w);
-  const Signal* self = p.peer_signal[p.rank];
-  const u64 timeout = p.timeout_ns != 0 ? p.timeout_ns : kDefaultTimeoutNs;
-  const u64 start = global_timer_ns();
-  for (u32 spin = 1; (u32)(v >> 32) != flag; ++spin) {
+  u64 v = 0, seen = 0;
+  const bool ok = spin_until(p, [&] {
     v = ld_flag_acquire(w);
-    if ((spin & 63u) != 0) continue;
-    if (ld_volatile_u32(&self->abort_claim) != 0) return false;
-    if ((spin & 0x3fffu) == 0 && p.err != nullptr) {
-      const u32 code = ld_volatile_u32(&p.err->code);
-      if (code != 0 && code != kErrMismatch) return false;
-    }
-    if (global_timer_ns() - start > timeout) {
-      report_error(p, kErrTimeout, peer, phase, -1, flag, v >> 32);
-      return false;
-    }
-  }
+    seen = v >> 32;
+    return (u32)seen == flag;
+  }, seen, peer, phase, -1, flag);
   data = (u64)(u32)v * 0x100000001ull;
-  return true;
+  return ok;
 }
 
 // ll_agree waits for every peer's header in row rows + b and compares

@@ -462,20 +462,21 @@ DINLINE void report_mismatch(const AllReduceParams& p, int peer, u64 expected, u
   __threadfence_system();
 }
 
-// wait_flag spins until *flag >= target and returns true; it returns false
-// after timeout_ns (recording kErrTimeout with the peer), or as soon as
-// another block of this rank failed (abort_claim) or the host stored a code.
-// One thread per peer calls it; the caller turns false into BlockState.abort.
-DINLINE bool wait_flag(const AllReduceParams& p, const u64* flag, u64 target, int peer, int phase,
-                       int step) {
-  u64 seen = ld_flag_acquire(flag);
-  if (seen >= target) return true;
+// spin_until polls arrived() (which reads what it waits for and leaves
+// the last value read in seen) until it returns true, and returns true; it
+// returns false after timeout_ns (recording kErrTimeout with the peer, the
+// value expected and the value seen), or as soon as another block of this
+// rank failed (abort_claim) or the host stored a code. Every device-side wait
+// goes through here, so every one is bounded the same way.
+template <typename Arrived>
+DINLINE bool spin_until(const AllReduceParams& p, Arrived arrived, const u64& seen, int peer, int phase,
+                        int step, u64 expected) {
+  if (arrived()) return true;
   const Signal* self = p.peer_signal[p.rank];
   const u64 timeout = p.timeout_ns != 0 ? p.timeout_ns : kDefaultTimeoutNs;
   const u64 start = global_timer_ns();
   for (u32 spin = 1;; ++spin) {
-    seen = ld_flag_acquire(flag);
-    if (seen >= target) return true;
+    if (arrived()) return true;
     if ((spin & 63u) != 0) continue;
     if (ld_volatile_u32(&self->abort_claim) != 0) return false;
     // The host word is across PCIe: look at it rarely.
@@ -485,10 +486,18 @@ DINLINE bool wait_flag(const AllReduceParams& p, const u64* flag, u64 target, in
       if (code != 0 && code != kErrMismatch) return false;
     }
     if (global_timer_ns() - start > timeout) {
-      report_error(p, kErrTimeout, peer, phase, step, target, seen);
+      report_error(p, kErrTimeout, peer, phase, step, expected, seen);
       return false;
     }
   }
+}
+
+// wait_flag waits until *flag >= target (see spin_until). One thread per
+// peer calls it; the caller turns false into BlockState.abort.
+DINLINE bool wait_flag(const AllReduceParams& p, const u64* flag, u64 target, int peer, int phase,
+                       int step) {
+  u64 seen = 0;
+  return spin_until(p, [&] { return (seen = ld_flag_acquire(flag)) >= target; }, seen, peer, phase, step, target);
 }
 
 // ---------------------------------------------------------------- block prologue and barriers
