@@ -44,7 +44,7 @@ vet:
 	@test -z "$$(gofmt -l golib native tests/go)" || { gofmt -l golib native tests/go; echo "gofmt needed"; exit 1; }
 
 test-go:
-	$(GO) test -race -count=1 ./...
+	$(GO) test -race -count=1 -timeout 30m ./...  # NVRTC compiles every kernel for two archs: minutes on 2 cores
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 10s ./golib/bootstrap
