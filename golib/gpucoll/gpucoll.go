@@ -4,6 +4,7 @@ package gpucoll
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"runtime"
 	"sync/atomic"
@@ -214,10 +215,11 @@ func (b *Backend) Check() error {
 func (b *Backend) Close() error {
 	var err error
 	if b.space != nil {
-		if cerr := b.drv.EnsureContext(b.device); cerr != nil {
-			err = fmt.Errorf("close the GPU communicator: %w", cerr)
-		} else if cerr := b.space.Close(); cerr != nil { // also frees the host-mapped error word
-			err = fmt.Errorf("close the GPU communicator: %w", cerr)
+		// Free even if the context could not be made current: a leak is
+		// worse than a failed free, and both are reported.
+		err = errors.Join(b.drv.EnsureContext(b.device), b.space.Close()) // also frees the host-mapped error word
+		if err != nil {
+			err = fmt.Errorf("close the GPU communicator: %w", err)
 		}
 		b.space = nil
 	}
@@ -349,11 +351,6 @@ func (b *Backend) reject(req collective.AllReduce) error {
 		dt = reduce.Float32
 	}
 	algo := b.choose(req.Algo, req.Count, dt)
-	if algo == collective.Ring || algo == collective.RecursiveDoubling {
-		// Ring and recursive doubling sync only with neighbours and cannot
-		// check signatures: peers will report this rank by timeout.
-		return req.Reject
-	}
 	if err := b.launchEmpty(algo, dt, b.geometry(algo, dt, req.Count), rejectSignature, req.Stream); err != nil {
 		return err
 	}
@@ -362,19 +359,20 @@ func (b *Backend) reject(req collective.AllReduce) error {
 
 // launchEmpty runs algo's kernel with no elements on the grid a call of
 // geometry g uses: its barriers (or LL headers) carry sig to the peers, who
-// compare it with theirs, and nothing else is read or written.
+// compare it with theirs, and nothing else is read or written. Ring and
+// recursive doubling sync only with neighbours and carry no signature, so
+// for them it launches nothing: peers that expect data report this rank by
+// timeout.
 func (b *Backend) launchEmpty(algo collective.Algorithm, dt reduce.DType, g geometry, sig int32, stream uintptr) error {
+	if algo == collective.Ring || algo == collective.RecursiveDoubling {
+		return nil
+	}
 	p := b.fill(0, reduce.Sum, sig)
-	// A harmless output each kernel accepts: not the scratch of the
-	// algorithms that use scratch, nor the staging (peer_in) of those that
-	// forbid out == peer_in[rank].
-	switch algo {
-	case collective.TwoShot:
+	// A harmless output each kernel accepts: one-shot's must not be its
+	// staging, two-shot's must not be its scratch.
+	p.Out = uint64(b.scratch.Local)
+	if algo == collective.TwoShot {
 		p.Out = uint64(b.staging.Local)
-	case collective.Ring, collective.RecursiveDoubling:
-		p.Out = uint64(b.halves.Local)
-	default:
-		p.Out = uint64(b.scratch.Local)
 	}
 	switch {
 	case isLL(algo):
