@@ -7,15 +7,19 @@
 // the grid: every value is computed in a fixed order by exactly one thread.
 //
 // Buffers (W ranks, Tm = max_tokens, K = topk, E experts, L = E / W, H = hidden):
-//   recv_x  [W, Tm, H] T      symmetric: row [s, slot] = token sent by source s
+//   xs      [Tm, H] T         symmetric: this rank's token rows (moe.py copies
+//                             x there, or x is built there); destinations read
+//                             (pull) the rows they need after the mid barrier
 //   meta    [W, Tm, 3K+1] i32 symmetric: per [s, slot]: local expert of each k
 //                             (-1: not on this rank) | weight bits of each k |
 //                             source token | rank of pair k among source s's
 //                             pairs of that expert, in (token, k) order
 //   hdr     [W, L+1] i32      symmetric: per source s: tokens sent, then pairs
 //                             sent per local expert
-//   comb    [W, Tm+1, H] C    symmetric: [d, slot] = partial of expert rank d;
-//                             C (the combine transit) is float or T
+//   comb    [W, Tm+1, H] C    symmetric, on the source: [d, slot] = expert rank
+//                             d's partial, pushed by d (MOE_COMB_PULL=1: on the
+//                             expert rank, [s, slot] = its partial for source
+//                             s, read by s); C (the transit) is float or T
 //   send_slot [Tm, W] i32     local: slot of token t on rank d, -1: not sent
 //   pair_rank [Tm * K] i32    local scratch of moe_dispatch_send
 //   comb_rows [W*Tm, K] i32   local: output row of pair (s, slot, k), -1: none
@@ -51,6 +55,9 @@ constexpr int kMoeWarps = kThreads / 32;
 #ifndef MOE_COMB_INTERLEAVE
 #define MOE_COMB_INTERLEAVE 1  // 1: combine send items slot-major, sources rotated; 0: source-major (before)
 #endif
+#ifndef MOE_COMB_PULL
+#define MOE_COMB_PULL 0  // 1: partials stay on the expert rank, sources read them (measured slower: combine 1262 vs 990 us, 4096 tokens, bf16, graph); 0: expert ranks push them
+#endif
 
 // kMoeUnroll: 16-byte packs per lane loaded before the first store in the
 // row copies. Each pass waits one HBM read latency, so 8 packs (4 KiB per
@@ -61,28 +68,24 @@ static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 // MoeDispatchParams is the argument of moe_dispatch_send.
 //
 //   offset size field
-//   0      64   peer_recv_x[8]  each rank's recv_x
-//   64     64   peer_meta[8]    each rank's meta
-//   128    64   peer_hdr[8]     each rank's hdr
-//   192    8    x               [T, H] T, local
-//   200    8    topk_idx        [T, K] i32 or i64 (idx_bytes)
-//   208    8    topk_w          [T, K] f32
-//   216    8    send_slot       [Tm, W] i32, local output
-//   224    8    pair_rank       [Tm * K] i32, local scratch
-//   232    4    num_tokens      T
-//   236    4    max_tokens      Tm
-//   240    4    hidden          H
-//   244    4    topk            K
-//   248    4    num_experts     E
-//   252    4    rank
-//   256    4    world           W
-//   260    4    idx_bytes       4 or 8
-//   total  264, aligned to 8
+//   0      64   peer_meta[8]    each rank's meta
+//   64     64   peer_hdr[8]     each rank's hdr
+//   128    8    topk_idx        [T, K] i32 or i64 (idx_bytes)
+//   136    8    topk_w          [T, K] f32
+//   144    8    send_slot       [Tm, W] i32, local output
+//   152    8    pair_rank       [Tm * K] i32, local scratch
+//   160    4    num_tokens      T
+//   164    4    max_tokens      Tm
+//   168    4    hidden          H
+//   172    4    topk            K
+//   176    4    num_experts     E
+//   180    4    rank
+//   184    4    world           W
+//   188    4    idx_bytes       4 or 8
+//   total  192, aligned to 8
 struct MoeDispatchParams {
-  void* peer_recv_x[kMaxRanks];
   void* peer_meta[kMaxRanks];
   void* peer_hdr[kMaxRanks];
-  const void* x;
   const void* topk_idx;
   const float* topk_w;
   int* send_slot;
@@ -96,35 +99,34 @@ struct MoeDispatchParams {
   int world;
   int idx_bytes;
 };
-static_assert(sizeof(MoeDispatchParams) == 264, "MoeDispatchParams size");
+static_assert(sizeof(MoeDispatchParams) == 192, "MoeDispatchParams size");
 // NVRTC has no offsetof: the field sizes add up to the size (no padding),
 // which pins every offset in the table.
-static_assert(sizeof(MoeDispatchParams::peer_recv_x) + sizeof(MoeDispatchParams::peer_meta) +
-                      sizeof(MoeDispatchParams::peer_hdr) == 192 &&
-                  5 * sizeof(void*) + 8 * sizeof(int) == 264 - 192,
+static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::peer_hdr) == 128 &&
+                  4 * sizeof(void*) + 8 * sizeof(int) == 192 - 128,
               "MoeDispatchParams fields");
 
 // MoeExpandParams is the argument of moe_dispatch_expand.
 //
 //   offset size field
-//   0      8    recv_x         this rank's recv_x
-//   8      8    meta           this rank's meta
-//   16     8    hdr            this rank's hdr
-//   24     8    out_x          [row_cap, H] T: expert-major rows
-//   32     8    out_info       [4, row_cap] i32: local expert | source rank |
+//   0      64   peer_xs[8]     each rank's xs: the sources' staged rows
+//   64     8    meta           this rank's meta
+//   72     8    hdr            this rank's hdr
+//   80     8    out_x          [row_cap, H] T: expert-major rows
+//   88     8    out_info       [4, row_cap] i32: local expert | source rank |
 //                              source token | weight bits
-//   40     8    expert_counts  [L + 1] i32: rows per local expert, then R
-//   48     8    comb_rows      [W * Tm, K] i32, local output
-//   56     8    row_cap        i64: rows of out_x (R eager, W*Tm*K capturable)
-//   64     4    max_tokens     Tm
-//   68     4    hidden         H
-//   72     4    topk           K
-//   76     4    num_local      L
-//   80     4    world          W
-//   84     4    pad
-//   total  88, aligned to 8
+//   96     8    expert_counts  [L + 1] i32: rows per local expert, then R
+//   104    8    comb_rows      [W * Tm, K] i32, local output
+//   112    8    row_cap        i64: rows of out_x (R eager, W*Tm*K capturable)
+//   120    4    max_tokens     Tm
+//   124    4    hidden         H
+//   128    4    topk           K
+//   132    4    num_local      L
+//   136    4    world          W
+//   140    4    rank
+//   total  144, aligned to 8
 struct MoeExpandParams {
-  const void* recv_x;
+  void* peer_xs[kMaxRanks];
   const int* meta;
   const int* hdr;
   void* out_x;
@@ -137,16 +139,17 @@ struct MoeExpandParams {
   int topk;
   int num_local;
   int world;
-  int pad;
+  int rank;
 };
-static_assert(sizeof(MoeExpandParams) == 88, "MoeExpandParams size");
-static_assert(7 * sizeof(void*) + sizeof(MoeExpandParams::row_cap) + 6 * sizeof(int) == 88,
+static_assert(sizeof(MoeExpandParams) == 144, "MoeExpandParams size");
+static_assert(sizeof(MoeExpandParams::peer_xs) + 6 * sizeof(void*) + sizeof(MoeExpandParams::row_cap) +
+                      6 * sizeof(int) == 144,
               "MoeExpandParams fields");
 
 // MoeCombineParams is the argument of moe_combine_send and moe_combine_reduce.
 //
 //   offset size field
-//   0      64   peer_comb[8]   each rank's comb ([W, Tm+1, H] f32)
+//   0      64   peer_comb[8]   each rank's comb ([W, Tm+1, H] C)
 //   64     8    expert_out     [row_cap, H] T, local (send)
 //   72     8    meta           this rank's meta (send)
 //   80     8    hdr            this rank's hdr (send)
@@ -252,6 +255,24 @@ DINLINE i64 received_tokens(const int* hdr, int W, int L) {
   return n;
 }
 
+// most_sent is the largest number of tokens one source sent this rank: the
+// slot-major item loops stop there instead of at max_tokens.
+DINLINE int most_sent(const int* hdr, int W, int L) {
+  int n = 0;
+  for (int s = 0; s < W; ++s) n = max(n, hdr[s * (L + 1)]);
+  return n;
+}
+
+// slot_major maps item order o (of most_sent * W) to (source, slot): slots
+// ascending, and within a slot the sources rotated to start after this
+// rank, so that consecutive warps talk to different peers (in source-major
+// order every rank would read from, or write to, the same peer at once, and
+// that one peer's NVLink port would bound the whole exchange).
+DINLINE void slot_major(i64 o, int W, int rank, int& s, int& slot) {
+  slot = (int)(o / W);
+  s = (int)((o % W + rank + 1) % W);
+}
+
 // expert_at is global expert id q (flat [T, K] index) of topk_idx, or -1
 // when it is -1 or outside [0, E) (capturable mode treats those as -1;
 // eager mode checked them on the host).
@@ -310,9 +331,10 @@ DINLINE int block_exclusive_scan(int* a, int n, int* wsum, int* carry) {
 // blocks need no cross-block sync), then ranks its own tokens (slot on each
 // destination = tokens before it sent there) and pairs (rank among this
 // source's pairs of the same expert, in (token, k) order), and finally
-// copies each token row once per destination, with its metadata, straight
-// into the destinations' recv_x and meta. The last block, whose counters
-// end as totals, writes every destination's hdr row of this source.
+// writes each token's metadata into every destination's meta. The last
+// block, whose counters end as totals, writes every destination's hdr row
+// of this source. Rows do not move here: moe.py has staged them in xs,
+// where the destinations read them after the mid barrier.
 // Dynamic shared memory: 4 * E bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispatchParams p) {
@@ -337,11 +359,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
     }
   }
   const i64 q0 = (i64)t0 * K, q1 = (i64)t1 * K;
-  for (i64 base = 0; base < q0; base += blockDim.x) {
-    const i64 q = base + tid;
-    const int g = q < q0 ? expert_at(p, q) : -1;
-    const u32 peers = __match_any_sync(~0u, g);
-    if (g >= 0 && lane == __ffs(peers) - 1) atomicAdd(&run_exp[g], __popc(peers));
+  for (i64 q = tid; q < q0; q += blockDim.x) {  // plain shared atomics: __match_any_sync costs more here
+    const int g = expert_at(p, q);
+    if (g >= 0) atomicAdd(&run_exp[g], 1);
   }
   __syncthreads();
 
@@ -406,25 +426,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
     }
   }
 
-  // 5. Rows and metadata, each row read once. Warps take (token, piece)
-  // units; rows are cut into pieces only when the block has fewer tokens
-  // than warps, so that small batches still use every warp.
-  const i64 row_bytes = (i64)p.hidden * (i64)sizeof(T);
-  const i64 packs = row_bytes / kPackBytes;
+  // 5. Metadata, a warp per token.
   const int MW = 3 * K + 1;
-  const int parts = row_parts(t1 - t0, nw, packs, 32 * kMoeUnroll);
-  for (int unit = warp; unit < (t1 - t0) * parts; unit += nw) {
-    const int t = t0 + unit / parts, part = unit % parts;
-    char* dst[kMaxRanks];
+  for (int t = t0 + warp; t < t1; t += nw) {
     int* mdst[kMaxRanks];
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       const int slot = d < W ? p.send_slot[(i64)t * W + d] : -1;
-      const i64 at = (i64)p.rank * p.max_tokens + slot;
-      dst[d] = slot >= 0 ? (char*)pick(p.peer_recv_x, d) + at * row_bytes : nullptr;
-      mdst[d] = slot >= 0 ? (int*)pick(p.peer_meta, d) + at * MW : nullptr;
+      mdst[d] = slot >= 0 ? (int*)pick(p.peer_meta, d) + ((i64)p.rank * p.max_tokens + slot) * MW : nullptr;
     }
-    for (int j = part == 0 ? lane : MW; j < MW; j += 32) {  // metadata: the first piece only
+    for (int j = lane; j < MW; j += 32) {
       int g = -1, v = 0;
       if (j < K) {
         g = expert_at(p, (i64)t * K + j);
@@ -445,24 +456,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
         mdst[d][j] = out;
       }
     }
-    const char* src = (const char*)p.x + (i64)t * row_bytes;
-    const i64 c1 = piece_begin(packs, part + 1, parts);
-    for (i64 i = piece_begin(packs, part, parts) + lane; i < c1; i += 32 * kMoeUnroll) {
-      V16 v[kMoeUnroll];  // every load of the pass in flight before the first store
-#pragma unroll
-      for (int u = 0; u < kMoeUnroll; ++u) {
-        if (i + u * 32 < c1) v[u] = ld_v16_stable(src + (i + u * 32) * kPackBytes);
-      }
-#pragma unroll
-      for (int u = 0; u < kMoeUnroll; ++u) {
-        if (i + u * 32 < c1) {
-#pragma unroll
-          for (int d = 0; d < kMaxRanks; ++d) {
-            if (dst[d] != nullptr) st_v16(dst[d] + (i + u * 32) * kPackBytes, v[u]);
-          }
-        }
-      }
-    }
   }
 }
 
@@ -471,9 +464,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
 // experts in order, then sources in order; the sender's pair ranks place
 // each pair within that run, so row order is (local expert, source, token,
 // k). One warp per received (source, slot) writes its rows' metadata and
-// copies the token row once per valid k (rows are cut into pieces, one warp
-// each, when the grid has more warps than received rows). Block 0 writes
-// expert_counts and R. Dynamic shared memory: 4 * (W + 1) * L bytes.
+// reads the token row from the source's xs (over NVLink: a pull, so no
+// received copy lands here first) and stores it once per valid k (rows are
+// cut into pieces, one warp each, when the grid has more warps than
+// received rows). Items go slot-major, sources rotated (see slot_major).
+// Block 0 writes expert_counts and R. Dynamic shared memory: 4 * (W + 1) * L bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpandParams p) {
   extern __shared__ int sh[];  // tot[L] (then expert bases) | base[W][L]
@@ -505,15 +500,16 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   int* info_src = p.out_info + p.row_cap;
   int* info_tok = p.out_info + 2 * p.row_cap;
   int* info_w = p.out_info + 3 * p.row_cap;
-  const i64 items = (i64)W * Tm;
+  const i64 orders = (i64)most_sent(p.hdr, W, L) * W;
   const i64 gwarps = (i64)gridDim.x * nw;
   const int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, packs, 32 * kMoeUnroll);
   char* out = (char*)p.out_x;
-  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < items * parts; unit += gwarps) {
-    const i64 item = unit / parts;
+  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < orders * parts; unit += gwarps) {
     const int part = (int)(unit % parts);
-    const int s = (int)(item / Tm), slot = (int)(item % Tm);
+    int s, slot;
+    slot_major(unit / parts, W, p.rank, s, slot);
     if (slot >= p.hdr[s * (L + 1)]) continue;  // warp-uniform
+    const i64 item = (i64)s * Tm + slot;
     const int* m = p.meta + item * MW;
     int row = -1;
     if (lane < K) {
@@ -533,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
       }
     }
     const u32 bal = __ballot_sync(~0u, row >= 0);
-    const char* src = (const char*)p.recv_x + item * row_bytes;
+    const char* src = (const char*)pick(p.peer_xs, s) + (i64)m[2 * K] * row_bytes;
     const i64 c0 = piece_begin(packs, part, parts), c1 = piece_begin(packs, part + 1, parts);
     // Passes are warp-uniform (not per lane): every lane must reach the shuffle.
     for (i64 pass = c0; pass < c1; pass += 32 * kMoeUnroll) {
@@ -700,11 +696,12 @@ DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_by
 // barriers. Per received (source, slot): the partial sum over k ascending
 // of weight_k * expert_out[row_k], each product and sum rounded to float32
 // from +0, rounded once to C (exact for float) and stored into the source's
-// comb[this rank, slot]. One warp per item (or per piece of it, when the
-// grid has more warps than items). Items go slot-major with sources rotated
-// by rank, so consecutive warps write to different ranks: in source-major
-// order every expert rank wrote into the same source at once, and that one
-// rank's NVLink ingress bounded the whole exchange.
+// comb[this rank, slot] (MOE_COMB_PULL=1: into this rank's comb[source,
+// slot], where the source reads it). One warp per item (or per piece
+// of it, when the grid has more warps than items). Items go slot-major with
+// sources rotated by rank (see slot_major): in source-major order every
+// expert rank wrote into the same source at once, and that one rank's
+// NVLink ingress bounded the whole exchange.
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombineParams p) {
   static_assert(Transit<T, C>::kOk, "combine transit is float or T");
@@ -715,14 +712,18 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   const i64 row_bytes = (i64)H * (i64)sizeof(T);
   const i64 ppr = H / P;  // packs per row
   const char* out = (const char*)p.expert_out;
-  const i64 items = (i64)W * Tm;
   const i64 gwarps = (i64)gridDim.x * nw;
   const int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, ppr, 32 * kCombUnroll);
-  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < items * parts; unit += gwarps) {
+#if MOE_COMB_PULL
+  C* const mine = (C*)pick(p.peer_comb, p.rank);
+#endif
+  const i64 orders = (i64)W * Tm;  // not most_sent's bound: sm_80 would spill registers
+  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < orders * parts; unit += gwarps) {
     const i64 order = unit / parts;
     const int part = (int)(unit % parts);
 #if MOE_COMB_INTERLEAVE
-    const int slot = (int)(order / W), s = (int)((order % W + p.rank + 1) % W);
+    int s, slot;
+    slot_major(order, W, p.rank, s, slot);
 #else
     const int s = (int)(order / Tm), slot = (int)(order % Tm);
 #endif
@@ -737,7 +738,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
       if (it.row >= p.row_cap) it.row = -1;
     }
     it.valid = __ballot_sync(~0u, it.row >= 0);
+#if MOE_COMB_PULL
+    C* dst = mine + ((i64)s * (Tm + 1) + slot) * (i64)H;
+#else
     C* dst = (C*)pick(p.peer_comb, s) + ((i64)p.rank * (Tm + 1) + slot) * (i64)H;
+#endif
     const i64 c0 = piece_begin(ppr, part, parts), c1 = piece_begin(ppr, part + 1, parts);
     if (__popc(it.valid) <= kCombGroup) {
       combine_pieces_few<T, C>(it, out, row_bytes, dst, c0, c1);
@@ -748,8 +753,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
 }
 
 // moe_combine_reduce runs on the source after the mid barrier: y[t] = sum
-// over ranks d ascending (those token t went to) of comb[d, slot of t on d]
-// (C widened to float32), in float32 from +0, rounded once to T; zeros for
+// over ranks d ascending (those token t went to) of d's partial for the
+// slot of t on d (C widened to float32; from this rank's comb[d, slot], or
+// with MOE_COMB_PULL=1 read from d's comb), in float32 from +0, rounded once to T; zeros for
 // a token sent nowhere. One warp per (token, run of 32 * U packs): the
 // token's slots are loaded once per lane, then the partials of
 // kReduceRanks ranks for all U packs, kReduceLoads loads in flight.
@@ -763,7 +769,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombi
   const int W = p.world, H = p.hidden, Tm = p.max_tokens;
   const i64 ppr = H / P;
   const i64 runs = (ppr + 32 * U - 1) / (32 * U);  // per token
+#if !MOE_COMB_PULL
   const C* comb = (const C*)pick(p.peer_comb, p.rank);
+#endif
   for (i64 unit = (i64)blockIdx.x * nw + warp; unit < (i64)p.num_tokens * runs; unit += (i64)gridDim.x * nw) {
     const i64 t = unit / runs, c0 = (unit % runs) * 32 * U + lane;
     float acc[U][P];
@@ -779,7 +787,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombi
       V16 raw[kReduceRanks][U][Q];
 #pragma unroll
       for (int r = 0; r < kReduceRanks; ++r) {
+#if MOE_COMB_PULL
+        const C* part = (const C*)pick(p.peer_comb, d0 + r) + ((i64)p.rank * (Tm + 1) + slot[r]) * (i64)H;
+#else
         const C* part = comb + ((i64)(d0 + r) * (Tm + 1) + slot[r]) * (i64)H;
+#endif
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const i64 c = c0 + 32 * u;

@@ -13,23 +13,29 @@ as below:
 
 - ``moe_dispatch_send`` (source): slots per destination and, per pair, its
   rank among this source's pairs of the same expert (in (token, k) order);
-  each token row is read once and stored into every destination's
-  ``recv_x[s, slot]`` with its metadata; per-source totals go to ``hdr``.
+  metadata goes into every destination's ``meta[s, slot]``, per-source
+  totals into ``hdr``, and each token row that goes anywhere is staged once
+  into this rank's symmetric ``xs[t]``.
 - ``moe_dispatch_expand`` (destination, after the mid barrier): row of
   pair (s, slot, k) = first row of its expert + rows of that expert from
   sources before s + the sender's pair rank: expert-major order with no
-  sort; rows are copied locally. Eager mode reads ``hdr`` once (the host
-  sync) to size the result exactly.
+  sort. Each received token row is read once from the source's ``xs`` over
+  NVLink (a pull) and stored once per local expert, so rows cross NVLink
+  once per destination and land straight in their final places. Eager mode
+  reads ``hdr`` once (the host sync) to size the result exactly.
 - ``moe_combine_send`` (expert rank): per received token, float32 sum over
   k ascending of round(weight * row), stored into the source's
   ``comb[d, slot]`` in the combine transit type: float32 by default (exact),
   or the ep's dtype with ``combine_dtype=dtype`` (the partial rounded once;
   half the NVLink bytes; see :class:`ExpertParallel` for the accuracy).
-  Items go slot-major with sources rotated by rank, so every rank's NVLink
-  ingress is busy at once.
 - ``moe_combine_reduce`` (source, after the mid barrier): the float32 sum
   over d ascending of the partials of the ranks token t went to, from +0,
   rounded once.
+
+The expand's pull and the combine's push take items slot-major with
+sources rotated by rank, so every rank's NVLink port is busy at once.
+(A pull in combine, partials left on the expert rank and read by the
+source, measured slower: the reduce then waits on NVLink reads.)
 
 Every value is computed by one thread in a fixed order, so results are
 bit-identical run to run and between eager and capturable mode. Otherwise
@@ -73,7 +79,8 @@ start barrier keeps a fast rank from overwriting a buffer that a slow peer
 is still reading from the previous call: ``recv_x``/``meta``/``counts`` are
 read by their owner at the end of dispatch and written by peers in the next
 dispatch; ``comb`` is read at the end of combine and written in the next
-combine. When calls strictly alternate, the other call's mid barrier would
+combine (the kernels' ``xs`` and ``comb`` are written by their owner and
+read by peers: the same reasoning). When calls strictly alternate, the other call's mid barrier would
 already order them, but dispatch twice in a row (or combine twice, or a CUDA
 graph holding only one of them) would race; one barrier kernel is cheap
 next to that risk.
@@ -104,6 +111,12 @@ def _dtype_code(dtype) -> int:
 def _torch_path_forced() -> bool:
     """P2PCOMM_MOE_TORCH=1 keeps the torch-op path on GPU; every rank must agree."""
     return os.environ.get("P2PCOMM_MOE_TORCH", "") == "1"
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a's and b's storage bytes intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 _OK, _INVALID, _UNSUPPORTED = 0, 1, 2
 
 # -- GPU kernels (native/kernels/moe.cu) ------------------------------------------------------------
@@ -135,19 +148,18 @@ def kernel_expressions() -> set:
 
 
 class _DispatchParams(ctypes.Structure):
-    _fields_ = [("peer_recv_x", _Ptrs), ("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("x", ctypes.c_uint64),
-                ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64), ("send_slot", ctypes.c_uint64),
+    _fields_ = [("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64), ("send_slot", ctypes.c_uint64),
                 ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32)]
 
 
 class _ExpandParams(ctypes.Structure):
-    _fields_ = [("recv_x", ctypes.c_uint64), ("meta", ctypes.c_uint64), ("hdr", ctypes.c_uint64),
+    _fields_ = [("peer_xs", _Ptrs), ("meta", ctypes.c_uint64), ("hdr", ctypes.c_uint64),
                 ("out_x", ctypes.c_uint64), ("out_info", ctypes.c_uint64), ("expert_counts", ctypes.c_uint64),
                 ("comb_rows", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_local", ctypes.c_int32),
-                ("world", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("world", ctypes.c_int32), ("rank", ctypes.c_int32)]
 
 
 class _CombineParams(ctypes.Structure):
@@ -161,9 +173,10 @@ class _CombineParams(ctypes.Structure):
 
 # (struct, size, {field: offset}) as tabled in moe.cu.
 _PARAM_LAYOUTS = (
-    (_DispatchParams, 264, {"peer_meta": 64, "peer_hdr": 128, "x": 192, "pair_rank": 224, "num_tokens": 232,
-                            "world": 256, "idx_bytes": 260}),
-    (_ExpandParams, 88, {"out_x": 24, "comb_rows": 48, "row_cap": 56, "max_tokens": 64, "world": 80}),
+    (_DispatchParams, 192, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
+                            "idx_bytes": 188}),
+    (_ExpandParams, 144, {"meta": 64, "out_x": 80, "comb_rows": 104, "row_cap": 112, "max_tokens": 120,
+                          "world": 136, "rank": 140}),
     (_CombineParams, 152, {"expert_out": 64, "send_slot": 96, "y": 104, "row_cap": 112, "num_tokens": 120,
                            "world": 140, "num_local": 144}),
 )
@@ -268,9 +281,9 @@ class ExpertParallel:
     cancel. Tokens whose experts all live on one rank get the same bits
     either way. Both are deterministic and bit-identical run to run.
 
-    Memory: symmetric buffers of about W*(T_max+1)*(H*(itemsize +
-    combine itemsize) + (3K+1)*4) bytes per rank, held until the
-    communicator closes; in capturable mode each dispatch also returns
+    Memory: symmetric buffers of about T_max*H*itemsize (kernels; torch-op
+    path: W times that) + W*(T_max+1)*(H*combine itemsize + (3K+1)*4)
+    bytes per rank, held until the communicator closes; in capturable mode each dispatch also returns
     worst-case [W*T_max*K, H] rows.
     """
 
@@ -310,8 +323,13 @@ class ExpertParallel:
         self._seq, self._seq_capturable = 0, self.capturable
         self._on_phase = None  # benchmarks: called with each phase's name as it ends (see _phase)
         Tm, dev = max_tokens_per_rank, self.device
+        self._kernels = self._kernels_usable()  # the same on every rank: it decides the allocations below
         # Symmetric buffers, all collective allocations in the same order on every rank.
-        self._recv_x = comm.empty((W, Tm, hidden), dtype)  # [source, slot] token rows
+        # Token rows: kernels stage each source's own rows ([T_max, H], read by the destinations);
+        # the torch-op path writes them into the destinations ([W, T_max, H]: [source, slot]).
+        rows = comm.empty((Tm, hidden) if self._kernels else (W, Tm, hidden), dtype)
+        self._xs, self._recv_x = (rows, None) if self._kernels else (None, rows)
+        self._local_xs = None  # get_dispatch_buffer's tensor on the torch-op path
         # [source, slot]: local ids | weight bits | token | pair ranks (kernels only; see moe.cu)
         self._meta = comm.empty((W, Tm, 3 * K + 1), torch.int32)
         self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
@@ -320,12 +338,12 @@ class ExpertParallel:
         self._comb = comm.empty((W, Tm + 1, hidden), combine_dtype)
         # Kernels: per source, tokens sent, then pairs sent per local expert.
         self._hdr = comm.empty((W, self.num_local_experts + 1), torch.int32)
-        for t in (self._recv_x, self._meta, self._counts, self._status, self._comb, self._hdr):
+        for t in (rows, self._meta, self._counts, self._status, self._comb, self._hdr):
             t.zero_()
         # Peers post into _status before their first start barrier: zero everywhere first.
         comm.stream_barrier()
         peers = lambda t: [t if d == self.rank else comm.peer_tensor(t, d) for d in range(W)]  # noqa: E731
-        self._peer_recv_x = [p[self.rank] for p in peers(self._recv_x)]
+        self._peer_recv_x = [p[self.rank] for p in peers(self._recv_x)] if not self._kernels else []
         self._peer_meta = [p[self.rank] for p in peers(self._meta)]
         self._peer_counts = [p[self.rank:self.rank + 1] for p in peers(self._counts)]
         self._peer_status = [p[self.rank:self.rank + 1] for p in peers(self._status)]
@@ -350,12 +368,15 @@ class ExpertParallel:
         every rank)."""
         return self._kernels
 
-    def _setup_kernels(self) -> None:
+    def _kernels_usable(self) -> bool:
         W, K, Tm, H, E = self.world_size, self.topk, self.max_tokens_per_rank, self.hidden, self.num_experts
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        self._kernels = (self.device.type == "cuda" and self.dtype in _KERNEL_TYPES and (H * itemsize) % 16 == 0
-                         and W <= _MAX_RANKS and K <= _MAX_TOPK and E <= _MAX_EXPERTS
-                         and W * Tm * K < 2 ** 31 and not _torch_path_forced())
+        return (self.device.type == "cuda" and self.dtype in _KERNEL_TYPES and (H * itemsize) % 16 == 0
+                and W <= _MAX_RANKS and K <= _MAX_TOPK and E <= _MAX_EXPERTS
+                and W * Tm * K < 2 ** 31 and not _torch_path_forced())
+
+    def _setup_kernels(self) -> None:
+        W, K, Tm = self.world_size, self.topk, self.max_tokens_per_rank
         if not self._kernels:
             return
         sms = self.comm.sm_count
@@ -363,7 +384,7 @@ class ExpertParallel:
         # Peer pointer tables, once: entry d is rank d's copy, mapped here.
         ptrs = lambda t: [t.data_ptr() if d == self.rank else self.comm.peer_tensor(t, d).data_ptr()  # noqa: E731
                           for d in range(W)] + [0] * (_MAX_RANKS - W)
-        self._ptr_recv_x, self._ptr_meta = _Ptrs(*ptrs(self._recv_x)), _Ptrs(*ptrs(self._meta))
+        self._ptr_xs, self._ptr_meta = _Ptrs(*ptrs(self._xs)), _Ptrs(*ptrs(self._meta))
         self._ptr_hdr, self._ptr_comb = _Ptrs(*ptrs(self._hdr)), _Ptrs(*ptrs(self._comb))
         dev = self.device
         # Local state: valid from one dispatch until the next (the DispatchResult contract).
@@ -456,7 +477,8 @@ class ExpertParallel:
           barrier. Every rank must pass the same mode.
 
         Returns a :class:`DispatchResult`. Work is ordered on the current
-        CUDA stream; inputs are not modified.
+        CUDA stream; inputs are not modified (except a view of x inside
+        :meth:`get_dispatch_buffer`'s memory: see there).
         """
         capturable = self.capturable if capturable is None else bool(capturable)
         problem = self._check_dispatch(x, topk_idx, topk_weights)
@@ -651,8 +673,9 @@ class ExpertParallel:
     def _phase(self, name: str) -> None:
         """Marks the end of a phase for a benchmark's hook (bench_moe's
         breakdown records a CUDA event there). Phases: dispatch: agree
-        (argument agreement and start barrier), send, mid barrier, size
-        (eager kernels: reading the counts on the host), expand; combine:
+        (argument agreement and start barrier), stage (kernels: x into the
+        staging buffer), send, mid barrier, size (eager kernels: reading the
+        counts on the host), expand; combine:
         agree, send, mid barrier, reduce."""
         if self._on_phase is not None:
             self._on_phase(name)
@@ -669,21 +692,61 @@ class ExpertParallel:
         t = t.contiguous()
         return t if t.data_ptr() % 16 == 0 else t.clone()
 
+    def get_dispatch_buffer(self, num_tokens: Optional[int] = None) -> torch.Tensor:
+        """[num_tokens, H] tensor (default max_tokens_per_rank rows) of the
+        ep's dtype, for building the next dispatch's ``x`` in place: passing
+        it as ``x`` skips the copy of x into the symmetric staging buffer
+        that peers read tokens from (on GPU about 60 MB at 4096 tokens of
+        7168 bf16). Always the same memory (rows [0, num_tokens) of it), so
+        fill it only after this rank's combine of the previous dispatch (or
+        any later collective of this ep's communicator) is on the stream:
+        until then peers may still be reading the previous tokens from it.
+        Any other x is copied into its rows [0, T) (on GPU), so a view of x
+        elsewhere inside it changes there. Not collective. On the torch-op
+        path a plain tensor (never written by dispatch)."""
+        n = self.max_tokens_per_rank if num_tokens is None else num_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_tokens_per_rank:
+            raise InvalidArgumentError(f"num_tokens must be an int in [0, {self.max_tokens_per_rank}], got {n!r}")
+        if self._xs is None:
+            if self._local_xs is None:
+                self._local_xs = torch.empty(self.max_tokens_per_rank, self.hidden, dtype=self.dtype,
+                                             device=self.device)
+            return self._local_xs[:n]
+        return self._xs[:n]
+
+    def _stage(self, x: torch.Tensor) -> None:
+        """Puts x's rows into the staging buffer xs, where peers read them
+        (after the start barrier: peers read xs until then). Nothing to do
+        when x is get_dispatch_buffer()'s memory; else a device-to-device
+        memcpy, which uses no SM of the ep's budget and measured faster than
+        the send kernel's SMs doing it (4 x H200, 4096 tokens of 7168 bf16:
+        31 against ~50 µs)."""
+        T = x.shape[0]
+        xs = self._xs[:T]
+        if T == 0 or (x.data_ptr() == xs.data_ptr() and x.is_contiguous()):
+            return
+        if _overlaps(x, self._xs):  # a view elsewhere inside the buffer: copy out first
+            x = x.clone()
+        xs.copy_(x)
+
     def _dispatch_kernels(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
-        """dispatch after the start barrier: moe_dispatch_send writes rows,
-        metadata and hdr into the destinations; mid barrier;
-        moe_dispatch_expand builds the expert-major result here."""
+        """dispatch after the start barrier: x staged into xs; moe_dispatch_send
+        writes metadata and hdr into the destinations; mid barrier;
+        moe_dispatch_expand pulls the rows and builds the expert-major result
+        here."""
         W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
         T = x.shape[0]
-        x, idx, w = self._aligned(x), topk_idx.contiguous(), topk_weights.contiguous()
-        p = _DispatchParams(peer_recv_x=self._ptr_recv_x, peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr,
-                            x=x.data_ptr(), topk_idx=idx.data_ptr(), topk_w=w.data_ptr(),
+        self._stage(x)
+        self._phase("stage")
+        idx, w = topk_idx.contiguous(), topk_weights.contiguous()
+        p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx.data_ptr(),
+                            topk_w=w.data_ptr(),
                             send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
                             num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
                             rank=self.rank, world=W, idx_bytes=idx.element_size())
         self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
         self._phase("send")
-        self.comm.stream_barrier()  # mid barrier: every source's rows, metadata and hdr are here
+        self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready
         self._phase("mid barrier")
         if capturable:
             R = self.max_recv_rows
@@ -693,10 +756,10 @@ class ExpertParallel:
         info = torch.empty(4, R, dtype=torch.int32, device=self.device)  # local expert | source | token | weight
         counts = torch.empty(L + 1, dtype=torch.int32, device=self.device)  # rows per local expert | R
         self._phase("size")
-        e = _ExpandParams(recv_x=self._recv_x.data_ptr(), meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
+        e = _ExpandParams(peer_xs=self._ptr_xs, meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
                           out_x=out_x.data_ptr(), out_info=info.data_ptr(), expert_counts=counts.data_ptr(),
                           comb_rows=self._comb_row_map.data_ptr(), row_cap=R, max_tokens=Tm, hidden=H, topk=K,
-                          num_local=L, world=W)
+                          num_local=L, world=W, rank=self.rank)
         self._launch("moe_dispatch_expand", e, self._blocks, 4 * (W + 1) * L)
         self._phase("expand")
         return DispatchResult(
@@ -783,7 +846,7 @@ class ExpertParallel:
         return None
 
     def _check_dispatch(self, x, topk_idx, topk_weights) -> Optional[P2PCommError]:
-        if not self._peer_recv_x:
+        if not self._peer_status:
             return StateError("ExpertParallel is closed")
         p = self._check_tensor("x", x, (self.dtype,), (None, self.hidden))
         if p is not None:
@@ -796,7 +859,7 @@ class ExpertParallel:
                 or self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, self.topk)))
 
     def _check_combine(self, expert_out, recv) -> Optional[P2PCommError]:
-        if not self._peer_recv_x:
+        if not self._peer_status:
             return StateError("ExpertParallel is closed")
         if not isinstance(recv, DispatchResult):
             return InvalidArgumentError(f"recv must be a DispatchResult, got {type(recv).__name__}")
