@@ -66,8 +66,9 @@ HEADERS = ["tokens/rank", "impl", "mode", "partials", "dispatch us", "dispatch G
            "status"]
 _NUMERIC = (0, 4, 5, 6, 7)
 
-# Phases as ExpertParallel._phase names them, in call order ("size" only on the eager kernel path).
-DISPATCH_PHASES = ("agree", "send", "mid barrier", "size", "expand")
+# Phases as ExpertParallel._phase names them, in call order ("stage" only on the kernel path, "size" only on
+# its eager calls).
+DISPATCH_PHASES = ("agree", "stage", "send", "mid barrier", "size", "expand")
 COMBINE_PHASES = ("agree", "send", "mid barrier", "reduce")
 PHASE_COLUMNS = [f"dispatch {p}" for p in DISPATCH_PHASES + ("total",)] + \
     [f"combine {p}" for p in COMBINE_PHASES + ("total",)]
@@ -445,8 +446,18 @@ class P2PRun:
     ctl: object
 
     def modes(self) -> list[str]:
+        """Modes of the first table; "+buf": x built in ep.get_dispatch_buffer() (no staging copy)."""
         cuda, graphs = self.device.type == "cuda", not self.args.no_graph
-        return ["eager"] + (["graph"] if cuda and graphs else []) + (["capturable"] if not cuda and graphs else [])
+        return ["eager"] + (["graph", "graph+buf"] if cuda and graphs else []) + \
+            (["capturable"] if not cuda and graphs else [])
+
+    def data_for(self, ep, mode: str) -> tuple:
+        x, idx, w = self.data
+        if mode.endswith("+buf"):
+            buf = ep.get_dispatch_buffer(x.shape[0])
+            buf.copy_(x)
+            x = buf
+        return x, idx, w
 
     def bench(self, transit: torch.dtype) -> tuple[list[MoeRow], list[PhaseRow]]:
         from .moe import ExpertParallel
@@ -464,7 +475,7 @@ class P2PRun:
 
     def phase_modes(self) -> list[str]:
         cuda, graphs = self.device.type == "cuda", not self.args.no_graph
-        return ["eager", "capturable"] + (["graph"] if cuda and graphs else [])
+        return ["eager", "capturable"] + (["graph", "graph+buf"] if cuda and graphs else [])
 
     def time_phases(self, ep, mode: str, label: str) -> PhaseRow:
         """One phase-table row; the ranks agree that every one measured
@@ -472,7 +483,8 @@ class P2PRun:
         the others waiting in a collective."""
         a, failure = self.args, None
         try:
-            times = phase_times(ep, *self.data, mode, a.reps, a.warmup, self.device, self.ctl)
+            times = phase_times(ep, *self.data_for(ep, mode), mode.split("+")[0], a.reps, a.warmup, self.device,
+                                self.ctl)
         except Exception as e:  # noqa: BLE001 - reported as a row
             times, failure = {}, e
             self._settle()
@@ -482,14 +494,15 @@ class P2PRun:
         return PhaseRow(self.tokens, mode, label, {n: (v * 1e6 if v is not None else None) for n, v in medians.items()})
 
     def time_mode(self, ep, mode: str, transit: torch.dtype) -> MoeRow:
-        a, (x, idx, w), label = self.args, self.data, _name(transit)
+        a, label = self.args, _name(transit)
         capturable = mode != "eager"
         try:
+            x, idx, w = self.data_for(ep, mode)
             y = _round(ep, x, idx, w, capturable)
             ok = _agree(self.ref is None or _close(y, self.ref, self.dtype, transit), self.ctl)
             dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
             combine = lambda r: ep.combine(r.x, r)  # noqa: E731
-            if mode == "graph":
+            if mode.startswith("graph"):
                 td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl)
             else:
                 td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl)
