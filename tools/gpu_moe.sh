@@ -15,8 +15,10 @@ table() { grep -E "^\|" "$1" | grep -vE "^\|[-:| ]+\|$" | head -40; }
 for step in "${@:-tests bench}"; do
     case "$step" in
     tests)
-        run 300 -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist/test_moe.py > "$OUT/moe-test.txt" 2>&1
-        echo "moe tests nproc=$N rc=$?"; grep -E "^(FAILED|ERROR)|^E  " "$OUT/moe-test.txt" | sort | uniq -c | sort -rn | head -12
+        run 300 -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist/test_moe.py \
+            > "$OUT/moe-test.txt" 2>&1
+        echo "moe tests nproc=$N rc=$?"
+        grep -E "^(FAILED|ERROR)|^E  " "$OUT/moe-test.txt" | sort | uniq -c | sort -rn | head -12
         grep -E "[0-9]+ (passed|failed)" "$OUT/moe-test.txt" | sort | uniq -c
         ;;
     bench)

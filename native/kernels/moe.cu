@@ -56,11 +56,13 @@ constexpr int kMoeWarps = kThreads / 32;
 #define MOE_COMB_INTERLEAVE 1  // 1: combine send items slot-major, sources rotated; 0: source-major (before)
 #endif
 #ifndef MOE_COMB_PULL
-#define MOE_COMB_PULL 0  // 1: partials stay on the expert rank, sources read them (measured slower: combine 1262 vs 990 us, 4096 tokens, bf16, graph); 0: expert ranks push them
+// 1: partials stay on the expert rank and sources read them (measured slower:
+// combine 1262 against 990 us, 4096 tokens, bf16, graph); 0: expert ranks push.
+#define MOE_COMB_PULL 0
 #endif
 
 // kMoeUnroll: 16-byte packs per lane loaded before the first store in the
-// row copies. Each pass waits one HBM read latency, so 8 packs (4 KiB per
+// row copies. Each pass waits one read latency, so 8 packs (4 KiB per
 // warp, 64 KiB per SM in flight) halve the passes of the former 4.
 constexpr int kMoeUnroll = MOE_UNROLL;
 static_assert(kMoeUnroll >= 1, "MOE_UNROLL");

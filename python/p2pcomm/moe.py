@@ -148,8 +148,8 @@ def kernel_expressions() -> set:
 
 
 class _DispatchParams(ctypes.Structure):
-    _fields_ = [("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64), ("send_slot", ctypes.c_uint64),
-                ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
+    _fields_ = [("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64),
+                ("send_slot", ctypes.c_uint64), ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32)]
 
@@ -283,8 +283,8 @@ class ExpertParallel:
 
     Memory: symmetric buffers of about T_max*H*itemsize (kernels; torch-op
     path: W times that) + W*(T_max+1)*(H*combine itemsize + (3K+1)*4)
-    bytes per rank, held until the communicator closes; in capturable mode each dispatch also returns
-    worst-case [W*T_max*K, H] rows.
+    bytes per rank, held until the communicator closes; in capturable mode
+    each dispatch also returns worst-case [W*T_max*K, H] rows.
     """
 
     _next_id = 0
