@@ -21,7 +21,9 @@
 //                             expert rank, [s, slot] = its partial for source
 //                             s, read by s); C (the transit) is float or T
 //   send_slot [Tm, W] i32     local: slot of token t on rank d, -1: not sent
-//   pair_rank [Tm * K] i32    local scratch of moe_dispatch_send
+//   pair_rank [Tm*K + G*(W+E)] i32  local scratch: pair ranks (moe_dispatch_send),
+//                             then per block b of G: tokens per destination,
+//                             pairs per expert of b's tokens (moe_dispatch_count)
 //   comb_rows [W*Tm, K] i32   local: output row of pair (s, slot, k), -1: none
 // Byte layouts of the parameter structs are pinned below by static_asserts and
 // mirrored by ctypes in moe.py (checked at import).
@@ -52,6 +54,12 @@ constexpr int kMoeWarps = kThreads / 32;
 #ifndef MOE_NC_LOADS
 #define MOE_NC_LOADS 0  // 1: rows read through ld.global.nc (see ld_v16_stable); 0: ld.global.cg (measured faster: dispatch 1161 vs 1290 us in a graph, 4096 tokens)
 #endif
+#ifndef MOE_COUNT_KERNEL
+// 1: moe_dispatch_count counts each block's tokens first, so that each send
+// block sums G counts instead of recounting every token before its range
+// (0, before: the last block read all T * K ids).
+#define MOE_COUNT_KERNEL 1
+#endif
 #ifndef MOE_COMB_INTERLEAVE
 #define MOE_COMB_INTERLEAVE 1  // 1: combine send items slot-major, sources rotated; 0: source-major (before)
 #endif
@@ -75,7 +83,7 @@ static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 //   128    8    topk_idx        [T, K] i32 or i64 (idx_bytes)
 //   136    8    topk_w          [T, K] f32
 //   144    8    send_slot       [Tm, W] i32, local output
-//   152    8    pair_rank       [Tm * K] i32, local scratch
+//   152    8    pair_rank       [Tm*K + G*(W+E)] i32, local scratch
 //   160    4    num_tokens      T
 //   164    4    max_tokens      Tm
 //   168    4    hidden          H
@@ -191,6 +199,9 @@ static_assert(sizeof(MoeCombineParams::peer_comb) == 64 &&
                   6 * sizeof(void*) + sizeof(MoeCombineParams::row_cap) + 8 * sizeof(int) == 152 - 64,
               "MoeCombineParams fields");
 
+// p2pcomm:instantiate moe_dispatch_count<bf16>
+// p2pcomm:instantiate moe_dispatch_count<half16>
+// p2pcomm:instantiate moe_dispatch_count<float>
 // p2pcomm:instantiate moe_dispatch_send<bf16>
 // p2pcomm:instantiate moe_dispatch_send<half16>
 // p2pcomm:instantiate moe_dispatch_send<float>
@@ -233,14 +244,20 @@ DINLINE V16 ld_v16_stable(const void* p) {
 #endif
 }
 
-// row_parts is how many pieces to cut each of n rows into so that nwarps
-// warps all get work when rows are fewer than warps, with no piece shorter
-// than one warp pass of pass_packs packs. 1 when n >= nwarps: the common
-// large case keeps one warp per row.
+// row_parts is how many pieces to cut each of n rows into so that the
+// nwarps warps get about kRowSpread pieces each when rows are few (one
+// warp per row left some warps two whole rows, or one row of twice the
+// pairs, while others idled: the small-batch case), with no piece shorter
+// than one warp pass of pass_packs packs. 1 when n >= kRowSpread * nwarps:
+// the large case keeps one warp per row.
+#ifndef MOE_ROW_SPREAD
+#define MOE_ROW_SPREAD 4  // 1: pieces only when rows are fewer than warps (before)
+#endif
+constexpr int kRowSpread = MOE_ROW_SPREAD;
 DINLINE int row_parts(i64 n, i64 nwarps, i64 packs, int pass_packs) {
-  if (n <= 0 || n >= nwarps) return 1;
+  if (n <= 0 || n >= kRowSpread * nwarps) return 1;
   const i64 most = (packs + pass_packs - 1) / pass_packs;
-  const i64 want = nwarps / n;
+  const i64 want = (kRowSpread * nwarps + n - 1) / n;
   const i64 parts = want < most ? want : most;
   return parts > 1 ? (int)parts : 1;
 }
@@ -327,6 +344,53 @@ DINLINE int block_exclusive_scan(int* a, int n, int* wsum, int* carry) {
 
 // ---------------------------------------------------------------- dispatch
 
+// block_range is block b's tokens [t0, t1) of the dispatch kernels' grid.
+DINLINE void block_range(int ntok, int& t0, int& t1) {
+  const int G = (int)gridDim.x, b = (int)blockIdx.x;
+  t0 = (int)((i64)ntok * b / G);
+  t1 = (int)((i64)ntok * (b + 1) / G);
+}
+
+// count_tokens adds, for tokens [t0, t1), the tokens sent to each
+// destination into dest[] and the pairs of each expert into exp[] (shared
+// counters; integer counts, so any order).
+DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest, int* exp) {
+  const int lane = (int)threadIdx.x & 31, K = p.topk, W = p.world, L = p.num_experts / W;
+  for (int base = t0; base < t1; base += (int)blockDim.x) {
+    const int t = base + (int)threadIdx.x;
+    const u32 m = t < t1 ? dest_mask(p, t, L) : 0u;
+    for (int d = 0; d < W; ++d) {
+      const u32 bal = __ballot_sync(~0u, (m >> d) & 1u);
+      if (lane == 0 && bal != 0) atomicAdd(&dest[d], __popc(bal));
+    }
+  }
+  for (i64 q = (i64)t0 * K + threadIdx.x; q < (i64)t1 * K; q += blockDim.x) {  // shared atomics beat __match_any_sync here
+    const int g = expert_at(p, q);
+    if (g >= 0) atomicAdd(&exp[g], 1);
+  }
+}
+
+// moe_dispatch_count runs on the source just before moe_dispatch_send, on
+// the same grid: block b counts its own tokens (per destination, per
+// expert) into its row of the scratch after pair_rank, where every later
+// send block sums them (the kernel boundary orders the two). Dynamic shared
+// memory: 4 * (W + E) bytes.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispatchParams p) {
+#if MOE_COUNT_KERNEL
+  extern __shared__ int cnt[];  // [W] tokens per destination | [E] pairs per expert
+  const int W = p.world, E = p.num_experts, n = W + E;
+  for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) cnt[i] = 0;
+  __syncthreads();
+  int t0, t1;
+  block_range(p.num_tokens, t0, t1);
+  count_tokens(p, t0, t1, cnt, cnt + W);
+  __syncthreads();
+  int* row = p.pair_rank + (i64)p.max_tokens * p.topk + (i64)blockIdx.x * n;
+  for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) row[i] = cnt[i];
+#endif
+}
+
 // moe_dispatch_send runs on the source rank between the start and mid
 // barriers. Block b owns tokens [T*b/G, T*(b+1)/G). It counts, per
 // destination and per expert, the tokens and pairs before its range (so the
@@ -346,25 +410,29 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
   const int E = p.num_experts, K = p.topk, W = p.world, L = E / W, ntok = p.num_tokens;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
-  const int t0 = (int)((i64)ntok * b / G), t1 = (int)((i64)ntok * (b + 1) / G);
+  int t0, t1;
+  block_range(ntok, t0, t1);
   for (int e = tid; e < E; e += (int)blockDim.x) run_exp[e] = 0;
   if (tid < kMaxRanks) run_dest[tid] = 0;
   __syncthreads();
 
-  // 1. Tokens and pairs before this block's range (integer counts: any order).
-  for (int base = 0; base < t0; base += (int)blockDim.x) {
-    const int t = base + tid;
-    const u32 m = t < t0 ? dest_mask(p, t, L) : 0u;
-    for (int d = 0; d < W; ++d) {
-      const u32 bal = __ballot_sync(~0u, (m >> d) & 1u);
-      if (lane == 0 && bal != 0) atomicAdd(&run_dest[d], __popc(bal));
+  // 1. Tokens and pairs before this block's range: the sums of the earlier
+  // blocks' counts (moe_dispatch_count), or counted here (MOE_COUNT_KERNEL=0).
+#if MOE_COUNT_KERNEL
+  {
+    const int n = W + E;
+    const int* rows = p.pair_rank + (i64)p.max_tokens * K;
+    for (int i = tid; i < n; i += (int)blockDim.x) {
+      int acc = 0;
+      for (int bb = 0; bb < b; ++bb) acc += rows[(i64)bb * n + i];
+      if (i < W) run_dest[i] = acc;
+      else run_exp[i - W] = acc;
     }
   }
+#else
+  count_tokens(p, 0, t0, run_dest, run_exp);
+#endif
   const i64 q0 = (i64)t0 * K, q1 = (i64)t1 * K;
-  for (i64 q = tid; q < q0; q += blockDim.x) {  // plain shared atomics: __match_any_sync costs more here
-    const int g = expert_at(p, q);
-    if (g >= 0) atomicAdd(&run_exp[g], 1);
-  }
   __syncthreads();
 
   // 2. Slots of this block's tokens on each destination, in token order.
@@ -566,6 +634,13 @@ constexpr int kCombUnroll = MOE_COMB_UNROLL;
 constexpr int kReduceLoads = MOE_REDUCE_LOADS;
 constexpr int kReduceRanks = 4;
 static_assert(kCombGroup >= 1 && kCombGroup <= 32 && kCombUnroll >= 1 && kReduceLoads >= 8, "combine knobs");
+// kCombWide: items with more than kCombGroup valid pairs and at most twice
+// that load kCombWide rows at kCombWideUnroll packs per lane per pass.
+#ifndef MOE_COMB_WIDE
+#define MOE_COMB_WIDE 1  // 0: such items take combine_pieces_many (before)
+#endif
+constexpr int kCombWide = 2 * kCombGroup <= 32 ? 2 * kCombGroup : 32;
+constexpr int kCombWideUnroll = kCombUnroll / 2 >= 1 ? kCombUnroll / 2 : 1;
 
 // Transit<T, C> checks the combine transit type: float (exact partials) or
 // T (each partial rounded once; half the bytes).
@@ -607,65 +682,107 @@ struct ItemRows {
   u32 valid;
 };
 
-// take_group gives every lane the next kCombGroup valid pairs of `rest`
-// (lowest k first) as row pointers and weights, through register shuffles,
-// and clears them from rest. Missing ones point at expert_out and weigh 0;
-// the caller bounds its loops by the count. Every lane must call it.
-DINLINE int take_group(const ItemRows& it, u32& rest, const char* out, i64 row_bytes,
-                       const char* (&src)[kCombGroup], float (&wt)[kCombGroup]) {
-  const int n = __popc(rest) < kCombGroup ? __popc(rest) : kCombGroup;
+// take_group gives every lane the next G valid pairs of `rest` (lowest k
+// first) as expert_out rows and weights, through register shuffles, and
+// clears them from rest. Missing ones are row 0 with weight 0; the caller
+// bounds its loops by the count. Rows, not pointers: half the registers.
+// Every lane must call it.
+template <int G>
+DINLINE int take_group(const ItemRows& it, u32& rest, int (&row)[G], float (&wt)[G]) {
+  const int n = __popc(rest) < G ? __popc(rest) : G;
 #pragma unroll
-  for (int j = 0; j < kCombGroup; ++j) {
+  for (int j = 0; j < G; ++j) {
     const int from = rest != 0 ? __ffs(rest) - 1 : 0;
     const int r = __shfl_sync(~0u, it.row, from);
     wt[j] = __shfl_sync(~0u, it.weight, from);
-    src[j] = out + (i64)(r >= 0 ? r : 0) * row_bytes;
+    row[j] = r >= 0 ? r : 0;
     rest &= rest - 1;
   }
   return n;
 }
 
-// combine_pieces_few: packs [c0, c1) of one item's partial when it has at
-// most kCombGroup valid pairs (the common case): per pass, every lane loads
-// kCombUnroll packs of every row before any math, then sums each pack over
-// the rows in k order from +0 and stores it.
-template <typename T, typename C>
-DINLINE void combine_pieces_few(const ItemRows& it, const char* out, i64 row_bytes, C* dst, i64 c0, i64 c1) {
-  constexpr int P = PackOf<T>::kElems;
-  const char* src[kCombGroup];
-  float wt[kCombGroup];
-  u32 rest = it.valid;
-  const int n = take_group(it, rest, out, row_bytes, src, wt);
+// Combine send register layouts: the kCombRegs 16-byte loads of one pass
+// in flight per lane, laid out as GL rows x UL packs: kCombGroup x
+// kCombUnroll for items of up to kCombGroup valid pairs (most of them), and
+// for more pairs twice the rows at half the packs (kCombWide x
+// kCombWideUnroll; they took a one-pack loop before: 4x the passes, and at
+// 128 tokens the few such items set the kernel's time). Tried and not kept:
+// items of 1-2 pairs at twice the packs (2 x 8: c.send 834 against 668 us,
+// 4096 tokens, bf16 partials).
+constexpr int kCombRegs = kCombGroup * kCombUnroll;
+static_assert(kCombWide * kCombWideUnroll <= kCombRegs && kCombWide <= 32, "the wide layout fits the registers");
+
+// load_rows loads, for the first min(n, GL) valid pairs j of an item, UL
+// packs per lane of row j from pass on (packs below c1) into raw[j * UL +
+// u]. Lane j holds pair j's row (crow) and weight (cw): each is shuffled
+// from there when used, which keeps the registers for the loads.
+template <int GL, int UL>
+DINLINE void load_rows(V16 (&raw)[kCombRegs], int crow, int n, const char* out, i64 row_bytes, int pass, int c1) {
+  static_assert(GL * UL <= kCombRegs, "layout fits");
   const int lane = (int)(threadIdx.x & 31);
-  for (i64 pass = c0; pass < c1; pass += 32 * kCombUnroll) {
-    V16 raw[kCombGroup][kCombUnroll];
 #pragma unroll
-    for (int j = 0; j < kCombGroup; ++j) {
+  for (int j = 0; j < GL; ++j) {
+    if (j >= n) break;  // warp-uniform
+    // One base per row; the packs are immediate offsets from it (registers).
+    const char* src = out + (i64)__shfl_sync(~0u, crow, j) * row_bytes +
+                      (i64)(pass + lane) * kPackBytes;
 #pragma unroll
-      for (int u = 0; u < kCombUnroll; ++u) {
-        const i64 c = pass + lane + 32 * u;
-        if (j < n && c < c1) raw[j][u] = ld_v16_stable(src[j] + c * kPackBytes);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kCombUnroll; ++u) {
-      const i64 c = pass + lane + 32 * u;
-      if (c < c1) {
-        float acc[P];
-#pragma unroll
-        for (int e = 0; e < P; ++e) acc[e] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kCombGroup; ++j) {
-          if (j < n) add_weighted<T>(acc, wt[j], raw[j][u]);
-        }
-        store_partial<T, C>(dst, c, acc);
-      }
+    for (int u = 0; u < UL; ++u) {
+      if (pass + lane + 32 * u < c1) raw[j * UL + u] = ld_v16_stable(src + 32 * u * kPackBytes);
     }
   }
 }
 
-// combine_pieces_many: the same for items with more than kCombGroup valid
-// pairs (up to topk), one pack per lane per pass and kCombGroup rows at a
+// sum_store sums each of the UL packs over the loaded rows in k order from
+// +0 (weights shuffled from their lanes) and stores it as pack c of dst.
+// Lanes past c1 sum registers that were not loaded and store nothing:
+// every lane must reach the shuffles.
+template <typename T, typename C, int GL, int UL>
+DINLINE void sum_store(const V16 (&raw)[kCombRegs], float cw, int n, C* dst, int pass, int c1) {
+  constexpr int P = PackOf<T>::kElems;
+  const int lane = (int)(threadIdx.x & 31);
+  C* const base = dst + (i64)(pass + lane) * P;  // packs at immediate offsets from it
+#pragma unroll
+  for (int u = 0; u < UL; ++u) {
+    float acc[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < GL; ++j) {
+      if (j >= n) break;
+      add_weighted<T>(acc, __shfl_sync(~0u, cw, j), raw[j * UL + u]);
+    }
+    if (pass + lane + 32 * u < c1) store_partial<T, C>(base, 32 * u, acc);
+  }
+}
+
+// combine_pieces_group: packs [c0, c1) of one item's partial when it has at
+// most kCombWide valid pairs: per pass, every lane loads the packs of every
+// row before any math (in one register array, whatever the layout: inlined
+// variants with their own arrays would need the registers of all), then
+// sums each pack over the rows in k order from +0 and stores it.
+template <typename T, typename C>
+DINLINE void combine_pieces_group(const ItemRows& it, const char* out, i64 row_bytes, C* dst, int c0, int c1) {
+  // Lane j takes valid pair j's row and weight (pairs in k order).
+  const int from = (int)(__fns(it.valid, 0, (int)(threadIdx.x & 31) + 1) & 31);  // past the last: any lane
+  const int crow = __shfl_sync(~0u, it.row, from);
+  const float cw = __shfl_sync(~0u, it.weight, from);
+  const int n = __popc(it.valid) < kCombWide ? __popc(it.valid) : kCombWide;  // warp-uniform
+  const bool wide = n > kCombGroup;
+  for (int pass = c0; pass < c1; pass += 32 * (wide ? kCombWideUnroll : kCombUnroll)) {  // int: packs of one row
+    V16 raw[kCombRegs];
+    if (!wide) {
+      load_rows<kCombGroup, kCombUnroll>(raw, crow, n, out, row_bytes, pass, c1);
+      sum_store<T, C, kCombGroup, kCombUnroll>(raw, cw, n, dst, pass, c1);
+    } else {
+      load_rows<kCombWide, kCombWideUnroll>(raw, crow, n, out, row_bytes, pass, c1);
+      sum_store<T, C, kCombWide, kCombWideUnroll>(raw, cw, n, dst, pass, c1);
+    }
+  }
+}
+
+// combine_pieces_many: items with more valid pairs than any group (topk >
+// 2 * kCombGroup only), one pack per lane per pass and kCombGroup rows at a
 // time, still summed in k order.
 template <typename T, typename C>
 DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_bytes, C* dst, i64 c0, i64 c1) {
@@ -677,13 +794,13 @@ DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_by
 #pragma unroll
     for (int e = 0; e < P; ++e) acc[e] = 0.0f;
     for (u32 rest = it.valid; rest != 0;) {  // warp-uniform: every lane shuffles
-      const char* src[kCombGroup];
+      int row[kCombGroup];
       float wt[kCombGroup];
-      const int n = take_group(it, rest, out, row_bytes, src, wt);
+      const int n = take_group<kCombGroup>(it, rest, row, wt);
       V16 raw[kCombGroup];
 #pragma unroll
       for (int j = 0; j < kCombGroup; ++j) {
-        if (j < n && c < c1) raw[j] = ld_v16_stable(src[j] + c * kPackBytes);
+        if (j < n && c < c1) raw[j] = ld_v16_stable(out + (i64)row[j] * row_bytes + c * kPackBytes);
       }
 #pragma unroll
       for (int j = 0; j < kCombGroup; ++j) {
@@ -714,15 +831,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   const i64 row_bytes = (i64)H * (i64)sizeof(T);
   const i64 ppr = H / P;  // packs per row
   const char* out = (const char*)p.expert_out;
-  const i64 gwarps = (i64)gridDim.x * nw;
-  const int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, ppr, 32 * kCombUnroll);
+  const int gwarps = (int)gridDim.x * nw;
+  // Units in 32 bits (a 64-bit division per item cost spilled registers):
+  // orders = W * Tm < 2^31 / K (moe.py checks), and parts is capped so that
+  // no unit index passes 2^31.
+  const int orders = W * Tm;  // not most_sent's bound: sm_80 would spill registers
+  int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, ppr, 32 * kCombUnroll);
+  if ((i64)orders * parts > (i64)(0x7fffffff - gwarps)) parts = max(1, (0x7fffffff - gwarps) / orders);
 #if MOE_COMB_PULL
   C* const mine = (C*)pick(p.peer_comb, p.rank);
 #endif
-  const i64 orders = (i64)W * Tm;  // not most_sent's bound: sm_80 would spill registers
-  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < orders * parts; unit += gwarps) {
-    const i64 order = unit / parts;
-    const int part = (int)(unit % parts);
+  for (int unit = (int)blockIdx.x * nw + warp; unit < orders * parts; unit += gwarps) {
+    const int order = unit / parts;
+    const int part = unit % parts;
 #if MOE_COMB_INTERLEAVE
     int s, slot;
     slot_major(order, W, p.rank, s, slot);
@@ -746,8 +867,11 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
     C* dst = (C*)pick(p.peer_comb, s) + ((i64)p.rank * (Tm + 1) + slot) * (i64)H;
 #endif
     const i64 c0 = piece_begin(ppr, part, parts), c1 = piece_begin(ppr, part + 1, parts);
-    if (__popc(it.valid) <= kCombGroup) {
-      combine_pieces_few<T, C>(it, out, row_bytes, dst, c0, c1);
+    // Up to kCombGroup pairs (most items) or twice that (at 128 tokens the
+    // few such items set the kernel's time when they took the one-pack loop:
+    // 4x the passes): kCombGroup * kCombUnroll loads in flight per lane.
+    if (__popc(it.valid) <= (MOE_COMB_WIDE ? kCombWide : kCombGroup)) {
+      combine_pieces_group<T, C>(it, out, row_bytes, dst, (int)c0, (int)c1);
     } else {
       combine_pieces_many<T, C>(it, out, row_bytes, dst, c0, c1);
     }

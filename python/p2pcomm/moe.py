@@ -7,15 +7,18 @@ memory (CPU: shared memory; GPU: CUDA IPC peer mappings over NVLink).
     y = ep.combine(expert_out, recv)                   # back on the source rank, weighted
 
 On GPU (bfloat16, float16, float32; see :attr:`ExpertParallel.uses_kernels`)
-dispatch and combine are four fused kernels of native/kernels/moe.cu, each
+dispatch and combine are five fused kernels of native/kernels/moe.cu, each
 on ``num_sms`` blocks, with the same barriers, buffers and results contract
 as below:
 
-- ``moe_dispatch_send`` (source): slots per destination and, per pair, its
+- ``moe_dispatch_count`` then ``moe_dispatch_send`` (source): each block
+  counts its own tokens per destination and per expert; then, from the
+  earlier blocks' counts, slots per destination and, per pair, its
   rank among this source's pairs of the same expert (in (token, k) order);
   metadata goes into every destination's ``meta[s, slot]``, per-source
-  totals into ``hdr``, and each token row that goes anywhere is staged once
-  into this rank's symmetric ``xs[t]``.
+  totals into ``hdr``. The token rows themselves are staged (a memcpy, or
+  nothing when x was built in :meth:`ExpertParallel.get_dispatch_buffer`)
+  in this rank's symmetric ``xs[t]``.
 - ``moe_dispatch_expand`` (destination, after the mid barrier): row of
   pair (s, slot, k) = first row of its expert + rows of that expert from
   sources before s + the sender's pair rank: expert-major order with no
@@ -127,7 +130,7 @@ _KERNEL_TYPES = {torch.bfloat16: "bf16", torch.float16: "half16", torch.float32:
 _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
-_DISPATCH_KERNELS = ("moe_dispatch_send", "moe_dispatch_expand")
+_DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
 
 
@@ -389,7 +392,8 @@ class ExpertParallel:
         dev = self.device
         # Local state: valid from one dispatch until the next (the DispatchResult contract).
         self._send_slot = torch.full((Tm, W), -1, dtype=torch.int32, device=dev)  # slot of token t on rank d
-        self._pair_rank = torch.empty(Tm * K, dtype=torch.int32, device=dev)  # moe_dispatch_send scratch
+        # Scratch: pair ranks (moe_dispatch_send), then each block's counts (moe_dispatch_count).
+        self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts), dtype=torch.int32, device=dev)
         self._comb_row_map = torch.full((W * Tm, K), -1, dtype=torch.int32, device=dev)  # (source, slot, k) -> row
 
     def __repr__(self) -> str:
@@ -744,6 +748,7 @@ class ExpertParallel:
                             send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
                             num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
                             rank=self.rank, world=W, idx_bytes=idx.element_size())
+        self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
         self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
         self._phase("send")
         self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready

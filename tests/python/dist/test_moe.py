@@ -169,6 +169,7 @@ CASES = [  # (E, K, H, T_max, dtype, routing, minus_one)
     (8, 8, 64, 16, torch.float32, "duplicates", 0.1),
     (256, 8, 256, 64, torch.bfloat16, "random", 0.0),
     (64, 4, 96, 24, torch.float16, "one_expert", 0.0),
+    (8, 12, 64, 16, torch.bfloat16, "duplicates", 0.1),  # > 8 pairs of one token on a rank
 ]
 
 
