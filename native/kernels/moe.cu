@@ -352,9 +352,9 @@ DINLINE void block_range(int ntok, int& t0, int& t1) {
 }
 
 // count_tokens adds, for tokens [t0, t1), the tokens sent to each
-// destination into dest[] and the pairs of each expert into exp[] (shared
-// counters; integer counts, so any order).
-DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest, int* exp) {
+// destination into dest[] and the pairs of each expert into experts[]
+// (shared counters; integer counts, so any order).
+DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest, int* experts) {
   const int lane = (int)threadIdx.x & 31, K = p.topk, W = p.world, L = p.num_experts / W;
   for (int base = t0; base < t1; base += (int)blockDim.x) {
     const int t = base + (int)threadIdx.x;
@@ -366,7 +366,7 @@ DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest,
   }
   for (i64 q = (i64)t0 * K + threadIdx.x; q < (i64)t1 * K; q += blockDim.x) {  // shared atomics beat __match_any_sync here
     const int g = expert_at(p, q);
-    if (g >= 0) atomicAdd(&exp[g], 1);
+    if (g >= 0) atomicAdd(&experts[g], 1);
   }
 }
 
@@ -392,9 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
 }
 
 // moe_dispatch_send runs on the source rank between the start and mid
-// barriers. Block b owns tokens [T*b/G, T*(b+1)/G). It counts, per
-// destination and per expert, the tokens and pairs before its range (so the
-// blocks need no cross-block sync), then ranks its own tokens (slot on each
+// barriers. Block b owns tokens [T*b/G, T*(b+1)/G). It sums, per
+// destination and per expert, the tokens and pairs of the blocks before it
+// (moe_dispatch_count's rows: the kernel boundary is the only cross-block
+// sync), then ranks its own tokens (slot on each
 // destination = tokens before it sent there) and pairs (rank among this
 // source's pairs of the same expert, in (token, k) order), and finally
 // writes each token's metadata into every destination's meta. The last
@@ -781,9 +782,10 @@ DINLINE void combine_pieces_group(const ItemRows& it, const char* out, i64 row_b
   }
 }
 
-// combine_pieces_many: items with more valid pairs than any group (topk >
-// 2 * kCombGroup only), one pack per lane per pass and kCombGroup rows at a
-// time, still summed in k order.
+// combine_pieces_many: items with more valid pairs than the wide layout
+// holds (topk > 2 * kCombGroup only; with MOE_COMB_WIDE=0, more than
+// kCombGroup), one pack per lane per pass and kCombGroup rows at a time,
+// still summed in k order.
 template <typename T, typename C>
 DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_bytes, C* dst, i64 c0, i64 c1) {
   constexpr int P = PackOf<T>::kElems;
