@@ -344,11 +344,12 @@ DINLINE int block_exclusive_scan(int* a, int n, int* wsum, int* carry) {
 
 // ---------------------------------------------------------------- dispatch
 
-// block_range is block b's tokens [t0, t1) of the dispatch kernels' grid.
-DINLINE void block_range(int ntok, int& t0, int& t1) {
-  const int G = (int)gridDim.x, b = (int)blockIdx.x;
-  t0 = (int)((i64)ntok * b / G);
-  t1 = (int)((i64)ntok * (b + 1) / G);
+// block_tokens is this block's tokens [t0, t1): p2p_common's block_range
+// of [0, T), the same partition in the count and send kernels.
+DINLINE void block_tokens(int ntok, int& t0, int& t1) {
+  const Range r = block_range(0, ntok, 1);
+  t0 = (int)r.begin;
+  t1 = (int)r.end;
 }
 
 // count_tokens adds, for tokens [t0, t1), the tokens sent to each
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
   for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) cnt[i] = 0;
   __syncthreads();
   int t0, t1;
-  block_range(p.num_tokens, t0, t1);
+  block_tokens(p.num_tokens, t0, t1);
   count_tokens(p, t0, t1, cnt, cnt + W);
   __syncthreads();
   int* row = p.pair_rank + (i64)p.max_tokens * p.topk + (i64)blockIdx.x * n;
@@ -392,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
 }
 
 // moe_dispatch_send runs on the source rank between the start and mid
-// barriers. Block b owns tokens [T*b/G, T*(b+1)/G). It sums, per
+// barriers. Block b owns the tokens block_tokens gives it. It sums, per
 // destination and per expert, the tokens and pairs of the blocks before it
 // (moe_dispatch_count's rows: the kernel boundary is the only cross-block
 // sync), then ranks its own tokens (slot on each
@@ -412,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
   const int E = p.num_experts, K = p.topk, W = p.world, L = E / W, ntok = p.num_tokens;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
   int t0, t1;
-  block_range(ntok, t0, t1);
+  block_tokens(ntok, t0, t1);
   for (int e = tid; e < E; e += (int)blockDim.x) run_exp[e] = 0;
   if (tid < kMaxRanks) run_dest[tid] = 0;
   __syncthreads();
@@ -683,16 +684,15 @@ struct ItemRows {
   u32 valid;
 };
 
-// take_group gives every lane the next G valid pairs of `rest` (lowest k
-// first) as expert_out rows and weights, through register shuffles, and
-// clears them from rest. Missing ones are row 0 with weight 0; the caller
-// bounds its loops by the count. Rows, not pointers: half the registers.
-// Every lane must call it.
-template <int G>
-DINLINE int take_group(const ItemRows& it, u32& rest, int (&row)[G], float (&wt)[G]) {
-  const int n = __popc(rest) < G ? __popc(rest) : G;
+// take_group gives every lane the next kCombGroup valid pairs of `rest`
+// (lowest k first) as expert_out rows and weights, through register
+// shuffles, and clears them from rest. Missing ones are row 0 with weight 0;
+// the caller bounds its loops by the count. Rows, not pointers: half the
+// registers. Every lane must call it.
+DINLINE int take_group(const ItemRows& it, u32& rest, int (&row)[kCombGroup], float (&wt)[kCombGroup]) {
+  const int n = __popc(rest) < kCombGroup ? __popc(rest) : kCombGroup;
 #pragma unroll
-  for (int j = 0; j < G; ++j) {
+  for (int j = 0; j < kCombGroup; ++j) {
     const int from = rest != 0 ? __ffs(rest) - 1 : 0;
     const int r = __shfl_sync(~0u, it.row, from);
     wt[j] = __shfl_sync(~0u, it.weight, from);
@@ -798,7 +798,7 @@ DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_by
     for (u32 rest = it.valid; rest != 0;) {  // warp-uniform: every lane shuffles
       int row[kCombGroup];
       float wt[kCombGroup];
-      const int n = take_group<kCombGroup>(it, rest, row, wt);
+      const int n = take_group(it, rest, row, wt);
       V16 raw[kCombGroup];
 #pragma unroll
       for (int j = 0; j < kCombGroup; ++j) {
