@@ -3,6 +3,7 @@
 # benchmark, then A/B runs of kernel variants (P2PCOMM_NVRTC_OPTIONS), each
 # bounded. Needs the library in .devbuild/ (see tools/gpu_session.sh).
 #   tools/gpu_moe.sh [tests] [bench] ["ab:P2PCOMM_NVRTC_OPTIONS=-DKNOB=V;OTHER=..."]...
+# TEST_TAG names the test log (e.g. tests of a knob: P2PCOMM_NVRTC_OPTIONS=... TEST_TAG=-knob).
 # Logs land under $OUT; short tables go to stdout.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,10 +17,10 @@ for step in "${@:-tests bench}"; do
     case "$step" in
     tests)
         run 300 -m pytest -q --maxfail=8 -p no:cacheprovider -rf tests/python/dist/test_moe.py \
-            > "$OUT/moe-test.txt" 2>&1
-        echo "moe tests nproc=$N rc=$?"
-        grep -E "^(FAILED|ERROR)|^E  " "$OUT/moe-test.txt" | sort | uniq -c | sort -rn | head -12
-        grep -E "[0-9]+ (passed|failed)" "$OUT/moe-test.txt" | sort | uniq -c
+            > "$OUT/moe-test${TEST_TAG:-}.txt" 2>&1
+        echo "moe tests${TEST_TAG:-} nproc=$N rc=$?"
+        grep -E "^(FAILED|ERROR)|^E  " "$OUT/moe-test${TEST_TAG:-}.txt" | sort | uniq -c | sort -rn | head -12
+        grep -E "[0-9]+ (passed|failed)" "$OUT/moe-test${TEST_TAG:-}.txt" | sort | uniq -c
         ;;
     bench)
         run 240 -m p2pcomm.bench moe --out "$OUT/moe" > "$OUT/moe-bench.txt" 2>&1; echo "moe bench rc=$?"
