@@ -20,6 +20,8 @@
 //                             d's partial, pushed by d (MOE_COMB_PULL=1: on the
 //                             expert rank, [s, slot] = its partial for source
 //                             s, read by s); C (the transit) is float or T
+//   status  [2, W] i32        symmetric: per call parity, each rank's check of
+//                             its arguments in an eager call (moe_post_status)
 //   send_slot [Tm, W] i32     local: slot of token t on rank d, -1: not sent
 //   pair_rank [Tm*K + G*(W+E)] i32  local scratch: pair ranks (moe_dispatch_send),
 //                             then per block b of G: tokens per destination,
@@ -92,7 +94,10 @@ static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 //   180    4    rank
 //   184    4    world           W
 //   188    4    idx_bytes       4 or 8
-//   total  192, aligned to 8
+//   192    8    status          [W] i32: each rank's argument check of this
+//                               eager call (0: ok), posted before the start
+//                               barrier; nullptr in capturable mode
+//   total  200, aligned to 8
 struct MoeDispatchParams {
   void* peer_meta[kMaxRanks];
   void* peer_hdr[kMaxRanks];
@@ -108,12 +113,13 @@ struct MoeDispatchParams {
   int rank;
   int world;
   int idx_bytes;
+  const int* status;
 };
-static_assert(sizeof(MoeDispatchParams) == 192, "MoeDispatchParams size");
+static_assert(sizeof(MoeDispatchParams) == 200, "MoeDispatchParams size");
 // NVRTC has no offsetof: the field sizes add up to the size (no padding),
 // which pins every offset in the table.
 static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::peer_hdr) == 128 &&
-                  4 * sizeof(void*) + 8 * sizeof(int) == 192 - 128,
+                  5 * sizeof(void*) + 8 * sizeof(int) == 200 - 128,
               "MoeDispatchParams fields");
 
 // MoeExpandParams is the argument of moe_dispatch_expand.
@@ -175,7 +181,8 @@ static_assert(sizeof(MoeExpandParams::peer_xs) + 6 * sizeof(void*) + sizeof(MoeE
 //   140    4    world          W
 //   144    4    num_local      L (send)
 //   148    4    pad
-//   total  152, aligned to 8
+//   152    8    status         as in MoeDispatchParams (send)
+//   total  160, aligned to 8
 struct MoeCombineParams {
   void* peer_comb[kMaxRanks];
   const void* expert_out;
@@ -193,12 +200,43 @@ struct MoeCombineParams {
   int world;
   int num_local;
   int pad;
+  const int* status;
 };
-static_assert(sizeof(MoeCombineParams) == 152, "MoeCombineParams size");
+static_assert(sizeof(MoeCombineParams) == 160, "MoeCombineParams size");
 static_assert(sizeof(MoeCombineParams::peer_comb) == 64 &&
-                  6 * sizeof(void*) + sizeof(MoeCombineParams::row_cap) + 8 * sizeof(int) == 152 - 64,
+                  7 * sizeof(void*) + sizeof(MoeCombineParams::row_cap) + 8 * sizeof(int) == 160 - 64,
               "MoeCombineParams fields");
 
+// MoePostParams is the argument of moe_post_status.
+//
+//   offset size field
+//   0      64   peer_status[8]  each rank's status row of this call's parity
+//   64     8    topk_idx        [num_ids] i32 or i64; nullptr: none to check
+//   72     4    num_ids         T * K
+//   76     4    num_experts     E
+//   80     4    idx_bytes       4 or 8
+//   84     4    code            this rank's host-side check (0: passed)
+//   88     4    id_code         the code to post for an expert id outside [-1, E)
+//   92     4    rank
+//   96     4    world           W
+//   100    4    pad
+//   total  104, aligned to 8
+struct MoePostParams {
+  int* peer_status[kMaxRanks];
+  const void* topk_idx;
+  int num_ids;
+  int num_experts;
+  int idx_bytes;
+  int code;
+  int id_code;
+  int rank;
+  int world;
+  int pad;
+};
+static_assert(sizeof(MoePostParams) == 104, "MoePostParams size");
+static_assert(sizeof(MoePostParams::peer_status) + sizeof(void*) + 8 * sizeof(int) == 104, "MoePostParams fields");
+
+// p2pcomm:instantiate moe_post_status
 // p2pcomm:instantiate moe_dispatch_count<bf16>
 // p2pcomm:instantiate moe_dispatch_count<half16>
 // p2pcomm:instantiate moe_dispatch_count<float>
@@ -226,6 +264,20 @@ DINLINE u32 lanemask_lt() {
   u32 m;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
   return m;
+}
+
+// any_rejected: whether a rank rejected its arguments in this eager call
+// (status: every rank's check, posted into this rank before the start
+// barrier; nullptr in capturable mode, which checks on the host only). The
+// kernels that write into peers then write nothing, so a rejected call moves
+// no data and the latest dispatch result stays valid; moe.py raises on every
+// rank after its one host sync. The barrier kernel before this one ordered
+// the peers' stores, and a kernel boundary leaves no stale L1 line.
+DINLINE bool any_rejected(const int* status, int world) {
+  if (status == nullptr) return false;
+  bool bad = false;
+  for (int q = 0; q < world; ++q) bad |= status[q] != 0;
+  return bad;
 }
 
 // ld_v16_stable loads 16 bytes that nothing writes while the kernel runs:
@@ -342,6 +394,29 @@ DINLINE int block_exclusive_scan(int* a, int n, int* wsum, int* carry) {
   return *carry;
 }
 
+// ---------------------------------------------------------------- eager argument checks
+
+// moe_post_status runs on one block before the start barrier of an eager
+// call: this rank's check (the host's code; else id_code if an expert id
+// is outside [-1, E), else 0) into slot [rank] of every rank's status row,
+// where the send kernels (any_rejected) and the host read it after the
+// barrier. One launch instead of a device check of the ids and a copy per
+// peer (~50 us of host time per eager dispatch at 4 ranks).
+__global__ void __launch_bounds__(kThreads, 1) moe_post_status(const MoePostParams p) {
+  int bad = 0;
+  if (p.code == 0 && p.topk_idx != nullptr) {
+    for (int i = (int)threadIdx.x; i < p.num_ids; i += (int)blockDim.x) {
+      const long long id = p.idx_bytes == 8 ? ((const long long*)p.topk_idx)[i] : ((const int*)p.topk_idx)[i];
+      bad |= id < -1 || id >= p.num_experts;
+    }
+  }
+  bad = __syncthreads_or(bad);
+  if ((int)threadIdx.x < p.world && p.world <= kMaxRanks && p.rank >= 0 && p.rank < p.world) {
+    int* row = (int*)pick((void* const*)p.peer_status, (int)threadIdx.x);  // no copy of the table to the stack
+    row[p.rank] = p.code != 0 ? p.code : (bad ? p.id_code : 0);
+  }
+}
+
 // ---------------------------------------------------------------- dispatch
 
 // block_tokens is this block's tokens [t0, t1): p2p_common's block_range
@@ -412,6 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
   const int E = p.num_experts, K = p.topk, W = p.world, L = E / W, ntok = p.num_tokens;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
+  if (any_rejected(p.status, W)) return;  // uniform: before any write or __syncthreads
   int t0, t1;
   block_tokens(ntok, t0, t1);
   for (int e = tid; e < E; e += (int)blockDim.x) run_exp[e] = 0;
@@ -834,6 +910,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   const i64 ppr = H / P;  // packs per row
   const char* out = (const char*)p.expert_out;
   const int gwarps = (int)gridDim.x * nw;
+  if (any_rejected(p.status, W)) return;  // uniform: nothing reaches the sources
   // Units in 32 bits (a 64-bit division per item cost spilled registers):
   // orders = W * Tm < 2^31 / K (moe.py checks), and parts is capped so that
   // no unit index passes 2^31.

@@ -22,10 +22,12 @@ launched from Python and (GPU) CUDA-graph replays, with the ranks' streams
 first aligned by a stream barrier (on GPU a barrier kernel), and times each
 phase between CUDA events (wall clock on CPU; event-record nodes inside the
 graphs) that ExpertParallel records as each phase ends: dispatch: agree
-(argument agreement with its host sync, or the bare start barrier in
-capturable mode), send kernel, mid barrier, size (eager kernels: the host
-reads the received counts), expand kernel; combine: agree, send kernel, mid
-barrier, reduce kernel (on CPU the torch-op steps of the same names). Each
+(posting the argument checks and the start barrier; on CPU also the host
+sync that reads them), send kernel, mid barrier, size (eager kernels: the
+host reads every rank's check and the received counts), expand kernel;
+combine: agree, send kernel, mid barrier, reduce kernel, check (eager
+kernels: the host reads every rank's check) (on CPU the torch-op steps of
+the same names). Each
 phase is the slowest rank's median, so phases need not add up to the total.
 """
 
@@ -66,10 +68,10 @@ HEADERS = ["tokens/rank", "impl", "mode", "partials", "dispatch us", "dispatch G
            "status"]
 _NUMERIC = (0, 4, 5, 6, 7)
 
-# Phases as ExpertParallel._phase names them, in call order ("stage" only on the kernel path, "size" only on
-# its eager calls).
+# Phases as ExpertParallel._phase names them, in call order ("stage" only on the kernel path, "size" and
+# "check" only on its eager calls).
 DISPATCH_PHASES = ("agree", "stage", "send", "mid barrier", "size", "expand")
-COMBINE_PHASES = ("agree", "send", "mid barrier", "reduce")
+COMBINE_PHASES = ("agree", "send", "mid barrier", "reduce", "check")
 PHASE_COLUMNS = [f"dispatch {p}" for p in DISPATCH_PHASES + ("total",)] + \
     [f"combine {p}" for p in COMBINE_PHASES + ("total",)]
 PHASE_HEADERS = ["tokens/rank", "mode", "partials"] + \

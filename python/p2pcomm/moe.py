@@ -26,6 +26,14 @@ as below:
   NVLink (a pull) and stored once per local expert, so rows cross NVLink
   once per destination and land straight in their final places. Eager mode
   reads ``hdr`` once (the host sync) to size the result exactly.
+- Eager calls check arguments without a host sync before the data:
+  ``moe_post_status`` posts each rank's check (host-side checks, then the
+  expert ids on the device) into every rank's ``status`` row before the
+  start barrier, and the kernels that write into peers write nothing if any
+  rank failed, so a rejected call moves no data. The host reads every
+  rank's check in its one sync (dispatch: with ``hdr``; combine: right
+  after the start barrier, from pinned memory, without waiting for the
+  call's own kernels) and every rank raises together.
 - ``moe_combine_send`` (expert rank): per received token, float32 sum over
   k ascending of round(weight * row), stored into the source's
   ``comb[d, slot]`` in the combine transit type: float32 by default (exact),
@@ -131,12 +139,15 @@ _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
+_PLAIN_KERNELS = ("moe_post_status",)  # not templated
 _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
 
 
 def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype) -> str:
     """The name expression of ``kernel`` as moe.cu instantiates it."""
     t = _KERNEL_TYPES[dtype]
+    if kernel in _PLAIN_KERNELS:
+        return kernel
     return f"{kernel}<{t}, {_KERNEL_TYPES[combine_dtype]}>" if kernel in _COMBINE_KERNELS else f"{kernel}<{t}>"
 
 
@@ -146,7 +157,7 @@ def kernel_expressions() -> set:
     exprs = set()
     for dtype in _KERNEL_TYPES:
         for transit in {torch.float32, dtype}:
-            exprs.update(_kernel_expr(k, dtype, transit) for k in _DISPATCH_KERNELS + _COMBINE_KERNELS)
+            exprs.update(_kernel_expr(k, dtype, transit) for k in _PLAIN_KERNELS + _DISPATCH_KERNELS + _COMBINE_KERNELS)
     return exprs
 
 
@@ -154,7 +165,8 @@ class _DispatchParams(ctypes.Structure):
     _fields_ = [("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64),
                 ("send_slot", ctypes.c_uint64), ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
-                ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32)]
+                ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32),
+                ("status", ctypes.c_uint64)]
 
 
 class _ExpandParams(ctypes.Structure):
@@ -171,17 +183,25 @@ class _CombineParams(ctypes.Structure):
                 ("y", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("num_tokens", ctypes.c_int32),
                 ("max_tokens", ctypes.c_int32), ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("num_local", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("status", ctypes.c_uint64)]
+
+
+class _PostParams(ctypes.Structure):
+    _fields_ = [("peer_status", _Ptrs), ("topk_idx", ctypes.c_uint64), ("num_ids", ctypes.c_int32),
+                ("num_experts", ctypes.c_int32), ("idx_bytes", ctypes.c_int32), ("code", ctypes.c_int32),
+                ("id_code", ctypes.c_int32), ("rank", ctypes.c_int32), ("world", ctypes.c_int32),
                 ("pad", ctypes.c_int32)]
 
 
 # (struct, size, {field: offset}) as tabled in moe.cu.
 _PARAM_LAYOUTS = (
-    (_DispatchParams, 192, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
-                            "idx_bytes": 188}),
+    (_DispatchParams, 200, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
+                            "idx_bytes": 188, "status": 192}),
     (_ExpandParams, 144, {"meta": 64, "out_x": 80, "comb_rows": 104, "row_cap": 112, "max_tokens": 120,
                           "world": 136, "rank": 140}),
-    (_CombineParams, 152, {"expert_out": 64, "send_slot": 96, "y": 104, "row_cap": 112, "num_tokens": 120,
-                           "world": 140, "num_local": 144}),
+    (_PostParams, 104, {"topk_idx": 64, "num_ids": 72, "code": 84, "id_code": 88, "world": 96}),
+    (_CombineParams, 160, {"expert_out": 64, "send_slot": 96, "y": 104, "row_cap": 112, "num_tokens": 120,
+                           "world": 140, "num_local": 144, "status": 152}),
 )
 
 
@@ -336,7 +356,9 @@ class ExpertParallel:
         # [source, slot]: local ids | weight bits | token | pair ranks (kernels only; see moe.cu)
         self._meta = comm.empty((W, Tm, 3 * K + 1), torch.int32)
         self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
-        self._status = comm.empty(W, torch.int32)  # eager argument checks of each rank
+        # Eager argument checks of each rank, one row per call parity (see _post_status).
+        self._status = comm.empty((2, W), torch.int32)
+        self._checks = 0  # eager calls so far: the parity of the next one
         # [expert rank, slot] partials; row Tm is gathered (and masked) for tokens not sent to a rank.
         self._comb = comm.empty((W, Tm + 1, hidden), combine_dtype)
         # Kernels: per source, tokens sent, then pairs sent per local expert.
@@ -349,7 +371,7 @@ class ExpertParallel:
         self._peer_recv_x = [p[self.rank] for p in peers(self._recv_x)] if not self._kernels else []
         self._peer_meta = [p[self.rank] for p in peers(self._meta)]
         self._peer_counts = [p[self.rank:self.rank + 1] for p in peers(self._counts)]
-        self._peer_status = [p[self.rank:self.rank + 1] for p in peers(self._status)]
+        self._peer_status = [[p[par, self.rank:self.rank + 1] for p in peers(self._status)] for par in (0, 1)]
         self._peer_comb = [p[self.rank] for p in peers(self._comb)]
         # Device constants, so that no call copies from the host (CUDA graphs forbid it).
         self._ranks = torch.arange(W, device=dev).view(W, 1, 1)
@@ -389,6 +411,12 @@ class ExpertParallel:
                           for d in range(W)] + [0] * (_MAX_RANKS - W)
         self._ptr_xs, self._ptr_meta = _Ptrs(*ptrs(self._xs)), _Ptrs(*ptrs(self._meta))
         self._ptr_hdr, self._ptr_comb = _Ptrs(*ptrs(self._hdr)), _Ptrs(*ptrs(self._comb))
+        # Each rank's status row of either parity (moe_post_status writes slot [rank]).
+        self._ptr_status = [_Ptrs(*[q + par * W * 4 if q else 0 for q in ptrs(self._status)]) for par in (0, 1)]
+        # Eager combine reads the checks into pinned memory right after the start barrier, so that
+        # its one host wait ends there, not after the call's own kernels.
+        self._status_host = torch.empty(W, dtype=torch.int32, pin_memory=True)
+        self._status_ready = torch.cuda.Event()
         dev = self.device
         # Local state: valid from one dispatch until the next (the DispatchResult contract).
         self._send_slot = torch.full((Tm, W), -1, dtype=torch.int32, device=dev)  # slot of token t on rank d
@@ -470,10 +498,12 @@ class ExpertParallel:
           no expert for that k.
         - ``topk_weights``: [T, K] float32.
         - ``capturable``: None uses the constructor's mode. Eager (False):
-          checks expert ids (one host sync, before any data moves; a rank
-          with bad input raises its specific error and every other rank
-          raises MismatchError), and returns exactly R rows (a second host
-          sync). Capturable (True): no host sync at all, so it can be
+          checks expert ids (a rank with bad input raises its specific
+          error and every other rank raises MismatchError; no data moves),
+          and returns exactly R rows, with one host sync (on GPU after the
+          send kernels, which write nothing when a rank's check failed; on
+          the CPU backend a second one before any data moves). Capturable
+          (True): no host sync at all, so it can be
           captured in a CUDA graph: recv.x is [R_max, H] with the valid count
           in ``recv.num_rows``; expert ids outside [0, E) are treated as -1
           (not checked); shapes and dtypes are still checked, but a rank
@@ -490,8 +520,14 @@ class ExpertParallel:
             if problem is not None:
                 raise problem
             self.comm.stream_barrier()  # start barrier (see module doc)
+        elif self._kernels:
+            # No host sync before the data: the send kernels read every rank's posted status and
+            # write nothing if one rejected its arguments; the one sync (for R) raises together.
+            status = self._post_status(problem, topk_idx)
+            self._phase("agree")
+            return self._dispatch_kernels(x, topk_idx, topk_weights, False, status, problem)
         else:
-            self._agree(problem, lambda: self._id_problem(topk_idx), topk_idx, "dispatch")
+            self._agree(problem, topk_idx, "dispatch")
         self._phase("agree")
         # Data moves from here on: earlier results no longer match the buffers.
         self._seq, self._seq_capturable = self._seq + 1, capturable
@@ -607,9 +643,11 @@ class ExpertParallel:
         dtype (accuracy: see :class:`ExpertParallel`).
 
         The mode is the latest dispatch's, which every rank shares. Eager
-        syncs the host once to agree that every rank's arguments are valid:
-        a rank with bad arguments (a stale ``recv`` included) raises its
-        error and every other rank raises MismatchError, all still usable.
+        waits on the host once to agree that every rank's arguments are
+        valid (on GPU: for the start barrier, not for the call's kernels,
+        which send nothing when a check failed): a rank with bad arguments
+        (a stale ``recv`` included) raises its error and every other rank
+        raises MismatchError, all still usable.
         Capturable never syncs: a rank with bad arguments raises alone, before
         any barrier, and its peers time out in the start barrier
         (PeerTimeoutError after P2PCOMM_TIMEOUT_MS); the argument checks are
@@ -621,8 +659,13 @@ class ExpertParallel:
             if problem is not None:
                 raise problem
             self.comm.stream_barrier()  # start barrier (see module doc)
+        elif self._kernels:
+            # As in dispatch: the send kernels check every rank's status; one host sync at the end.
+            status = self._post_status(problem, None)
+            self._phase("agree")
+            return self._combine_kernels(expert_out, recv, status, problem)
         else:
-            self._agree(problem, None, None, "combine")
+            self._agree(problem, None, "combine")
         self._phase("agree")
         if recv._kernel:
             return self._combine_kernels(expert_out, recv)
@@ -677,10 +720,11 @@ class ExpertParallel:
     def _phase(self, name: str) -> None:
         """Marks the end of a phase for a benchmark's hook (bench_moe's
         breakdown records a CUDA event there). Phases: dispatch: agree
-        (argument agreement and start barrier), stage (kernels: x into the
-        staging buffer), send, mid barrier, size (eager kernels: reading the
-        counts on the host), expand; combine:
-        agree, send, mid barrier, reduce."""
+        (argument checks posted, start barrier; torch-op path: and read),
+        stage (kernels: x into the staging buffer), send, mid barrier, size
+        (eager kernels: the host reads the checks and counts), expand;
+        combine: agree, send, mid barrier, reduce, check (eager kernels: the
+        host reads the checks)."""
         if self._on_phase is not None:
             self._on_phase(name)
 
@@ -733,30 +777,38 @@ class ExpertParallel:
             x = x.clone()
         xs.copy_(x)
 
-    def _dispatch_kernels(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
+    def _dispatch_kernels(self, x, topk_idx, topk_weights, capturable: bool, status: Optional[torch.Tensor] = None,
+                          problem: Optional[P2PCommError] = None) -> DispatchResult:
         """dispatch after the start barrier: x staged into xs; moe_dispatch_send
         writes metadata and hdr into the destinations; mid barrier;
         moe_dispatch_expand pulls the rows and builds the expert-major result
-        here."""
+        here. Eager calls pass status, every rank's posted argument check
+        (the send kernel writes nothing if one failed), and problem, this
+        rank's own, which launches only the barriers."""
         W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
-        T = x.shape[0]
-        self._stage(x)
-        self._phase("stage")
-        idx, w = topk_idx.contiguous(), topk_weights.contiguous()
-        p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx.data_ptr(),
-                            topk_w=w.data_ptr(),
-                            send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
-                            num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
-                            rank=self.rank, world=W, idx_bytes=idx.element_size())
-        self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
-        self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
+        T = x.shape[0] if problem is None else 0
+        if problem is None:
+            self._stage(x)
+            self._phase("stage")
+            idx, w = topk_idx.contiguous(), topk_weights.contiguous()
+            p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx.data_ptr(),
+                                topk_w=w.data_ptr(),
+                                send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
+                                num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
+                                rank=self.rank, world=W, idx_bytes=idx.element_size(),
+                                status=0 if status is None else status.data_ptr())
+            self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
+            self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
         self._phase("send")
         self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready
         self._phase("mid barrier")
         if capturable:
             R = self.max_recv_rows
         else:
-            R = sum(sum(row[1:]) for row in self._hdr.tolist())  # the host sync: exact sizes
+            host = torch.cat([status, self._hdr.view(-1)]).tolist()  # the one host sync: checks, exact sizes
+            self._raise_rejected(host[:W], problem, topk_idx, "dispatch")
+            R = sum(sum(host[W + s * (L + 1) + 1:W + (s + 1) * (L + 1)]) for s in range(W))
+            self._seq, self._seq_capturable = self._seq + 1, False  # data moved: earlier results are stale
         out_x = torch.empty(R, H, dtype=self.dtype, device=self.device)
         info = torch.empty(4, R, dtype=torch.int32, device=self.device)  # local expert | source | token | weight
         counts = torch.empty(L + 1, dtype=torch.int32, device=self.device)  # rows per local expert | R
@@ -773,58 +825,94 @@ class ExpertParallel:
             _seq=self._seq, _num_tokens=T, _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
             _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True)
 
-    def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult) -> torch.Tensor:
+    def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult, status: Optional[torch.Tensor] = None,
+                         problem: Optional[P2PCommError] = None) -> torch.Tensor:
         """combine after the start barrier: moe_combine_send puts partials
         (float32 or dtype: combine_dtype) into the sources' comb; mid
-        barrier; moe_combine_reduce sums them here."""
-        T, H = recv._num_tokens, self.hidden
-        out = self._aligned(expert_out)
-        y = torch.empty(T, H, dtype=self.dtype, device=self.device)
-        p = _CombineParams(peer_comb=self._ptr_comb, expert_out=out.data_ptr(), meta=self._meta.data_ptr(),
-                           hdr=self._hdr.data_ptr(), comb_rows=self._comb_row_map.data_ptr(),
-                           send_slot=self._send_slot.data_ptr(), y=y.data_ptr(), row_cap=out.shape[0],
-                           num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
-                           rank=self.rank, world=self.world_size, num_local=self.num_local_experts)
-        self._launch("moe_combine_send", p, self._blocks)
+        barrier; moe_combine_reduce sums them here. Eager calls pass status
+        and problem as in _dispatch_kernels and end with the one host sync
+        that reads every rank's check."""
+        if status is not None:  # final once the start barrier has run: read it back without waiting
+            self._status_host.copy_(status, non_blocking=True)
+            self._status_ready.record()
+        if problem is None:
+            T, H = recv._num_tokens, self.hidden
+            out = self._aligned(expert_out)
+            y = torch.empty(T, H, dtype=self.dtype, device=self.device)
+            p = _CombineParams(peer_comb=self._ptr_comb, expert_out=out.data_ptr(), meta=self._meta.data_ptr(),
+                               hdr=self._hdr.data_ptr(), comb_rows=self._comb_row_map.data_ptr(),
+                               send_slot=self._send_slot.data_ptr(), y=y.data_ptr(), row_cap=out.shape[0],
+                               num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
+                               rank=self.rank, world=self.world_size, num_local=self.num_local_experts,
+                               status=0 if status is None else status.data_ptr())
+            self._launch("moe_combine_send", p, self._blocks)
         self._phase("send")
         self.comm.stream_barrier()  # mid barrier: every expert rank's partials are here
         self._phase("mid barrier")
-        if T:
+        if problem is None and T:
             packs = T * H * out.element_size() // 16
             self._launch("moe_combine_reduce", p, max(1, min(self._blocks, -(-packs // _THREADS))))
         self._phase("reduce")
+        if status is not None:
+            # Waits only for the start barrier's copy: the GPU goes on with this call's kernels.
+            self._status_ready.synchronize()
+            self._raise_rejected(self._status_host.tolist(), problem, None, "combine")
+            self._phase("check")
         return y
 
     # -- argument checks -----------------------------------------------------------------------------
 
-    def _agree(self, problem: Optional[P2PCommError], device_check, device_input, what: str) -> None:
-        """Eager only: every rank posts its status into every peer's slot,
-        start barrier, then all read all statuses (one host sync) and raise
-        together. device_check(), run only when the static checks passed,
-        returns an int32 [1] status computed on the device (no sync). A
-        closed ep can no longer post to its peers: it raises at once."""
+    def _post_status(self, problem: Optional[P2PCommError], topk_idx: Optional[torch.Tensor]) -> torch.Tensor:
+        """Eager calls: posts this rank's argument check into every peer's
+        status row of this call's parity, then the start barrier; returns
+        that row here (every rank's check once the barrier has run). The
+        check is the host's (problem) or, when that passed and topk_idx is
+        given, whether every expert id is in [-1, E), computed on the device
+        (no sync): on the kernel path by moe_post_status, which also posts
+        (one launch), else by torch ops and a copy per peer. Two rows, by
+        call parity, because ranks read their row after the barrier: a peer
+        that has read its own may post the next call's status at once, but
+        not the one after (that needs this rank at the next start barrier).
+        A closed ep can no longer post to its peers: it raises at once."""
         if not self._peer_status:
             raise problem if problem is not None else StateError("ExpertParallel is closed")
-        if problem is not None:
-            code = self._codes[_UNSUPPORTED if isinstance(problem, UnsupportedError) else _INVALID].view(1)
-        elif device_check is not None:
-            code = device_check()
+        code = _OK if problem is None else _UNSUPPORTED if isinstance(problem, UnsupportedError) else _INVALID
+        par = self._checks & 1
+        self._checks += 1
+        check_ids = code == _OK and topk_idx is not None and topk_idx.numel() > 0
+        if self._kernels:
+            idx = topk_idx.contiguous() if check_ids else None
+            p = _PostParams(peer_status=self._ptr_status[par], topk_idx=idx.data_ptr() if check_ids else 0,
+                            num_ids=idx.numel() if check_ids else 0, num_experts=self.num_experts,
+                            idx_bytes=idx.element_size() if check_ids else 4, code=code, id_code=_INVALID,
+                            rank=self.rank, world=self.world_size)
+            self._launch("moe_post_status", p, 1)
         else:
-            code = self._codes[_OK].view(1)
-        for d in range(self.world_size):
-            self._peer_status[d].copy_(code)
+            posted = self._id_problem(topk_idx) if check_ids else self._codes[code].view(1)
+            for d in range(self.world_size):
+                self._peer_status[par][d].copy_(posted)
         self.comm.stream_barrier()  # also the start barrier (see module doc)
-        status = self._status.tolist()
+        return self._status[par]
+
+    def _raise_rejected(self, status: list, problem: Optional[P2PCommError], device_input, what: str) -> None:
+        """Raises, on every rank alike, once any rank's posted check failed:
+        this rank's own error, else MismatchError naming the ranks."""
         bad = [q for q, c in enumerate(status) if c]
         if not bad:
-            return  # the call's mid barrier keeps peers from posting the next status before we read this one
-        self.comm.stream_barrier()  # ...and on the way out, this one does
+            return
         if problem is None and status[self.rank]:
             problem = self._id_problem_detail(device_input)
         if problem is not None:
             raise problem
         raise MismatchError(f"ExpertParallel.{what}: rank {', '.join(map(str, bad))} rejected its arguments "
                             "(see the error on that rank)")
+
+    def _agree(self, problem: Optional[P2PCommError], topk_idx: Optional[torch.Tensor], what: str) -> None:
+        """Eager torch-op path: posts the status (_post_status), then all
+        read all statuses at once (one host sync) and raise together, before
+        any data moves."""
+        status = self._post_status(problem, topk_idx)
+        self._raise_rejected(status.tolist(), problem, topk_idx, what)
 
     def _id_problem(self, topk_idx: torch.Tensor) -> torch.Tensor:
         bad = ((topk_idx < -1) | (topk_idx >= self.num_experts)).any()

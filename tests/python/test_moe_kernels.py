@@ -18,7 +18,7 @@ from p2pcomm import moe
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "native" / "kernels"
 MOE_CU = KERNELS / "moe.cu"
 STRUCTS = {"MoeDispatchParams": moe._DispatchParams, "MoeExpandParams": moe._ExpandParams,
-           "MoeCombineParams": moe._CombineParams}
+           "MoeCombineParams": moe._CombineParams, "MoePostParams": moe._PostParams}
 
 
 def layout_tables(src: str) -> dict:

@@ -170,6 +170,7 @@ CASES = [  # (E, K, H, T_max, dtype, routing, minus_one)
     (256, 8, 256, 64, torch.bfloat16, "random", 0.0),
     (64, 4, 96, 24, torch.float16, "one_expert", 0.0),
     (8, 12, 64, 16, torch.bfloat16, "duplicates", 0.1),  # > 8 pairs of one token on a rank
+    (32, 4, 64, 300, torch.bfloat16, "random", 0.1),  # more tokens than threads in a block
 ]
 
 
@@ -485,17 +486,22 @@ def test_stale_dispatch_result_raises_state_error(comms, device):
         ep.combine(old_out, old)
     # The latest result still combines to the same bits, again and again.
     assert_same_bits(ep.combine(new_out, new), y.cpu(), "combine after a rejected one")
-    # A dispatch rejected by rank 0 moves nothing: the latest result stays valid.
-    inp = second[r]
+    # A dispatch rejected by one rank moves nothing: the latest result stays valid. The rejected
+    # calls carry other routing and rows, so data that moved would change the combine's bits.
+    # Rank 0's bad expert id is found on the device (GPU: the send kernels skip their writes);
+    # rank 1's wrong weights dtype on the host (it takes part in the barriers only).
+    inp = make_inputs(23, r, Tm, H, E, K, torch.bfloat16)
     bad_idx = inp.idx.clone()
     bad_idx[0, 0] = E
-    if r == 0:
-        with pytest.raises(p2pcomm.InvalidArgumentError, match="topk_idx"):
-            ep.dispatch(inp.x.to(device), bad_idx.to(device), inp.w.to(device))
-    else:
-        with pytest.raises(p2pcomm.MismatchError, match="rank 0"):
-            ep.dispatch(inp.x.to(device), inp.idx.to(device), inp.w.to(device))
-    assert_same_bits(ep.combine(new_out, new), y.cpu(), "combine after a rejected dispatch")
+    for bad_rank, error, args in ((0, p2pcomm.InvalidArgumentError, (inp.x, bad_idx, inp.w)),
+                                  (1, p2pcomm.UnsupportedError, (inp.x, inp.idx, inp.w.double()))):
+        if r == bad_rank:
+            with pytest.raises(error, match="topk_"):
+                ep.dispatch(*(a.to(device) for a in args))
+        else:
+            with pytest.raises(p2pcomm.MismatchError, match=f"rank {bad_rank}"):
+                ep.dispatch(inp.x.to(device), inp.idx.to(device), inp.w.to(device))
+        assert_same_bits(ep.combine(new_out, new), y.cpu(), f"combine after a dispatch rank {bad_rank} rejected")
     still_works(ep, comm, device)
 
 
