@@ -38,7 +38,7 @@ import (
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 2
+const abiVersion = 3
 
 var loadPid = os.Getpid()
 
@@ -270,6 +270,24 @@ func p2p_device_info(h C.uint64_t, sms *C.int32_t) C.int {
 		if g, ok := b.(*gpucoll.Backend); ok {
 			*sms = C.int32_t(g.SMCount())
 		}
+		return nil
+	})
+}
+
+// p2p_wait_info reports what kernels launched with p2p_launch need to
+// bound their waits like the library's own: this rank's signal block, the
+// device address of the error word p2p_check reads, and the timeout in
+// nanoseconds (GPU backend only).
+//
+//export p2p_wait_info
+func p2p_wait_info(h C.uint64_t, signal, errWord, timeoutNs *C.uint64_t) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		g, ok := b.(*gpucoll.Backend)
+		if !ok {
+			return status.Errorf(status.Unsupported, "device waits need the GPU backend")
+		}
+		s, e, t := g.WaitInfo()
+		*signal, *errWord, *timeoutNs = C.uint64_t(s), C.uint64_t(e), C.uint64_t(t)
 		return nil
 	})
 }

@@ -1,6 +1,8 @@
 package gpucoll
 
 import (
+	"fmt"
+
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -13,8 +15,15 @@ const (
 )
 
 // phaseNames: the waits of p2p_common.cuh's Phase, then kPhaseData (LL
-// kernels waiting for a peer's data lines).
-var phaseNames = []string{"start barrier", "middle barrier", "end barrier", "step barrier", "data exchange"}
+// kernels waiting for a peer's data lines), then kPhaseMoeStart and
+// kPhaseMoeMid (moe.cu's in-kernel barriers; the step says which call).
+var phaseNames = []string{"start barrier", "middle barrier", "end barrier", "step barrier", "data exchange",
+	"start barrier", "middle barrier"}
+
+const (
+	phaseMoeStart = 5
+	phaseMoeMid   = 6
+)
 
 func phaseName(p int32) string {
 	if p >= 0 && int(p) < len(phaseNames) {
@@ -23,13 +32,28 @@ func phaseName(p int32) string {
 	return "barrier"
 }
 
+// callName is the collective whose wait timed out.
+func callName(e errorWord) string {
+	if e.Phase != phaseMoeStart && e.Phase != phaseMoeMid {
+		return "an all-reduce"
+	}
+	if e.Step == 0 {
+		return "an MoE dispatch"
+	}
+	return "an MoE combine"
+}
+
 // describe turns what a kernel recorded into an error naming the peer.
 func describe(e errorWord) error {
 	switch e.Code {
 	case errTimeout:
+		where := fmt.Sprintf("block %d, step %d", e.Block, e.Step)
+		if e.Phase == phaseMoeStart || e.Phase == phaseMoeMid {
+			where = fmt.Sprintf("block %d", e.Block)
+		}
 		return status.Errorf(status.Timeout,
-			"rank %d never arrived at the %s of an all-reduce (block %d, step %d, waited for flag %d, saw %d); the communicator cannot continue (P2PCOMM_TIMEOUT_MS)",
-			e.Peer, phaseName(e.Phase), e.Block, e.Step, e.Expected, e.Seen)
+			"rank %d never arrived at the %s of %s (%s, waited for flag %d, saw %d); the communicator cannot continue (P2PCOMM_TIMEOUT_MS)",
+			e.Peer, phaseName(e.Phase), callName(e), where, e.Expected, e.Seen)
 	case errMismatch:
 		return status.Errorf(status.Mismatch,
 			"ranks disagree: rank %d called all-reduce with different arguments (size, dtype, op or algorithm) or rejected its own; nothing was reduced",

@@ -485,6 +485,14 @@ func (b *Backend) Launch(file, expr string, grid, block, sharedBytes uint32, str
 // SMCount is the number of multiprocessors of this rank's GPU.
 func (b *Backend) SMCount() int { return b.sms }
 
+// WaitInfo is what kernels launched through Launch need to bound their own
+// waits the way this backend's do (p2p_common.cuh's Waiter): this rank's
+// Signal (its abort claim), the device address of the error word that
+// Check reads, and the timeout in nanoseconds.
+func (b *Backend) WaitInfo() (signal, errWord uintptr, timeoutNs uint64) {
+	return b.signal.Peers[b.rank], b.errDev, uint64(b.opts.Timeout.Nanoseconds())
+}
+
 // graphSlots tracks two-shot calls captured into CUDA graphs with inputs
 // the kernel stages, so that RegisterGraphBuffers can let their replays read
 // the inputs in place (GraphSlot in p2p_common.cuh).

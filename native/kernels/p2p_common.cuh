@@ -63,6 +63,11 @@ enum Phase { kPhaseStart = 0, kPhaseMid = 1, kPhaseEnd = 2, kPhaseStep = 3, kNum
 // kPhaseData names, in ErrorWord only, a wait for a peer's data lines (LL
 // kernels: the flags travel inside the data, not in Signal).
 constexpr int kPhaseData = kNumPhases;
+// kPhaseMoeStart and kPhaseMoeMid name, in ErrorWord only, the in-kernel
+// barriers of MoE dispatch and combine (moe.cu; ErrorWord.step = 0 for
+// dispatch, 1 for combine): their flags live in the MoE buffers.
+constexpr int kPhaseMoeStart = kNumPhases + 1;
+constexpr int kPhaseMoeMid = kNumPhases + 2;
 
 // Error codes written to ErrorWord.code. The host may itself store any
 // nonzero code (e.g. kErrHostAbort) to make spinning kernels give up.
@@ -420,17 +425,42 @@ DINLINE bool rank_ok(const AllReduceParams& p) {
   return p.world >= 1 && p.world <= kMaxRanks && p.rank >= 0 && p.rank < p.world;
 }
 
+// Waiter is what a bounded wait needs when the kernel's parameters are not
+// AllReduceParams (MoE kernels): where to claim and record a failure (this
+// rank's Signal, may be null; the host ErrorWord, may be null), how long to
+// wait (0: kDefaultTimeoutNs) and the rank to record. report_error,
+// spin_until and wait_flag take either, through the accessors below; for
+// AllReduceParams they read the fields where they are used (the parameter
+// bank), which keeps them out of the registers of the all-reduce kernels.
+struct Waiter {
+  Signal* self;
+  ErrorWord* err;
+  u64 timeout_ns;
+  int rank;
+};
+DINLINE Signal* claim_signal(const AllReduceParams& p) { return rank_ok(p) ? p.peer_signal[p.rank] : nullptr; }
+DINLINE const Signal* abort_signal(const AllReduceParams& p) { return p.peer_signal[p.rank]; }
+DINLINE ErrorWord* error_word(const AllReduceParams& p) { return p.err; }
+DINLINE u64 timeout_of(const AllReduceParams& p) { return p.timeout_ns; }
+DINLINE int rank_of(const AllReduceParams& p) { return p.rank; }
+DINLINE Signal* claim_signal(const Waiter& w) { return w.self; }
+DINLINE const Signal* abort_signal(const Waiter& w) { return w.self; }
+DINLINE ErrorWord* error_word(const Waiter& w) { return w.err; }
+DINLINE u64 timeout_of(const Waiter& w) { return w.timeout_ns; }
+DINLINE int rank_of(const Waiter& w) { return w.rank; }
+
 // report_error records the first failure of this rank: the winner of the
 // device-memory claim in its own Signal writes the host ErrorWord (fields,
 // fence, then code) unless the host already stored a code. One thread calls.
-DINLINE void report_error(const AllReduceParams& p, u32 code, int peer, int phase, int step,
-                          u64 expected, u64 seen) {
-  Signal* self = rank_ok(p) ? p.peer_signal[p.rank] : nullptr;
+template <typename P>
+DINLINE void report_error(const P& p, u32 code, int peer, int phase, int step, u64 expected, u64 seen) {
+  Signal* self = claim_signal(p);
   if (self != nullptr && aligned(self, 128) && atomicCAS(&self->abort_claim, 0u, 1u) != 0u) return;
-  if (p.err == nullptr || !aligned(p.err, 8)) return;
-  volatile ErrorWord* e = p.err;
+  ErrorWord* const err = error_word(p);
+  if (err == nullptr || !aligned(err, 8)) return;
+  volatile ErrorWord* e = err;
   if (e->code != 0) return;
-  e->rank = p.rank;
+  e->rank = rank_of(p);
   e->peer = peer;
   e->phase = phase;
   e->block = (int)blockIdx.x;
@@ -468,21 +498,21 @@ DINLINE void report_mismatch(const AllReduceParams& p, int peer, u64 expected, u
 // value expected and the value seen), or as soon as another block of this
 // rank failed (abort_claim) or the host stored a code. Every device-side wait
 // goes through here, so every one is bounded the same way.
-template <typename Arrived>
-DINLINE bool spin_until(const AllReduceParams& p, Arrived arrived, const u64& seen, int peer, int phase,
-                        int step, u64 expected) {
+template <typename P, typename Arrived>
+DINLINE bool spin_until(const P& p, Arrived arrived, const u64& seen, int peer, int phase, int step,
+                        u64 expected) {
   if (arrived()) return true;
-  const Signal* self = p.peer_signal[p.rank];
-  const u64 timeout = p.timeout_ns != 0 ? p.timeout_ns : kDefaultTimeoutNs;
+  const Signal* self = abort_signal(p);
+  const u64 timeout = timeout_of(p) != 0 ? timeout_of(p) : kDefaultTimeoutNs;
   const u64 start = global_timer_ns();
   for (u32 spin = 1;; ++spin) {
     if (arrived()) return true;
     if ((spin & 63u) != 0) continue;
-    if (ld_volatile_u32(&self->abort_claim) != 0) return false;
+    if (self != nullptr && ld_volatile_u32(&self->abort_claim) != 0) return false;
     // The host word is across PCIe: look at it rarely.
     // A mismatch recorded by an earlier call is not fatal: keep waiting.
-    if ((spin & 0x3fffu) == 0 && p.err != nullptr) {
-      const u32 code = ld_volatile_u32(&p.err->code);
+    if ((spin & 0x3fffu) == 0 && error_word(p) != nullptr) {
+      const u32 code = ld_volatile_u32(&error_word(p)->code);
       if (code != 0 && code != kErrMismatch) return false;
     }
     if (global_timer_ns() - start > timeout) {
@@ -494,8 +524,8 @@ DINLINE bool spin_until(const AllReduceParams& p, Arrived arrived, const u64& se
 
 // wait_flag waits until *flag >= target (see spin_until). One thread per
 // peer calls it; the caller turns false into BlockState.abort.
-DINLINE bool wait_flag(const AllReduceParams& p, const u64* flag, u64 target, int peer, int phase,
-                       int step) {
+template <typename P>
+DINLINE bool wait_flag(const P& p, const u64* flag, u64 target, int peer, int phase, int step) {
   u64 seen = 0;
   return spin_until(p, [&] { return (seen = ld_flag_acquire(flag)) >= target; }, seen, peer, phase, step, target);
 }

@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _LOAD_PID = os.getpid()
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -39,6 +39,7 @@ _SIGNATURES = {
     "p2p_launch": ([_u64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, _i64, ctypes.c_uint32, ctypes.c_uint32,
                     ctypes.c_uint32, _u64], ctypes.c_int),
     "p2p_device_info": ([_u64, ctypes.POINTER(_i32)], ctypes.c_int),
+    "p2p_wait_info": ([_u64, ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.POINTER(_u64)], ctypes.c_int),
     "p2p_register_graph_buffers": ([_u64, ctypes.POINTER(_i64)], ctypes.c_int),
 }
 

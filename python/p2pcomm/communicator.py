@@ -405,6 +405,16 @@ class Communicator:
         _lib.check(_lib.lib().p2p_device_info(self._h(), ctypes.byref(n)))
         return n.value
 
+    def wait_info(self) -> tuple:
+        """(signal, error word, timeout_ns) for kernels launched with
+        :meth:`launch_kernel` that wait on peers: device addresses of this
+        rank's signal block and of the error word :meth:`check` reads, so
+        that their waits are bounded and reported like the library's own
+        (p2p_common.cuh's Waiter). GPU backend only."""
+        sig, err, timeout = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        _lib.check(_lib.lib().p2p_wait_info(self._h(), ctypes.byref(sig), ctypes.byref(err), ctypes.byref(timeout)))
+        return sig.value, err.value, timeout.value
+
     def barrier(self) -> None:
         """Collective. Return once every rank has called it."""
         self._check(_lib.lib().p2p_barrier(self._h()))

@@ -1,0 +1,26 @@
+package gpucoll
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestDescribeNamesTheCallThatTimedOut(t *testing.T) {
+	cases := []struct {
+		w    errorWord
+		want string
+	}{
+		{errorWord{Code: errTimeout, Peer: 2, Phase: 1, Block: 3, Step: 4, Expected: 9, Seen: 8},
+			"rank 2 never arrived at the middle barrier of an all-reduce (block 3, step 4, waited for flag 9, saw 8)"},
+		{errorWord{Code: errTimeout, Peer: 1, Phase: phaseMoeStart, Step: 0, Expected: 5, Seen: 4},
+			"rank 1 never arrived at the start barrier of an MoE dispatch (block 0, waited for flag 5, saw 4)"},
+		{errorWord{Code: errTimeout, Peer: 3, Phase: phaseMoeMid, Block: 7, Step: 1, Expected: 2, Seen: 1},
+			"rank 3 never arrived at the middle barrier of an MoE combine (block 7, waited for flag 2, saw 1)"},
+	}
+	for _, c := range cases {
+		got := describe(c.w).Error()
+		if !strings.Contains(got, c.want) {
+			t.Errorf("describe(%+v) = %q, want it to contain %q", c.w, got, c.want)
+		}
+	}
+}
