@@ -1,8 +1,11 @@
 // moe.cu: mixture-of-experts dispatch and combine kernels, launched from
-// Python (python/p2pcomm/moe.py) through p2p_launch. None of them waits on a
-// peer: the host orders them with stream barriers (start barrier, kernel that
-// writes into peers, mid barrier with a full system fence, kernel that reads
-// what peers wrote). Every grid is 1-D with kThreads (512) threads per block
+// Python (python/p2pcomm/moe.py) through p2p_launch. Each call is a start
+// barrier, the kernel that writes into peers, a middle barrier with a full
+// system fence, and the kernel that reads what peers wrote. The barriers are
+// either stream barrier kernels enqueued by the host or, in capturable calls
+// (and the middle one of eager combine), steps inside those kernels
+// (MoeSync: sync_begin, sync_end, sync_wait), bounded like every wait of
+// the library and reported through the communicator's ErrorWord. Every grid is 1-D with kThreads (512) threads per block
 // and any number of blocks (the host passes num_sms); results never depend on
 // the grid: every value is computed in a fixed order by exactly one thread.
 //
@@ -77,6 +80,67 @@ constexpr int kMoeWarps = kThreads / 32;
 constexpr int kMoeUnroll = MOE_UNROLL;
 static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 
+// ---------------------------------------------------------------- in-kernel barriers
+// Capturable calls need no barrier kernels: the kernel that writes into
+// peers (moe_dispatch_send, moe_combine_send) runs the start barrier itself
+// (kSyncStart) and, once its last block has finished, tells every peer
+// (kSyncArrive); the kernel that reads what peers wrote (expand, reduce)
+// first waits for every peer's word (kSyncWait). A barrier kernel cost
+// ~7-10 us of launch, fence and round trip; here the start barrier is one
+// round trip by block 0 and the middle one mostly overlaps the kernel
+// boundary. Eager calls keep their start barrier kernel (it also carries
+// the argument checks) and use kSyncArrive / kSyncWait for combine.
+constexpr int kSyncStart = 1;        // send kernels: barrier with every peer before writing into them
+constexpr int kSyncArrive = 2;       // send kernels: the last block to finish posts the middle flags
+constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
+constexpr int kSyncArriveFirst = 8;  // expand: block 0 posts the middle flags itself (x was staged
+                                     // after the send kernel), then waits like kSyncWait
+constexpr int kMoeKinds = 2;         // 0: dispatch, 1: combine (also ErrorWord.step)
+constexpr int kMoeSyncBlocks = 256;  // most blocks of a send kernel (moe.py caps num_sms)
+enum MoeFlag { kMoeFlagStart = 0, kMoeFlagMid = 1 };
+// Flags of one rank (symmetric memory, zeroed): u64 [kind][MoeFlag][source
+// rank], written only by that source, and only growing.
+constexpr int kMoeFlagWords = kMoeKinds * 2 * kMaxRanks;
+
+// MoeSyncState is one rank's local state of one kind (device memory,
+// zeroed once; [kMoeKinds] of them): counter[b] is the calls run by block b
+// of that kind's send kernel, so counter[b] + 1 is the current call's epoch,
+// the same for every block and every rank (every rank runs the same calls
+// with a grid it never changes); go is the latest epoch whose start barrier
+// block 0 passed; done counts the blocks of the running send kernel that
+// finished (the last one resets it).
+struct MoeSyncState {
+  u64 counter[kMoeSyncBlocks];
+  u64 go;
+  u32 done;
+  u32 pad[13];
+};
+static_assert(sizeof(MoeSyncState) == 2112, "MoeSyncState size (moe.py _SYNC_STATE_BYTES / kMoeKinds)");
+
+// MoeSync is the in-kernel barriers' part of the send, expand and reduce
+// kernels' parameters (see above).
+//
+//   offset size field
+//   0      64   peer_flags[8]   each rank's flags (kMoeFlagWords u64)
+//   64     8    state           this rank's MoeSyncState[kMoeKinds]
+//   72     8    signal          this rank's communicator Signal (Waiter)
+//   80     8    err             the communicator's ErrorWord (Waiter)
+//   88     8    timeout_ns      u64; 0 = kDefaultTimeoutNs
+//   96     4    mode            kSync* bits; 0: none (barrier kernels order it)
+//   100    4    kind            0 dispatch, 1 combine
+//   total  104, aligned to 8
+struct MoeSync {
+  u64* peer_flags[kMaxRanks];
+  MoeSyncState* state;
+  Signal* signal;
+  ErrorWord* err;
+  u64 timeout_ns;
+  int mode;
+  int kind;
+};
+static_assert(sizeof(MoeSync) == 104, "MoeSync size");
+static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) == 104, "MoeSync fields");
+
 // MoeDispatchParams is the argument of moe_dispatch_send.
 //
 //   offset size field
@@ -97,7 +161,8 @@ static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 //   192    8    status          [W] i32: each rank's argument check of this
 //                               eager call (0: ok), posted before the start
 //                               barrier; nullptr in capturable mode
-//   total  200, aligned to 8
+//   200    104  sync            MoeSync (moe_dispatch_send)
+//   total  304, aligned to 8
 struct MoeDispatchParams {
   void* peer_meta[kMaxRanks];
   void* peer_hdr[kMaxRanks];
@@ -114,12 +179,13 @@ struct MoeDispatchParams {
   int world;
   int idx_bytes;
   const int* status;
+  MoeSync sync;
 };
-static_assert(sizeof(MoeDispatchParams) == 200, "MoeDispatchParams size");
+static_assert(sizeof(MoeDispatchParams) == 304, "MoeDispatchParams size");
 // NVRTC has no offsetof: the field sizes add up to the size (no padding),
 // which pins every offset in the table.
 static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::peer_hdr) == 128 &&
-                  5 * sizeof(void*) + 8 * sizeof(int) == 200 - 128,
+                  5 * sizeof(void*) + 8 * sizeof(int) + sizeof(MoeSync) == 304 - 128,
               "MoeDispatchParams fields");
 
 // MoeExpandParams is the argument of moe_dispatch_expand.
@@ -140,7 +206,8 @@ static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::p
 //   132    4    num_local      L
 //   136    4    world          W
 //   140    4    rank
-//   total  144, aligned to 8
+//   144    104  sync           MoeSync
+//   total  248, aligned to 8
 struct MoeExpandParams {
   void* peer_xs[kMaxRanks];
   const int* meta;
@@ -156,10 +223,11 @@ struct MoeExpandParams {
   int num_local;
   int world;
   int rank;
+  MoeSync sync;
 };
-static_assert(sizeof(MoeExpandParams) == 144, "MoeExpandParams size");
+static_assert(sizeof(MoeExpandParams) == 248, "MoeExpandParams size");
 static_assert(sizeof(MoeExpandParams::peer_xs) + 6 * sizeof(void*) + sizeof(MoeExpandParams::row_cap) +
-                      6 * sizeof(int) == 144,
+                      6 * sizeof(int) + sizeof(MoeSync) == 248,
               "MoeExpandParams fields");
 
 // MoeCombineParams is the argument of moe_combine_send and moe_combine_reduce.
@@ -182,7 +250,8 @@ static_assert(sizeof(MoeExpandParams::peer_xs) + 6 * sizeof(void*) + sizeof(MoeE
 //   144    4    num_local      L (send)
 //   148    4    pad
 //   152    8    status         as in MoeDispatchParams (send)
-//   total  160, aligned to 8
+//   160    104  sync           MoeSync
+//   total  264, aligned to 8
 struct MoeCombineParams {
   void* peer_comb[kMaxRanks];
   const void* expert_out;
@@ -201,10 +270,12 @@ struct MoeCombineParams {
   int num_local;
   int pad;
   const int* status;
+  MoeSync sync;
 };
-static_assert(sizeof(MoeCombineParams) == 160, "MoeCombineParams size");
+static_assert(sizeof(MoeCombineParams) == 264, "MoeCombineParams size");
 static_assert(sizeof(MoeCombineParams::peer_comb) == 64 &&
-                  7 * sizeof(void*) + sizeof(MoeCombineParams::row_cap) + 8 * sizeof(int) == 160 - 64,
+                  7 * sizeof(void*) + sizeof(MoeCombineParams::row_cap) + 8 * sizeof(int) + sizeof(MoeSync) ==
+                      264 - 64,
               "MoeCombineParams fields");
 
 // MoePostParams is the argument of moe_post_status.
@@ -282,9 +353,12 @@ DINLINE bool any_rejected(const int* status, int world) {
 
 // ld_v16_stable loads 16 bytes that nothing writes while the kernel runs:
 // the caller's inputs, or rows that peers (or this rank's earlier kernel)
-// wrote before the barrier kernel that precedes this one. A kernel boundary
-// leaves no stale L1 line, so the read-only path is safe; the rows are read
-// once, so nothing is allocated in L1, and L2 fetches 256 bytes per miss.
+// wrote before the barrier that precedes these loads. The default is
+// ld.global.cg (L2 only). MOE_NC_LOADS=1 takes the read-only path instead:
+// the rows are read once, so nothing is allocated in L1, and L2 fetches 256
+// bytes per miss; that path is only meant for experiments with barrier
+// kernels (a kernel boundary leaves no stale L1 line; an in-kernel
+// sync_wait orders the coherent loads, not necessarily the read-only ones).
 DINLINE V16 ld_v16_stable(const void* p) {
 #if MOE_NC_LOADS
   V16 v;
@@ -394,6 +468,131 @@ DINLINE int block_exclusive_scan(int* a, int n, int* wsum, int* carry) {
   return *carry;
 }
 
+// ---------------------------------------------------------------- in-kernel barrier steps
+// (see MoeSync)
+
+DINLINE Waiter waiter_of(const MoeSync& s, int rank) {
+  Waiter w;
+  w.self = s.signal;
+  w.err = s.err;
+  w.timeout_ns = s.timeout_ns;
+  w.rank = rank;
+  return w;
+}
+
+// moe_flag is flags[kind][which][src] of one rank's flag words.
+DINLINE u64* moe_flag(u64* flags, int kind, int which, int src) {
+  return flags + (kind * 2 + which) * kMaxRanks + src;
+}
+
+DINLINE void st_release_gpu(u64* p, u64 v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+DINLINE u64 ld_acquire_gpu(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// sync_begin runs first in every block of a send kernel. It advances the
+// block's call counter (always, whatever the mode: a later call may need
+// it) and, with kSyncStart, returns once every peer has started the same
+// call, so none of them still reads what this kernel overwrites: block 0
+// trades flags with every peer (thread t with rank t), the other blocks
+// wait for block 0's go. Returns false, uniformly in the block, when a wait
+// gave up (recorded in the ErrorWord): the block must then write nothing
+// and skip sync_end.
+DINLINE bool sync_begin(const MoeSync& s, int rank, int world) {
+  __shared__ u64 epoch;
+  __shared__ int ok;
+  MoeSyncState* st = s.state + s.kind;
+  const int t = (int)threadIdx.x;
+  if (t == 0) {
+    epoch = st->counter[blockIdx.x] + 1;  // only this block touches counter[b]
+    st->counter[blockIdx.x] = epoch;
+    ok = 1;
+  }
+  __syncthreads();
+  if (!(s.mode & kSyncStart)) return true;
+  const u64 e = epoch;
+  if (blockIdx.x == 0) {
+    if (t < world && t != rank) {
+      // No fence: a peer waits here only for this rank's earlier kernels,
+      // which read what the peer is about to overwrite, and stream order
+      // has finished them.
+      st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagStart, rank), e);
+      if (!wait_flag(waiter_of(s, rank), moe_flag(s.peer_flags[rank], s.kind, kMoeFlagStart, t), e, t,
+                     kPhaseMoeStart, s.kind)) {
+        ok = 0;
+      }
+    }
+    __syncthreads();
+    if (t == 0 && ok) st_release_gpu(&st->go, e);
+  } else if (t == 0) {
+    // Twice block 0's bound, so that block 0 is the one naming the peer.
+    Waiter w = waiter_of(s, rank);
+    w.timeout_ns = 2 * (s.timeout_ns != 0 ? s.timeout_ns : kDefaultTimeoutNs);
+    u64 seen = 0;
+    if (!spin_until(w, [&] { return (seen = ld_acquire_gpu(&st->go)) >= e; }, seen, -1, kPhaseMoeStart,
+                    s.kind, e)) {
+      ok = 0;
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// sync_end runs last in every block of a send kernel that passed
+// sync_begin. With kSyncArrive the last block to finish posts the call's
+// epoch into every peer's middle flag: each block fences its own writes
+// (after bar.sync) and counts itself done; the last one fences again
+// before the flags, so a peer that sees its flag sees every block's writes.
+DINLINE void sync_end(const MoeSync& s, int rank, int world) {
+  if (!(s.mode & kSyncArrive)) return;
+  __shared__ int last;
+  MoeSyncState* st = s.state + s.kind;
+  const int t = (int)threadIdx.x;
+  __syncthreads();
+  if (t == 0) {
+    __threadfence_system();
+    last = atomicAdd(&st->done, 1u) == gridDim.x - 1;
+    if (last) st->done = 0;  // every block has counted: the next call starts from 0
+  }
+  __syncthreads();
+  if (last && t < world && t != rank) {
+    __threadfence_system();
+    st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagMid, rank), st->counter[blockIdx.x]);
+  }
+}
+
+// sync_wait runs first in every block of a kernel that reads what peers
+// wrote (expand, reduce): with kSyncWait it returns once every peer has
+// posted the epoch of this rank's latest send kernel of the kind (which
+// has finished: stream order) into its middle flag here; with
+// kSyncArriveFirst block 0 posts this rank's flags first (the sources'
+// rows were staged after the send kernel). False, uniformly in the block,
+// when a wait gave up: the block must then read nothing.
+DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
+  if (!(s.mode & (kSyncWait | kSyncArriveFirst))) return true;
+  __shared__ int ok;
+  const u64 e = s.state[s.kind].counter[0];
+  const int t = (int)threadIdx.x;
+  if (t == 0) ok = 1;
+  __syncthreads();
+  if (t < world && t != rank) {
+    if ((s.mode & kSyncArriveFirst) && blockIdx.x == 0) {
+      __threadfence_system();  // the send kernel's and the staging copy's writes before the flag
+      st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagMid, rank), e);
+    }
+    if (!wait_flag(waiter_of(s, rank), moe_flag(s.peer_flags[rank], s.kind, kMoeFlagMid, t), e, t,
+                   kPhaseMoeMid, s.kind)) {
+      ok = 0;
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
 // ---------------------------------------------------------------- eager argument checks
 
 // moe_post_status runs on one block before the start barrier of an eager
@@ -480,14 +679,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
 // where the destinations read them after the mid barrier.
 // Dynamic shared memory: 4 * E bytes.
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispatchParams p) {
+DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
   extern __shared__ int run_exp[];  // [E]: pairs of each expert so far
   __shared__ int run_dest[kMaxRanks];
   __shared__ int wcnt[kMoeWarps][kMaxRanks];
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
   const int E = p.num_experts, K = p.topk, W = p.world, L = E / W, ntok = p.num_tokens;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
-  if (any_rejected(p.status, W)) return;  // uniform: before any write or __syncthreads
   int t0, t1;
   block_tokens(ntok, t0, t1);
   for (int e = tid; e < E; e += (int)blockDim.x) run_exp[e] = 0;
@@ -607,7 +805,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
   }
 }
 
-// moe_dispatch_expand runs on the destination after the mid barrier. Every
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispatchParams p) {
+  if (!sync_begin(p.sync, p.rank, p.world)) return;
+  if (!any_rejected(p.status, p.world)) dispatch_send_body<T>(p);  // uniform
+  sync_end(p.sync, p.rank, p.world);
+}
+
+// moe_dispatch_expand runs on the destination after the mid barrier (a
+// barrier kernel, or sync_wait here). Every
 // block computes, from hdr, each (source, local expert)'s first output row:
 // experts in order, then sources in order; the sender's pair ranks place
 // each pair within that run, so row order is (local expert, source, token,
@@ -626,6 +832,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   const int L = p.num_local, W = p.world, K = p.topk, Tm = p.max_tokens;
   int* tot = sh;
   int* base = sh + L;
+  if (!sync_wait(p.sync, p.rank, W)) return;
   for (int e = tid; e < L; e += (int)blockDim.x) {
     int acc = 0;
     for (int s = 0; s < W; ++s) {
@@ -900,7 +1107,7 @@ DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_by
 // expert rank wrote into the same source at once, and that one rank's
 // NVLink ingress bounded the whole exchange.
 template <typename T, typename C>
-__global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombineParams p) {
+DINLINE void combine_send_body(const MoeCombineParams& p) {
   static_assert(Transit<T, C>::kOk, "combine transit is float or T");
   constexpr int P = PackOf<T>::kElems;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
@@ -910,7 +1117,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   const i64 ppr = H / P;  // packs per row
   const char* out = (const char*)p.expert_out;
   const int gwarps = (int)gridDim.x * nw;
-  if (any_rejected(p.status, W)) return;  // uniform: nothing reaches the sources
   // Units in 32 bits (a 64-bit division per item cost spilled registers):
   // orders = W * Tm < 2^31 / K (moe.py checks), and parts is capped so that
   // no unit index passes 2^31.
@@ -957,7 +1163,15 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   }
 }
 
-// moe_combine_reduce runs on the source after the mid barrier: y[t] = sum
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombineParams p) {
+  if (!sync_begin(p.sync, p.rank, p.world)) return;
+  if (!any_rejected(p.status, p.world)) combine_send_body<T, C>(p);  // uniform: else nothing reaches the sources
+  sync_end(p.sync, p.rank, p.world);
+}
+
+// moe_combine_reduce runs on the source after the mid barrier (a barrier
+// kernel, or sync_wait here): y[t] = sum
 // over ranks d ascending (those token t went to) of d's partial for the
 // slot of t on d (C widened to float32; from this rank's comb[d, slot], or
 // with MOE_COMB_PULL=1 read from d's comb), in float32 from +0, rounded once to T; zeros for
@@ -977,6 +1191,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombi
 #if !MOE_COMB_PULL
   const C* comb = (const C*)pick(p.peer_comb, p.rank);
 #endif
+  if (!sync_wait(p.sync, p.rank, W)) return;
   for (i64 unit = (i64)blockIdx.x * nw + warp; unit < (i64)p.num_tokens * runs; unit += (i64)gridDim.x * nw) {
     const i64 t = unit / runs, c0 = (unit % runs) * 32 * U + lane;
     float acc[U][P];

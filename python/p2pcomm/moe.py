@@ -26,6 +26,18 @@ as below:
   NVLink (a pull) and stored once per local expert, so rows cross NVLink
   once per destination and land straight in their final places. Eager mode
   reads ``hdr`` once (the host sync) to size the result exactly.
+- Barriers: in capturable calls they are steps inside the kernels (moe.cu
+  MoeSync), not barrier kernels: the send kernel's block 0 trades start
+  flags with every peer before any block writes into them, its last block
+  to finish posts the middle flags, and the kernel that reads what peers
+  wrote (expand, reduce) waits for every peer's first; x is staged after
+  the send kernel, and then the expand kernel posts the middle flags
+  itself. Eager calls keep their start barrier kernel (it carries the
+  argument checks) and, in dispatch, the middle one (the host reads the
+  counts after it); eager combine's middle barrier is in its kernels.
+  Waits are bounded (P2PCOMM_TIMEOUT_MS) and a timeout names the missing
+  rank (PeerTimeoutError). P2PCOMM_MOE_BARRIER_KERNELS=1 (on every rank)
+  uses barrier kernels throughout, for comparison.
 - Eager calls check arguments without a host sync before the data:
   ``moe_post_status`` posts each rank's check (host-side checks, then the
   expert ids on the device) into every rank's ``status`` row before the
@@ -85,7 +97,8 @@ combine on expert rank d
 Peers are written in rotated order (rank + 1 first), so ranks that copy at
 the same time write into different peers.
 
-Why two barriers per call: the mid barrier orders writes before reads. The
+Why two barriers per call (on the kernel path, where they are is said
+above): the mid barrier orders writes before reads. The
 start barrier keeps a fast rank from overwriting a buffer that a slow peer
 is still reading from the previous call: ``recv_x``/``meta``/``counts`` are
 read by their owner at the end of dispatch and written by peers in the next
@@ -111,7 +124,7 @@ from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateErro
 
 _EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 _CONFIG_FIELDS = ("num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "combine_dtype", "capturable",
-                  "world_size", "P2PCOMM_MOE_TORCH")
+                  "world_size", "P2PCOMM_MOE_TORCH", "P2PCOMM_MOE_BARRIER_KERNELS")
 
 
 def _dtype_code(dtype) -> int:
@@ -122,6 +135,13 @@ def _dtype_code(dtype) -> int:
 def _torch_path_forced() -> bool:
     """P2PCOMM_MOE_TORCH=1 keeps the torch-op path on GPU; every rank must agree."""
     return os.environ.get("P2PCOMM_MOE_TORCH", "") == "1"
+
+
+def _barrier_kernels_forced() -> bool:
+    """P2PCOMM_MOE_BARRIER_KERNELS=1 orders the kernel path's calls with
+    barrier kernels only (as before the in-kernel barriers; for A/B runs);
+    every rank must agree."""
+    return os.environ.get("P2PCOMM_MOE_BARRIER_KERNELS", "") == "1"
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -161,12 +181,26 @@ def kernel_expressions() -> set:
     return exprs
 
 
+# In-kernel barriers (moe.cu MoeSync): mode bits, kinds, flag words per rank, local state bytes.
+_SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST = 1, 2, 4, 8
+_DISPATCH, _COMBINE = 0, 1
+_SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS
+_SYNC_STATE_BYTES = 2 * 2112
+_MAX_SYNC_BLOCKS = 256
+
+
+class _Sync(ctypes.Structure):
+    _fields_ = [("peer_flags", _Ptrs), ("state", ctypes.c_uint64), ("signal", ctypes.c_uint64),
+                ("err", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64), ("mode", ctypes.c_int32),
+                ("kind", ctypes.c_int32)]
+
+
 class _DispatchParams(ctypes.Structure):
     _fields_ = [("peer_meta", _Ptrs), ("peer_hdr", _Ptrs), ("topk_idx", ctypes.c_uint64), ("topk_w", ctypes.c_uint64),
                 ("send_slot", ctypes.c_uint64), ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32),
-                ("status", ctypes.c_uint64)]
+                ("status", ctypes.c_uint64), ("sync", _Sync)]
 
 
 class _ExpandParams(ctypes.Structure):
@@ -174,7 +208,7 @@ class _ExpandParams(ctypes.Structure):
                 ("out_x", ctypes.c_uint64), ("out_info", ctypes.c_uint64), ("expert_counts", ctypes.c_uint64),
                 ("comb_rows", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_local", ctypes.c_int32),
-                ("world", ctypes.c_int32), ("rank", ctypes.c_int32)]
+                ("world", ctypes.c_int32), ("rank", ctypes.c_int32), ("sync", _Sync)]
 
 
 class _CombineParams(ctypes.Structure):
@@ -183,7 +217,7 @@ class _CombineParams(ctypes.Structure):
                 ("y", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("num_tokens", ctypes.c_int32),
                 ("max_tokens", ctypes.c_int32), ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("num_local", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("status", ctypes.c_uint64)]
+                ("pad", ctypes.c_int32), ("status", ctypes.c_uint64), ("sync", _Sync)]
 
 
 class _PostParams(ctypes.Structure):
@@ -195,13 +229,14 @@ class _PostParams(ctypes.Structure):
 
 # (struct, size, {field: offset}) as tabled in moe.cu.
 _PARAM_LAYOUTS = (
-    (_DispatchParams, 200, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
-                            "idx_bytes": 188, "status": 192}),
-    (_ExpandParams, 144, {"meta": 64, "out_x": 80, "comb_rows": 104, "row_cap": 112, "max_tokens": 120,
-                          "world": 136, "rank": 140}),
+    (_Sync, 104, {"state": 64, "err": 80, "timeout_ns": 88, "mode": 96, "kind": 100}),
+    (_DispatchParams, 304, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
+                            "idx_bytes": 188, "status": 192, "sync": 200}),
+    (_ExpandParams, 248, {"meta": 64, "out_x": 80, "comb_rows": 104, "row_cap": 112, "max_tokens": 120,
+                          "world": 136, "rank": 140, "sync": 144}),
     (_PostParams, 104, {"topk_idx": 64, "num_ids": 72, "code": 84, "id_code": 88, "world": 96}),
-    (_CombineParams, 160, {"expert_out": 64, "send_slot": 96, "y": 104, "row_cap": 112, "num_tokens": 120,
-                           "world": 140, "num_local": 144, "status": 152}),
+    (_CombineParams, 264, {"expert_out": 64, "send_slot": 96, "y": 104, "row_cap": 112, "num_tokens": 120,
+                           "world": 140, "num_local": 144, "status": 152, "sync": 160}),
 )
 
 
@@ -347,6 +382,7 @@ class ExpertParallel:
         self._on_phase = None  # benchmarks: called with each phase's name as it ends (see _phase)
         Tm, dev = max_tokens_per_rank, self.device
         self._kernels = self._kernels_usable()  # the same on every rank: it decides the allocations below
+        self._in_kernel = self._kernels and not _barrier_kernels_forced()  # barriers inside the kernels
         # Symmetric buffers, all collective allocations in the same order on every rank.
         # Token rows: kernels stage each source's own rows ([T_max, H], read by the destinations);
         # the torch-op path writes them into the destinations ([W, T_max, H]: [source, slot]).
@@ -363,8 +399,11 @@ class ExpertParallel:
         self._comb = comm.empty((W, Tm + 1, hidden), combine_dtype)
         # Kernels: per source, tokens sent, then pairs sent per local expert.
         self._hdr = comm.empty((W, self.num_local_experts + 1), torch.int32)
-        for t in (rows, self._meta, self._counts, self._status, self._comb, self._hdr):
-            t.zero_()
+        # Kernels: flags of the in-kernel barriers (moe.cu MoeSync), written by peers, only growing.
+        self._sync_flags = comm.empty(_SYNC_FLAG_WORDS, torch.int64) if self._kernels else None
+        for t in (rows, self._meta, self._counts, self._status, self._comb, self._hdr, self._sync_flags):
+            if t is not None:
+                t.zero_()
         # Peers post into _status before their first start barrier: zero everywhere first.
         comm.stream_barrier()
         peers = lambda t: [t if d == self.rank else comm.peer_tensor(t, d) for d in range(W)]  # noqa: E731
@@ -405,7 +444,7 @@ class ExpertParallel:
         if not self._kernels:
             return
         sms = self.comm.sm_count
-        self._blocks = max(1, min(self.num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS))
+        self._blocks = max(1, min(self.num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS, _MAX_SYNC_BLOCKS))
         # Peer pointer tables, once: entry d is rank d's copy, mapped here.
         ptrs = lambda t: [t.data_ptr() if d == self.rank else self.comm.peer_tensor(t, d).data_ptr()  # noqa: E731
                           for d in range(W)] + [0] * (_MAX_RANKS - W)
@@ -423,6 +462,16 @@ class ExpertParallel:
         # Scratch: pair ranks (moe_dispatch_send), then each block's counts (moe_dispatch_count).
         self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts), dtype=torch.int32, device=dev)
         self._comb_row_map = torch.full((W * Tm, K), -1, dtype=torch.int32, device=dev)  # (source, slot, k) -> row
+        # In-kernel barriers: local state (call counters per send block, go, done; zeroed once) and
+        # the MoeSync of each (kind, mode), built once: eager calls are bound by host time.
+        self._sync_state = torch.zeros(_SYNC_STATE_BYTES // 8, dtype=torch.int64, device=dev)
+        signal, err, timeout_ns = self.comm.wait_info()
+        flags = _Ptrs(*ptrs(self._sync_flags))
+        self._syncs = {}
+        for kind in (_DISPATCH, _COMBINE):
+            for mode in range(16):
+                self._syncs[kind, mode] = _Sync(peer_flags=flags, state=self._sync_state.data_ptr(), signal=signal,
+                                                err=err, timeout_ns=timeout_ns, mode=mode, kind=kind)
 
     def __repr__(self) -> str:
         return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "
@@ -468,7 +517,8 @@ class ExpertParallel:
         W = self.world_size
         ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
         fields = [ints(E), ints(H), ints(K), ints(Tm), _dtype_code(dtype), _dtype_code(combine_dtype),
-                  int(capturable) if isinstance(capturable, bool) else -1, W, int(_torch_path_forced())]
+                  int(capturable) if isinstance(capturable, bool) else -1, W, int(_torch_path_forced()),
+                  int(_barrier_kernels_forced())]
         failed = [0] * W
         if problem is not None:
             failed[self.rank] = 1
@@ -519,7 +569,8 @@ class ExpertParallel:
         if capturable:
             if problem is not None:
                 raise problem
-            self.comm.stream_barrier()  # start barrier (see module doc)
+            if not self._in_kernel:  # else the start barrier is inside moe_dispatch_send
+                self.comm.stream_barrier()  # start barrier (see module doc)
         elif self._kernels:
             # No host sync before the data: the send kernels read every rank's posted status and
             # write nothing if one rejected its arguments; the one sync (for R) raises together.
@@ -658,7 +709,8 @@ class ExpertParallel:
         if self._seq_capturable:
             if problem is not None:
                 raise problem
-            self.comm.stream_barrier()  # start barrier (see module doc)
+            if not self._in_kernel:  # else the start barrier is inside moe_combine_send
+                self.comm.stream_barrier()  # start barrier (see module doc)
         elif self._kernels:
             # As in dispatch: the send kernels check every rank's status; one host sync at the end.
             status = self._post_status(problem, None)
@@ -769,46 +821,75 @@ class ExpertParallel:
         memcpy, which uses no SM of the ep's budget and measured faster than
         the send kernel's SMs doing it (4 x H200, 4096 tokens of 7168 bf16:
         31 against ~50 µs)."""
-        T = x.shape[0]
-        xs = self._xs[:T]
-        if T == 0 or (x.data_ptr() == xs.data_ptr() and x.is_contiguous()):
+        if not self._staged_rows(x):
             return
+        xs = self._xs[:x.shape[0]]
         if _overlaps(x, self._xs):  # a view elsewhere inside the buffer: copy out first
             x = x.clone()
         xs.copy_(x)
 
+    def _staged_rows(self, x: torch.Tensor) -> bool:
+        """Whether dispatch must copy x into the staging buffer (see _stage)."""
+        return x.shape[0] > 0 and not (x.data_ptr() == self._xs.data_ptr() and x.is_contiguous())
+
     def _dispatch_kernels(self, x, topk_idx, topk_weights, capturable: bool, status: Optional[torch.Tensor] = None,
                           problem: Optional[P2PCommError] = None) -> DispatchResult:
-        """dispatch after the start barrier: x staged into xs; moe_dispatch_send
-        writes metadata and hdr into the destinations; mid barrier;
+        """dispatch on the kernel path: moe_dispatch_count, moe_dispatch_send
+        (metadata and hdr into the destinations), the mid barrier, then
         moe_dispatch_expand pulls the rows and builds the expert-major result
-        here. Eager calls pass status, every rank's posted argument check
-        (the send kernel writes nothing if one failed), and problem, this
-        rank's own, which launches only the barriers."""
+        here.
+
+        Capturable: the barriers are inside the kernels (moe.cu MoeSync): the
+        send kernel runs the start barrier, so x is staged after it (peers
+        may read the previous rows until then), and the expand kernel posts
+        the mid barrier itself when x was staged, else the send kernel's
+        last block has. Eager calls come after _post_status's start barrier
+        and pass status, every rank's posted argument check (the send kernel
+        writes nothing if one failed), and problem, this rank's own; the mid
+        barrier is a barrier kernel, since the host reads the counts after
+        it. Every rank launches the send kernel in every call, a rejected
+        one included: its blocks count calls (the barriers' epochs)."""
         W, K, L, Tm, H = self.world_size, self.topk, self.num_local_experts, self.max_tokens_per_rank, self.hidden
         T = x.shape[0] if problem is None else 0
+        staged = problem is None and self._staged_rows(x)
         if problem is None:
-            self._stage(x)
-            self._phase("stage")
             idx, w = topk_idx.contiguous(), topk_weights.contiguous()
-            p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx.data_ptr(),
-                                topk_w=w.data_ptr(),
-                                send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
-                                num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
-                                rank=self.rank, world=W, idx_bytes=idx.element_size(),
-                                status=0 if status is None else status.data_ptr())
-            self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
-            self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
-        self._phase("send")
-        self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready
-        self._phase("mid barrier")
-        if capturable:
-            R = self.max_recv_rows
+            idx_ptr, w_ptr, idx_bytes = idx.data_ptr(), w.data_ptr(), idx.element_size()
         else:
+            idx_ptr, w_ptr, idx_bytes = 0, 0, 4
+        in_kernel = capturable and self._in_kernel
+        send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) if in_kernel else 0
+        p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
+                            send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
+                            num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
+                            rank=self.rank, world=W, idx_bytes=idx_bytes,
+                            status=0 if status is None else status.data_ptr(),
+                            sync=self._syncs[_DISPATCH, send_mode])
+        if not capturable:  # eager: after the start barrier kernel
+            if staged:
+                self._stage(x)
+            self._phase("stage")
+        if problem is None:
+            self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
+        self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
+        self._phase("send")
+        if capturable:
+            if staged:  # after the start barrier: no peer reads the previous rows any more
+                self._stage(x)
+            self._phase("stage")
+            if not in_kernel:
+                self.comm.stream_barrier()  # mid barrier
+            self._phase("mid barrier")
+            R = self.max_recv_rows
+            expand_mode = _SYNC_WAIT | (_SYNC_ARRIVE_FIRST if staged else 0) if in_kernel else 0
+        else:
+            self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready
+            self._phase("mid barrier")
             host = torch.cat([status, self._hdr.view(-1)]).tolist()  # the one host sync: checks, exact sizes
             self._raise_rejected(host[:W], problem, topk_idx, "dispatch")
             R = sum(sum(host[W + s * (L + 1) + 1:W + (s + 1) * (L + 1)]) for s in range(W))
             self._seq, self._seq_capturable = self._seq + 1, False  # data moved: earlier results are stale
+            expand_mode = 0
         out_x = torch.empty(R, H, dtype=self.dtype, device=self.device)
         info = torch.empty(4, R, dtype=torch.int32, device=self.device)  # local expert | source | token | weight
         counts = torch.empty(L + 1, dtype=torch.int32, device=self.device)  # rows per local expert | R
@@ -816,7 +897,7 @@ class ExpertParallel:
         e = _ExpandParams(peer_xs=self._ptr_xs, meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
                           out_x=out_x.data_ptr(), out_info=info.data_ptr(), expert_counts=counts.data_ptr(),
                           comb_rows=self._comb_row_map.data_ptr(), row_cap=R, max_tokens=Tm, hidden=H, topk=K,
-                          num_local=L, world=W, rank=self.rank)
+                          num_local=L, world=W, rank=self.rank, sync=self._syncs[_DISPATCH, expand_mode])
         self._launch("moe_dispatch_expand", e, self._blocks, 4 * (W + 1) * L)
         self._phase("expand")
         return DispatchResult(
@@ -827,29 +908,37 @@ class ExpertParallel:
 
     def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult, status: Optional[torch.Tensor] = None,
                          problem: Optional[P2PCommError] = None) -> torch.Tensor:
-        """combine after the start barrier: moe_combine_send puts partials
-        (float32 or dtype: combine_dtype) into the sources' comb; mid
-        barrier; moe_combine_reduce sums them here. Eager calls pass status
-        and problem as in _dispatch_kernels and end with the one host sync
-        that reads every rank's check."""
+        """combine on the kernel path: moe_combine_send puts partials
+        (float32 or dtype: combine_dtype) into the sources' comb, its last
+        block posts the mid barrier's flags, and moe_combine_reduce waits for
+        every peer's, then sums the partials here (moe.cu MoeSync). The start
+        barrier is the send kernel's own in capturable calls; eager calls
+        come after _post_status's start barrier kernel and pass status and
+        problem as in _dispatch_kernels, and end with the one host sync that
+        reads every rank's check. Every rank launches the send kernel, a
+        rejected call included (it posts the mid flags all the same)."""
         if status is not None:  # final once the start barrier has run: read it back without waiting
             self._status_host.copy_(status, non_blocking=True)
             self._status_ready.record()
-        if problem is None:
-            T, H = recv._num_tokens, self.hidden
-            out = self._aligned(expert_out)
-            y = torch.empty(T, H, dtype=self.dtype, device=self.device)
-            p = _CombineParams(peer_comb=self._ptr_comb, expert_out=out.data_ptr(), meta=self._meta.data_ptr(),
-                               hdr=self._hdr.data_ptr(), comb_rows=self._comb_row_map.data_ptr(),
-                               send_slot=self._send_slot.data_ptr(), y=y.data_ptr(), row_cap=out.shape[0],
-                               num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
-                               rank=self.rank, world=self.world_size, num_local=self.num_local_experts,
-                               status=0 if status is None else status.data_ptr())
-            self._launch("moe_combine_send", p, self._blocks)
+        T, H = (recv._num_tokens, self.hidden) if problem is None else (0, self.hidden)
+        out = self._aligned(expert_out) if problem is None else None
+        y = torch.empty(T, H, dtype=self.dtype, device=self.device) if problem is None else None
+        in_kernel = self._in_kernel
+        send_mode = _SYNC_ARRIVE | (_SYNC_START if status is None else 0) if in_kernel else 0
+        p = _CombineParams(peer_comb=self._ptr_comb, expert_out=0 if out is None else out.data_ptr(),
+                           meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
+                           comb_rows=self._comb_row_map.data_ptr(), send_slot=self._send_slot.data_ptr(),
+                           y=0 if y is None else y.data_ptr(), row_cap=0 if out is None else out.shape[0],
+                           num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
+                           rank=self.rank, world=self.world_size, num_local=self.num_local_experts,
+                           status=0 if status is None else status.data_ptr(), sync=self._syncs[_COMBINE, send_mode])
+        self._launch("moe_combine_send", p, self._blocks)
         self._phase("send")
-        self.comm.stream_barrier()  # mid barrier: every expert rank's partials are here
+        if not in_kernel:
+            self.comm.stream_barrier()  # mid barrier (else: sync_end above, sync_wait below)
         self._phase("mid barrier")
         if problem is None and T:
+            p.sync = self._syncs[_COMBINE, _SYNC_WAIT if in_kernel else 0]
             packs = T * H * out.element_size() // 16
             self._launch("moe_combine_reduce", p, max(1, min(self._blocks, -(-packs // _THREADS))))
         self._phase("reduce")

@@ -18,7 +18,7 @@ from p2pcomm import moe
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "native" / "kernels"
 MOE_CU = KERNELS / "moe.cu"
 STRUCTS = {"MoeDispatchParams": moe._DispatchParams, "MoeExpandParams": moe._ExpandParams,
-           "MoeCombineParams": moe._CombineParams, "MoePostParams": moe._PostParams}
+           "MoeCombineParams": moe._CombineParams, "MoePostParams": moe._PostParams, "MoeSync": moe._Sync}
 
 
 def layout_tables(src: str) -> dict:
@@ -57,6 +57,19 @@ def test_struct_fields_in_table_order(name):
     body = re.search(rf"struct {name} \{{(.*?)\}};", src, re.S).group(1)
     declared = re.findall(r"(\w+)(?:\[kMaxRanks\])?;", body)
     assert declared == [f for f, _ in STRUCTS[name]._fields_]
+
+
+def test_sync_constants_match():
+    """The in-kernel barriers' constants moe.py allocates and passes by."""
+    src = MOE_CU.read_text()
+    const = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))  # noqa: E731
+    assert [const(n) for n in ("kSyncStart", "kSyncArrive", "kSyncWait", "kSyncArriveFirst")] == [
+        moe._SYNC_START, moe._SYNC_ARRIVE, moe._SYNC_WAIT, moe._SYNC_ARRIVE_FIRST]
+    assert const("kMoeKinds") == 2 and const("kMoeSyncBlocks") == moe._MAX_SYNC_BLOCKS
+    state = int(re.search(r"static_assert\(sizeof\(MoeSyncState\) == (\d+)", src).group(1))
+    assert const("kMoeKinds") * state == moe._SYNC_STATE_BYTES
+    assert re.search(r"constexpr int kMoeFlagWords = kMoeKinds \* 2 \* kMaxRanks;", src)
+    assert moe._SYNC_FLAG_WORDS == 2 * 2 * moe._MAX_RANKS
 
 
 def instantiations() -> list:

@@ -3,13 +3,15 @@ built from every rank's inputs (each rank regenerates them from seeds), and
 combine bit for bit against a torch emulation of its documented rounding."""
 
 import dataclasses
+import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import DEVICES, same_on_all_ranks
+from conftest import DEVICES, gpu_skip_reason, same_on_all_ranks
 
 
 @dataclasses.dataclass
@@ -543,3 +545,80 @@ def test_closed_raises_state_error(comms, device):
         with pytest.raises(p2pcomm.StateError, match="closed"):
             ep.combine(out, recv)
         ep.close()  # idempotent
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_back_to_back_calls_with_skewed_ranks(comms, device):
+    """Calls queued without any host sync while one rank lags behind (on GPU
+    a sleep kernel before its calls, a different rank each round): each
+    capturable call's barriers run inside its kernels, and must keep the
+    ranks that run ahead from overwriting buffers the laggard still reads.
+    Rounds alternate between x staged by dispatch, after a first dispatch
+    whose result is dropped (two in a row), and x built in
+    get_dispatch_buffer() (which its contract allows only once the previous
+    dispatch's combine is queued); each combines its result twice. Every
+    result is checked once all rounds have run. An eager round in between
+    changes nothing."""
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 256, 48, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                capturable=True)
+    rounds = [[make_inputs(200 + i, q, Tm - (i + q) % 5, H, E, K, dtype, "random", 0.1) for q in range(W)]
+              for i in range(6)]
+    decoys = [make_inputs(300 + i, r, Tm, H, E, K, dtype, "one_expert") for i in range(len(rounds))]
+    results = []
+    for i, inputs in enumerate(rounds):
+        if device == "cuda" and r == i % W:
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the other ranks queue their calls first
+        inp = inputs[r]
+        x = inp.x.to(device)
+        if i % 2:
+            x = ep.get_dispatch_buffer(x.shape[0]).copy_(x)
+        else:
+            decoy = decoys[i]
+            ep.dispatch(decoy.x.to(device), decoy.idx.to(device), decoy.w.to(device))
+        recv = ep.dispatch(x, inp.idx.to(device), inp.w.to(device))
+        out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
+        results.append((recv, ep.combine(out, recv), ep.combine(out, recv)))
+        if i == 2:
+            still_works(ep, comm, device)  # an eager round among them
+    for inputs, (recv, y, again) in zip(rounds, results):
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+        check_combine(y, inputs, r, W, E, K, dtype)
+        assert torch.equal(y.cpu().view(torch.int16), again.cpu().view(torch.int16))
+    if device == "cuda":
+        comm.check()
+
+
+@pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+def test_capturable_rank_that_never_arrives(group, monkeypatch, call):
+    """Capturable calls wait for their peers inside the kernels: when rank 1
+    never makes the call, every other rank's kernels give up after
+    P2PCOMM_TIMEOUT_MS and the communicator names rank 1, instead of
+    hanging."""
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, capturable=True)
+    inputs = [make_inputs(61, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
+    recv, out, y = run_round(ep, inputs, r, "cuda", capturable=True)
+    check_combine(y, inputs, r, W, E, K, torch.bfloat16)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if r != 1:
+        start = time.monotonic()
+        if call == "dispatch":
+            inp = inputs[r]
+            ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
+        else:
+            ep.combine(out, recv)
+        torch.cuda.synchronize()  # the kernels give up after the timeout
+        assert time.monotonic() - start < 20
+        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank 1 never arrived at the start barrier of an MoE {call}"):
+            comm.check()
+    dist.barrier()
+    comm.close()
