@@ -15,8 +15,11 @@ with --combine-dtype; both by default); the baseline sends a row per
 all-to-all dispatcher: count exchange, all_to_all_single of the permuted
 rows, local permute into expert-major order, and the reverse for combine).
 
-The first table times each call after a host barrier, as before, so a
-dispatch also absorbs the ranks' launch skew. The phase table (on by
+The first table times each call after a host barrier and then a stream
+barrier (not timed), so that the ranks' streams start the call together
+(graph replays also after a sleep kernel: see _LAUNCH_SLACK_CYCLES); with
+the host barrier alone, a dispatch also absorbed up to ~100 us of the
+ranks' launch skew, which made its figures vary from run to run. The phase table (on by
 default; --no-breakdown skips it) reruns eager calls, capturable calls
 launched from Python and (GPU) CUDA-graph replays, with the ranks' streams
 first aligned by a stream barrier (on GPU a barrier kernel), and times each
@@ -133,6 +136,27 @@ class Clock:
         return b - a
 
 
+# Graph replays start after a stream barrier and then a sleep kernel of this
+# many clock cycles (~75 us on an H200): the barrier ends when the slowest
+# rank's host has launched it, and the sleep gives that host time to launch
+# the replay too (~25 us), so every rank's GPU starts the call within a
+# barrier's skew of the others, plus the sleep's spread from the GPUs'
+# clocks (a few us; why it is not longer). Without it the replays measured
+# up to ~45 us of host launch skew at 4096 tokens (the start barrier waited
+# for it). Eager calls get no sleep: their host time is part of their cost.
+_LAUNCH_SLACK_CYCLES = 150_000
+
+
+def aligned_start(comm, graphs: bool) -> Callable:
+    """What time_pair runs before each timed rep: a stream barrier, and for
+    graph replays the sleep above."""
+    def align() -> None:
+        comm.stream_barrier()
+        if graphs and torch.cuda.is_available():
+            torch.cuda._sleep(_LAUNCH_SLACK_CYCLES)
+    return align
+
+
 def sync_all(device, ctl) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -158,14 +182,18 @@ def mean_over_ranks(v: float, ctl) -> float:
     return t.item() / dist.get_world_size()
 
 
-def time_pair(dispatch: Callable, combine: Callable, reps: int, warmup: int, device, ctl) -> tuple[float, float]:
-    """Median seconds (slowest rank) of dispatch() and of combine(recv)."""
+def time_pair(dispatch: Callable, combine: Callable, reps: int, warmup: int, device, ctl,
+              align: Callable) -> tuple[float, float]:
+    """Median seconds (slowest rank) of dispatch() and of combine(recv),
+    each rep after a host barrier and align() (a stream barrier: not
+    timed, it lines the ranks' streams up)."""
     clock = Clock(device)
     for _ in range(warmup):
         combine(dispatch())
     td, tc = [], []
     for _ in range(reps):
         sync_all(device, ctl)
+        align()
         a = clock.mark()
         recv = dispatch()
         b = clock.mark()
@@ -176,7 +204,8 @@ def time_pair(dispatch: Callable, combine: Callable, reps: int, warmup: int, dev
     return slowest_median(td, ctl), slowest_median(tc, ctl)
 
 
-def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl) -> tuple[float, float]:
+def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl,
+                align: Callable) -> tuple[float, float]:
     """The same, with dispatch and combine each captured in its own CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -190,7 +219,7 @@ def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl) -
     with torch.cuda.graph(gc, pool=gd.pool()):
         combine(recv)
     sync_all(device, ctl)
-    return time_pair(lambda: gd.replay(), lambda _: gc.replay(), reps, 2, device, ctl)
+    return time_pair(lambda: gd.replay(), lambda _: gc.replay(), reps, 2, device, ctl, align)
 
 
 def phase_times(ep, x, idx, w, mode: str, reps: int, warmup: int, device, ctl) -> dict:
@@ -259,9 +288,10 @@ def _graph_phase_times(ep, x, idx, w, reps: int, device, ctl) -> dict:
         raise RuntimeError(f"graph capture with phase events failed on some rank: {captured!r}")
     sync_all(device, ctl)
     times: dict = {}
+    align = aligned_start(ep.comm, True)
     for _ in range(reps):
         sync_all(device, ctl)
-        ep.comm.stream_barrier()
+        align()
         start = clock.mark()
         gd.replay()
         gc.replay()
@@ -406,7 +436,7 @@ def _bench_moe(args) -> int:
             st = baseline.dispatch(x, idx, w)
             ref = baseline.combine(st["x"], st)
             td, tc = time_pair(lambda: baseline.dispatch(x, idx, w), lambda s: baseline.combine(s["x"], s),
-                               args.reps, args.warmup, device, ctl)
+                               args.reps, args.warmup, device, ctl, aligned_start(comm, False))
             new.append(MoeRow(T, base_name, "eager", args.dtype, td * 1e6, base_bytes / td / 1e9, tc * 1e6,
                               base_bytes / tc / 1e9))
         except Exception as e:  # noqa: BLE001 - reported as a row
@@ -505,9 +535,10 @@ class P2PRun:
             dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
             combine = lambda r: ep.combine(r.x, r)  # noqa: E731
             if mode.startswith("graph"):
-                td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl)
+                td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl, aligned_start(self.comm, True))
             else:
-                td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl)
+                td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl,
+                                   aligned_start(self.comm, False))
             sent = self.p2p_rows * self.hidden
             return MoeRow(self.tokens, "p2pcomm", mode, label, td * 1e6, sent * self.dtype.itemsize / td / 1e9,
                           tc * 1e6, sent * transit.itemsize / tc / 1e9, "ok" if ok else "WRONG")
