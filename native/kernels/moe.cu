@@ -507,6 +507,10 @@ DINLINE bool sync_begin(const MoeSync& s, int rank, int world) {
   __shared__ int ok;
   MoeSyncState* st = s.state + s.kind;
   const int t = (int)threadIdx.x;
+  if (gridDim.x > kMoeSyncBlocks) {  // uniform; moe.py caps num_sms below this
+    if (blockIdx.x == 0 && t == 0) report_error(waiter_of(s, rank), kErrBadParams, -1, -1, -1, 0, 0);
+    return false;
+  }
   if (t == 0) {
     epoch = st->counter[blockIdx.x] + 1;  // only this block touches counter[b]
     st->counter[blockIdx.x] = epoch;
@@ -546,7 +550,10 @@ DINLINE bool sync_begin(const MoeSync& s, int rank, int world) {
 // sync_begin. With kSyncArrive the last block to finish posts the call's
 // epoch into every peer's middle flag: each block fences its own writes
 // (after bar.sync) and counts itself done; the last one fences again
-// before the flags, so a peer that sees its flag sees every block's writes.
+// before the flags, so a peer that sees its flag sees every block's writes
+// (the pattern of CUDA's threadFenceReduction, at system scope). Epochs
+// come from each block's own counter: they agree because a send kernel's
+// grid never changes (moe.py launches it on the ep's fixed block count).
 DINLINE void sync_end(const MoeSync& s, int rank, int world) {
   if (!(s.mode & kSyncArrive)) return;
   __shared__ int last;
@@ -556,11 +563,14 @@ DINLINE void sync_end(const MoeSync& s, int rank, int world) {
   if (t == 0) {
     __threadfence_system();
     last = atomicAdd(&st->done, 1u) == gridDim.x - 1;
-    if (last) st->done = 0;  // every block has counted: the next call starts from 0
+    if (last) {
+      __threadfence_system();  // acquire side: every block's writes (fenced before its count) first
+      st->done = 0;            // every block has counted: the next call starts from 0
+    }
   }
   __syncthreads();
   if (last && t < world && t != rank) {
-    __threadfence_system();
+    __threadfence_system();  // cumulative over what thread 0 saw, for this thread's release store
     st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagMid, rank), st->counter[blockIdx.x]);
   }
 }
