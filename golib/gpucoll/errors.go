@@ -32,9 +32,12 @@ func phaseName(p int32) string {
 	return "barrier"
 }
 
+// moePhase: the wait was one of moe.cu's in-kernel barriers.
+func moePhase(e errorWord) bool { return e.Phase == phaseMoeStart || e.Phase == phaseMoeMid }
+
 // callName is the collective whose wait timed out.
 func callName(e errorWord) string {
-	if e.Phase != phaseMoeStart && e.Phase != phaseMoeMid {
+	if !moePhase(e) {
 		return "an all-reduce"
 	}
 	if e.Step == 0 {
@@ -48,7 +51,7 @@ func describe(e errorWord) error {
 	switch e.Code {
 	case errTimeout:
 		where := fmt.Sprintf("block %d, step %d", e.Block, e.Step)
-		if e.Phase == phaseMoeStart || e.Phase == phaseMoeMid {
+		if moePhase(e) {
 			where = fmt.Sprintf("block %d", e.Block)
 		}
 		return status.Errorf(status.Timeout,

@@ -485,15 +485,6 @@ DINLINE u64* moe_flag(u64* flags, int kind, int which, int src) {
   return flags + (kind * 2 + which) * kMaxRanks + src;
 }
 
-DINLINE void st_release_gpu(u64* p, u64 v) {
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-DINLINE u64 ld_acquire_gpu(const u64* p) {
-  u64 v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // sync_begin runs first in every block of a send kernel. It advances the
 // block's call counter (always, whatever the mode: a later call may need
 // it) and, with kSyncStart, returns once every peer has started the same
@@ -531,16 +522,12 @@ DINLINE bool sync_begin(const MoeSync& s, int rank, int world) {
       }
     }
     __syncthreads();
-    if (t == 0 && ok) st_release_gpu(&st->go, e);
+    if (t == 0 && ok) st_flag_release(&st->go, e);
   } else if (t == 0) {
     // Twice block 0's bound, so that block 0 is the one naming the peer.
     Waiter w = waiter_of(s, rank);
     w.timeout_ns = 2 * (s.timeout_ns != 0 ? s.timeout_ns : kDefaultTimeoutNs);
-    u64 seen = 0;
-    if (!spin_until(w, [&] { return (seen = ld_acquire_gpu(&st->go)) >= e; }, seen, -1, kPhaseMoeStart,
-                    s.kind, e)) {
-      ok = 0;
-    }
+    if (!wait_flag(w, &st->go, e, -1, kPhaseMoeStart, s.kind)) ok = 0;
   }
   __syncthreads();
   return ok != 0;
