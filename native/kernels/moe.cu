@@ -95,7 +95,10 @@ constexpr int kSyncArrive = 2;       // send kernels: the last block to finish p
 constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
 constexpr int kSyncArriveFirst = 8;  // expand: block 0 posts the middle flags itself (x was staged
                                      // after the send kernel), then waits like kSyncWait
+constexpr int kSyncStageGo = 16;     // dispatch send: block 0 also posts stage_posted once past the
+                                     // start barrier (moe_stage_gate releases x's copy on a side stream)
 constexpr int kMoeKinds = 2;         // 0: dispatch, 1: combine (also ErrorWord.step)
+constexpr int kMoeDispatch = 0;
 constexpr int kMoeSyncBlocks = 256;  // most blocks of a send kernel (moe.py caps num_sms)
 enum MoeFlag { kMoeFlagStart = 0, kMoeFlagMid = 1 };
 // Flags of one rank (symmetric memory, zeroed): u64 [kind][MoeFlag][source
@@ -108,12 +111,17 @@ constexpr int kMoeFlagWords = kMoeKinds * 2 * kMaxRanks;
 // the same for every block and every rank (every rank runs the same calls
 // with a grid it never changes); go is the latest epoch whose start barrier
 // block 0 passed; done counts the blocks of the running send kernel that
-// finished (the last one resets it).
+// finished (the last one resets it). stage_posted counts the send kernels
+// with kSyncStageGo that passed their start barrier, stage_taken the
+// moe_stage_gate launches (one per such call, on the side stream).
 struct MoeSyncState {
   u64 counter[kMoeSyncBlocks];
   u64 go;
   u32 done;
-  u32 pad[13];
+  u32 pad0;
+  u64 stage_posted;
+  u64 stage_taken;
+  u32 pad[8];
 };
 static_assert(sizeof(MoeSyncState) == 2112, "MoeSyncState size (moe.py _SYNC_STATE_BYTES / kMoeKinds)");
 
@@ -308,6 +316,7 @@ static_assert(sizeof(MoePostParams) == 104, "MoePostParams size");
 static_assert(sizeof(MoePostParams::peer_status) + sizeof(void*) + 8 * sizeof(int) == 104, "MoePostParams fields");
 
 // p2pcomm:instantiate moe_post_status
+// p2pcomm:instantiate moe_stage_gate
 // p2pcomm:instantiate moe_dispatch_count<bf16>
 // p2pcomm:instantiate moe_dispatch_count<half16>
 // p2pcomm:instantiate moe_dispatch_count<float>
@@ -522,7 +531,10 @@ DINLINE bool sync_begin(const MoeSync& s, int rank, int world) {
       }
     }
     __syncthreads();
-    if (t == 0 && ok) st_flag_release(&st->go, e);
+    if (t == 0 && ok) {
+      st_flag_release(&st->go, e);
+      if (s.mode & kSyncStageGo) st_flag_release(&st->stage_posted, st->stage_posted + 1);  // only here
+    }
   } else if (t == 0) {
     // Twice block 0's bound, so that block 0 is the one naming the peer.
     Waiter w = waiter_of(s, rank);
@@ -588,6 +600,26 @@ DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
   }
   __syncthreads();
   return ok != 0;
+}
+
+// moe_stage_gate runs on one thread on a side stream, just before the copy
+// of x into xs there, in a capturable dispatch whose send kernel has
+// kSyncStageGo: it returns once that send kernel has passed its start
+// barrier, after which no peer reads the previous rows, so the copy runs
+// while the send kernel ranks tokens and writes metadata instead of after
+// it. (Bounded like every wait, at twice the bound, so that the send
+// kernel's block 0 is the one naming a missing peer; a memcpy cannot be
+// cancelled, so after such a timeout the copy runs all the same: the call
+// has failed, and a peer still reading the previous rows 2 bounds late
+// would be one that has stopped.)
+__global__ void moe_stage_gate(const MoeDispatchParams p) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  MoeSyncState* st = p.sync.state + kMoeDispatch;
+  const u64 e = st->stage_taken + 1;  // only this kernel, in side-stream order, touches it
+  st->stage_taken = e;
+  Waiter w = waiter_of(p.sync, p.rank);
+  w.timeout_ns = 2 * (p.sync.timeout_ns != 0 ? p.sync.timeout_ns : kDefaultTimeoutNs);
+  wait_flag(w, &st->stage_posted, e, -1, kPhaseMoeStart, kMoeDispatch);
 }
 
 // ---------------------------------------------------------------- eager argument checks

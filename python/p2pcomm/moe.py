@@ -144,6 +144,13 @@ def _barrier_kernels_forced() -> bool:
     return os.environ.get("P2PCOMM_MOE_BARRIER_KERNELS", "") == "1"
 
 
+def _stage_overlap_disabled() -> bool:
+    """P2PCOMM_MOE_OVERLAP_STAGE=0 copies x into the staging buffer on the
+    ep's stream, after the send kernel, instead of on a side stream while
+    the send kernel runs (for A/B runs; local to each rank)."""
+    return os.environ.get("P2PCOMM_MOE_OVERLAP_STAGE", "") == "0"
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when a's and b's storage bytes intersect."""
     a0, b0 = a.data_ptr(), b.data_ptr()
@@ -159,7 +166,7 @@ _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
-_PLAIN_KERNELS = ("moe_post_status",)  # not templated
+_PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
 _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
 
 
@@ -182,7 +189,7 @@ def kernel_expressions() -> set:
 
 
 # In-kernel barriers (moe.cu MoeSync): mode bits, kinds, flag words per rank, local state bytes.
-_SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST = 1, 2, 4, 8
+_SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO = 1, 2, 4, 8, 16
 _DISPATCH, _COMBINE = 0, 1
 _SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS
 _SYNC_STATE_BYTES = 2 * 2112
@@ -456,6 +463,11 @@ class ExpertParallel:
         # its one host wait ends there, not after the call's own kernels.
         self._status_host = torch.empty(W, dtype=torch.int32, pin_memory=True)
         self._status_ready = torch.cuda.Event()
+        # x's copy into the staging buffer runs on a side stream while the send kernel runs (see
+        # _dispatch_kernels): the stream, and the events that fork it from the caller's and join it back.
+        self._stage_overlap = not _stage_overlap_disabled()
+        self._side = torch.cuda.Stream(self.device) if self._stage_overlap else None
+        self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         dev = self.device
         # Local state: valid from one dispatch until the next (the DispatchResult contract).
         self._send_slot = torch.full((Tm, W), -1, dtype=torch.int32, device=dev)  # slot of token t on rank d
@@ -469,7 +481,7 @@ class ExpertParallel:
         flags = _Ptrs(*ptrs(self._sync_flags))
         self._syncs = {}
         for kind in (_DISPATCH, _COMBINE):
-            for mode in range(16):
+            for mode in range(32):
                 self._syncs[kind, mode] = _Sync(peer_flags=flags, state=self._sync_state.data_ptr(), signal=signal,
                                                 err=err, timeout_ns=timeout_ns, mode=mode, kind=kind)
 
@@ -837,11 +849,14 @@ class ExpertParallel:
         here.
 
         Capturable: the barriers are inside the kernels (moe.cu MoeSync): the
-        send kernel runs the start barrier, so x is staged after it (peers
-        may read the previous rows until then), and the expand kernel posts
-        the mid barrier itself when x was staged, else the send kernel's
+        send kernel runs the start barrier, so x is staged only once past it
+        (peers may read the previous rows until then): on a side stream, where
+        moe_stage_gate waits for the send kernel's block 0 to pass it, so the
+        copy overlaps the rest of the send kernel (or, with
+        P2PCOMM_MOE_OVERLAP_STAGE=0, after the send kernel); the expand kernel
+        posts the mid barrier itself when x was staged, else the send kernel's
         last block has. Eager calls come after _post_status's start barrier
-        and pass status, every rank's posted argument check (the send kernel
+        (their copy of x forks onto the side stream right away) and pass status, every rank's posted argument check (the send kernel
         writes nothing if one failed), and problem, this rank's own; the mid
         barrier is a barrier kernel, since the host reads the counts after
         it. Every rank launches the send kernel in every call, a rejected
@@ -855,23 +870,40 @@ class ExpertParallel:
         else:
             idx_ptr, w_ptr, idx_bytes = 0, 0, 4
         in_kernel = capturable and self._in_kernel
-        send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) if in_kernel else 0
+        # The copy of x into xs runs on the side stream while the send kernel runs. Eager calls fork
+        # after their start barrier kernel; capturable ones before the send kernel, whose block 0
+        # then releases the copy (moe_stage_gate) once past its start barrier: until then peers may
+        # read the previous rows.
+        overlap = staged and self._stage_overlap and (in_kernel or not capturable)
+        send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) | (_SYNC_STAGE_GO if overlap else 0) \
+            if in_kernel else 0
         p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
                             send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
                             num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
                             rank=self.rank, world=W, idx_bytes=idx_bytes,
                             status=0 if status is None else status.data_ptr(),
                             sync=self._syncs[_DISPATCH, send_mode])
-        if not capturable:  # eager: after the start barrier kernel
-            if staged:
-                self._stage(x)
+        main = torch.cuda.current_stream(self.device)
+        if overlap:
+            self._fork.record(main)
+            self._side.wait_event(self._fork)
+        elif staged and not capturable:  # eager: after the start barrier kernel
+            self._stage(x)
+        if not capturable:
             self._phase("stage")
         if problem is None:
             self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
         self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
+        if overlap:
+            with torch.cuda.stream(self._side):
+                if capturable:
+                    self.comm.launch_kernel(_KERNEL_FILE, "moe_stage_gate", p, 1, 32, 0)
+                self._stage(x)
+                self._join.record(self._side)
+            main.wait_event(self._join)  # the rows are staged before the mid barrier
         self._phase("send")
         if capturable:
-            if staged:  # after the start barrier: no peer reads the previous rows any more
+            if staged and not overlap:  # after the start barrier: no peer reads the previous rows any more
                 self._stage(x)
             self._phase("stage")
             if not in_kernel:
