@@ -26,9 +26,11 @@
 //   status  [2, W] i32        symmetric: per call parity, each rank's check of
 //                             its arguments in an eager call (moe_post_status)
 //   send_slot [Tm, W] i32     local: slot of token t on rank d, -1: not sent
-//   pair_rank [Tm*K + G*(W+E)] i32  local scratch: pair ranks (moe_dispatch_send),
-//                             then per block b of G: tokens per destination,
-//                             pairs per expert of b's tokens (moe_dispatch_count)
+//   pair_rank [Tm*K + G*(W+E+8)] i32  local scratch: pair ranks
+//                             (moe_dispatch_send), then per block b of G:
+//                             tokens per destination, pairs per expert of b's
+//                             tokens (moe_dispatch_count), then [G][8]
+//                             MOE_PROFILE stamps
 //   comb_rows [W*Tm, K] i32   local: output row of pair (s, slot, k), -1: none
 // Byte layouts of the parameter structs are pinned below by static_asserts and
 // mirrored by ctypes in moe.py (checked at import).
@@ -64,6 +66,12 @@ constexpr int kMoeWarps = kThreads / 32;
 // block sums G counts instead of recounting every token before its range
 // (0, before: the last block read all T * K ids).
 #define MOE_COUNT_KERNEL 1
+#endif
+#ifndef MOE_PROFILE
+// 1: thread 0 of every count and send block stamps %globaltimer (low 32
+// bits) after each step into the stamp rows after pair_rank's scratch
+// (tools/moe_send_profile.py reads them); 0: no stamps (the default).
+#define MOE_PROFILE 0
 #endif
 #ifndef MOE_COMB_INTERLEAVE
 #define MOE_COMB_INTERLEAVE 1  // 1: combine send items slot-major, sources rotated; 0: source-major (before)
@@ -655,6 +663,16 @@ DINLINE void block_tokens(int ntok, int& t0, int& t1) {
   t1 = (int)r.end;
 }
 
+// prof_stamp records step i of this block (MOE_PROFILE; see its knob).
+DINLINE void prof_stamp(const MoeDispatchParams& p, int i) {
+#if MOE_PROFILE
+  if (threadIdx.x == 0) {
+    u32* row = (u32*)p.pair_rank + (i64)p.max_tokens * p.topk + (i64)gridDim.x * (p.world + p.num_experts);
+    row[blockIdx.x * 8 + i] = (u32)global_timer_ns();
+  }
+#endif
+}
+
 // count_tokens adds, for tokens [t0, t1), the tokens sent to each
 // destination into dest[] and the pairs of each expert into experts[]
 // (shared counters; integer counts, so any order).
@@ -682,6 +700,7 @@ DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest,
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispatchParams p) {
 #if MOE_COUNT_KERNEL
+  prof_stamp(p, 0);
   extern __shared__ int cnt[];  // [W] tokens per destination | [E] pairs per expert
   const int W = p.world, E = p.num_experts, n = W + E;
   for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) cnt[i] = 0;
@@ -692,6 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
   __syncthreads();
   int* row = p.pair_rank + (i64)p.max_tokens * p.topk + (i64)blockIdx.x * n;
   for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) row[i] = cnt[i];
+  prof_stamp(p, 1);
 #endif
 }
 
@@ -739,6 +759,7 @@ DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
 #endif
   const i64 q0 = (i64)t0 * K, q1 = (i64)t1 * K;
   __syncthreads();
+  prof_stamp(p, 4);
 
   // 2. Slots of this block's tokens on each destination, in token order.
   for (int base = t0; base < t1; base += (int)blockDim.x) {
@@ -773,6 +794,7 @@ DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
     __syncthreads();
   }
 
+  prof_stamp(p, 5);
   // 3. Rank of each pair among this source's pairs of its expert: warps in
   // turn, so ranks follow (token, k) order.
   for (i64 base = q0; base < q1; base += blockDim.x) {
@@ -791,6 +813,7 @@ DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
     if (q < q1) p.pair_rank[q] = r;
   }
   __syncthreads();
+  prof_stamp(p, 6);
 
   // 4. This source's totals into every destination's hdr (last block only).
   if (b == G - 1) {
@@ -836,9 +859,12 @@ DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispatchParams p) {
+  prof_stamp(p, 2);
   if (!sync_begin(p.sync, p.rank, p.world)) return;
+  prof_stamp(p, 3);
   if (!any_rejected(p.status, p.world)) dispatch_send_body<T>(p);  // uniform
   sync_end(p.sync, p.rank, p.world);
+  prof_stamp(p, 7);
 }
 
 // moe_dispatch_expand runs on the destination after the mid barrier (a

@@ -471,8 +471,10 @@ class ExpertParallel:
         dev = self.device
         # Local state: valid from one dispatch until the next (the DispatchResult contract).
         self._send_slot = torch.full((Tm, W), -1, dtype=torch.int32, device=dev)  # slot of token t on rank d
-        # Scratch: pair ranks (moe_dispatch_send), then each block's counts (moe_dispatch_count).
-        self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts), dtype=torch.int32, device=dev)
+        # Scratch: pair ranks (moe_dispatch_send), then each block's counts (moe_dispatch_count), then
+        # 8 stamps per block of a -DMOE_PROFILE=1 build (tools/moe_send_profile.py).
+        self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts + 8), dtype=torch.int32,
+                                      device=dev)
         self._comb_row_map = torch.full((W * Tm, K), -1, dtype=torch.int32, device=dev)  # (source, slot, k) -> row
         # In-kernel barriers: local state (call counters per send block, go, done; zeroed once) and
         # the MoeSync of each (kind, mode), built once: eager calls are bound by host time.

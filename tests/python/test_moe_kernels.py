@@ -63,8 +63,8 @@ def test_sync_constants_match():
     """The in-kernel barriers' constants moe.py allocates and passes by."""
     src = MOE_CU.read_text()
     const = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))  # noqa: E731
-    assert [const(n) for n in ("kSyncStart", "kSyncArrive", "kSyncWait", "kSyncArriveFirst")] == [
-        moe._SYNC_START, moe._SYNC_ARRIVE, moe._SYNC_WAIT, moe._SYNC_ARRIVE_FIRST]
+    assert [const(n) for n in ("kSyncStart", "kSyncArrive", "kSyncWait", "kSyncArriveFirst", "kSyncStageGo")] == [
+        moe._SYNC_START, moe._SYNC_ARRIVE, moe._SYNC_WAIT, moe._SYNC_ARRIVE_FIRST, moe._SYNC_STAGE_GO]
     assert const("kMoeKinds") == 2 and const("kMoeSyncBlocks") == moe._MAX_SYNC_BLOCKS
     state = int(re.search(r"static_assert\(sizeof\(MoeSyncState\) == (\d+)", src).group(1))
     assert const("kMoeKinds") * state == moe._SYNC_STATE_BYTES

@@ -1,0 +1,84 @@
+"""Where the dispatch's count and send kernels spend their time (a diagnostic, GPU only).
+
+    P2PCOMM_NVRTC_OPTIONS=-DMOE_PROFILE=1 torchrun --nproc_per_node=4 tools/moe_send_profile.py [tokens...]
+
+Captures one capturable dispatch (bf16, E=256, H=7168, K=8, x built in the
+ep's buffer) in a CUDA graph, replays it with the ranks' streams aligned
+first (as python -m p2pcomm.bench moe does), and reads the %globaltimer
+stamps that a -DMOE_PROFILE=1 build writes per block (moe.cu prof_stamp).
+Prints, per rank, the median over replays of each step in microseconds:
+the count kernel (first block in to last block out), the gap to the send
+kernel, its start barrier (longest block), the sums of earlier blocks'
+counts, slots, pair ranks (median block), metadata with hdr and sync_end
+(longest block), and the whole span.
+"""
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+import p2pcomm
+from p2pcomm.bench import init_distributed
+from p2pcomm.bench_moe import aligned_start, routing
+
+E, H, K, REPS = 256, 7168, 8, 40
+STEPS = ("count", "gap", "barrier", "sums", "slots", "pair ranks", "meta+end", "span")
+
+
+def steps(st: torch.Tensor) -> list[float]:
+    """st: [G, 8] u32 stamps (ns, low 32 bits) -> the STEPS in us."""
+    t = st.to(torch.int64)
+    t = (t - t[:, 0].min()) % (1 << 32)  # wrap-safe, relative to the first count block
+    med = lambda v: float(v.median())  # noqa: E731
+    return [x / 1e3 for x in (
+        int(t[:, 1].max()), int(t[:, 2].min() - t[:, 1].max()), int((t[:, 3] - t[:, 2]).max()),
+        med(t[:, 4] - t[:, 3]), med(t[:, 5] - t[:, 4]), med(t[:, 6] - t[:, 5]), int((t[:, 7] - t[:, 6]).max()),
+        int(t[:, 7].max()))]
+
+
+def main() -> None:
+    if "MOE_PROFILE=1" not in os.environ.get("P2PCOMM_NVRTC_OPTIONS", ""):
+        sys.exit("set P2PCOMM_NVRTC_OPTIONS=-DMOE_PROFILE=1 (the stamps are compiled in only then)")
+    tokens = [int(a) for a in sys.argv[1:]] or [4096, 128]
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    init_distributed(dev)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = p2pcomm.Communicator(group=dist.group.WORLD, device=dev)
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=max(tokens), topk=K,
+                                dtype=torch.bfloat16, combine_dtype=torch.bfloat16)
+    G, W, Tm = ep._blocks, world, ep.max_tokens_per_rank
+    stamps = ep._pair_rank[Tm * K + G * (W + E):].view(G, 8)
+    align = aligned_start(comm, True)
+    for T in tokens:
+        x = ep.get_dispatch_buffer(T)
+        x.copy_(torch.randn(T, H, device=dev).to(torch.bfloat16))
+        idx, w, _ = routing(T, E, K, 7 * rank + T, dev)
+        for _ in range(3):
+            ep.dispatch(x, idx, w, capturable=True)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            ep.dispatch(x, idx, w, capturable=True)
+        rows = []
+        for _ in range(REPS):
+            align()
+            g.replay()
+            torch.cuda.synchronize()
+            rows.append(steps(stamps.cpu()))
+        meds = torch.tensor([statistics.median(r[i] for r in rows) for i in range(len(STEPS))],
+                            dtype=torch.float64, device=dev)
+        got = [torch.zeros_like(meds) for _ in range(world)]
+        dist.all_gather(got, meds)
+        if rank == 0:
+            print(f"\n{T} tokens, {G} blocks, graph, x in the buffer: median of {REPS} replays, us")
+            print("| rank | " + " | ".join(STEPS) + " |\n|---:|" + "---:|" * len(STEPS))
+            for r, m in enumerate(got):
+                print(f"| {r} | " + " | ".join(f"{v:.1f}" for v in m.tolist()) + " |")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
