@@ -858,8 +858,9 @@ class ExpertParallel:
         P2PCOMM_MOE_OVERLAP_STAGE=0, after the send kernel); the expand kernel
         posts the mid barrier itself when x was staged, else the send kernel's
         last block has. Eager calls come after _post_status's start barrier
-        (their copy of x forks onto the side stream right away) and pass status, every rank's posted argument check (the send kernel
-        writes nothing if one failed), and problem, this rank's own; the mid
+        (their copy of x forks onto the side stream right away) and pass
+        status, every rank's posted argument check (the send kernel writes
+        nothing if one failed), and problem, this rank's own; the mid
         barrier is a barrier kernel, since the host reads the counts after
         it. Every rank launches the send kernel in every call, a rejected
         one included: its blocks count calls (the barriers' epochs)."""
