@@ -47,7 +47,7 @@ test-go:
 	$(GO) test -race -count=1 -timeout 30m ./...  # NVRTC compiles every kernel for two archs: minutes on 2 cores
 
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 10s ./golib/bootstrap
+	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 300000x ./golib/bootstrap
 
 test-mpi:
 	$(GO) test -c -tags mpi -o build/mpi.test ./tests/go/mpi
