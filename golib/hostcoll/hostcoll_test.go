@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math/rand"
 	"os"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -173,9 +174,11 @@ func checkAllReduce(t *testing.T, world int, algo collective.Algorithm, mode str
 				}
 				src := uintptr(unsafe.Pointer(&in[0]))
 				dst := uintptr(unsafe.Pointer(&out[0]))
+				var staged []byte // a uintptr does not keep its slice alive: KeepAlive below does
 				switch mode {
 				case "staged":
-					src = uintptr(unsafe.Pointer(&append([]byte(nil), in...)[0]))
+					staged = append([]byte(nil), in...)
+					src = uintptr(unsafe.Pointer(&staged[0]))
 				case "symmetric-inplace":
 					copy(unsafe.Slice((*byte)(hostPtr(sym)), nb), in)
 					src, dst = sym, sym
@@ -184,7 +187,9 @@ func checkAllReduce(t *testing.T, world int, algo collective.Algorithm, mode str
 					src = sym
 				}
 				req := collective.AllReduce{Src: src, Dst: dst, Count: count, DType: d, Op: op, Algo: algo}
-				if err := c.AllReduce(req); err != nil {
+				err := c.AllReduce(req)
+				runtime.KeepAlive(staged)
+				if err != nil {
 					return fmt.Errorf("%v %v: %w", d, op, err)
 				}
 				if mode == "symmetric-inplace" {
