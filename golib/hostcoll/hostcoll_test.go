@@ -228,6 +228,7 @@ func checkAllReduce(t *testing.T, world int, algo collective.Algorithm, mode str
 func TestMismatchedCallsFailEverywhereAndLeaveCommUsable(t *testing.T) {
 	errs := run(t, 3, Options{Timeout: 5 * time.Second, StagingBytes: 1 << 16}, func(c *Comm) error {
 		buf := make([]float32, 1<<15) // 128 KiB: over the staging capacity
+		defer runtime.KeepAlive(buf)  // p alone does not keep it alive
 		p := uintptr(unsafe.Pointer(&buf[0]))
 		n := int64(100 + c.rank) // sizes differ
 		err := c.AllReduce(collective.AllReduce{Src: p, Dst: p, Count: n, DType: reduce.Float32})
@@ -273,6 +274,7 @@ func TestAbsentRankTimesOutNamingIt(t *testing.T) {
 			return nil // never calls
 		}
 		var x [4]float32
+		defer runtime.KeepAlive(&x) // p alone does not keep it alive
 		p := uintptr(unsafe.Pointer(&x[0]))
 		err := c.AllReduce(collective.AllReduce{Src: p, Dst: p, Count: 4, DType: reduce.Float32})
 		var se *status.Error
