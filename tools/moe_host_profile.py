@@ -8,6 +8,7 @@ rank 0, the host wall time between ExpertParallel's phase marks (medians),
 the wall time per call, then cProfile's top functions for one more loop.
 """
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -25,7 +26,7 @@ E, H, K, ITERS = 256, 7168, 8, 60
 
 def main() -> None:
     tokens = [int(a) for a in sys.argv[1:]] or [4096, 128]
-    dev = torch.device("cuda", int(__import__("os").environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(dev)
     rank = dist.get_rank()
     comm = p2pcomm.Communicator(group=dist.group.WORLD, device=dev)

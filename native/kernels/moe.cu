@@ -448,7 +448,8 @@ DINLINE int expert_at(const MoeDispatchParams& p, i64 q) {
 // an integer division: a runtime division is ~25 instructions, and the send
 // kernel's metadata step, which divided once per field and destination, was
 // bound by issuing them (23 us at 4096 tokens). The float quotient is within
-// one of the true one (g, L < 2^13), and the two compares correct it.
+// one of the true one, and the two compares correct it (checked for every
+// g < E <= 4096 and L <= 4096, moe.py's bound on E).
 DINLINE int owner_of(int g, int L) {
   int q = __float2int_rz(__int2float_rn(g) * __frcp_rn(__int2float_rn(L)));
   if (q * L > g) --q;
@@ -509,6 +510,15 @@ DINLINE Waiter waiter_of(const MoeSync& s, int rank) {
   return w;
 }
 
+// outer_waiter bounds a wait on this rank's own progress (another block's
+// go, the send kernel's stage_posted) at twice the bound, so that the wait
+// on the peers behind it (block 0's, at the bound) is the one naming them.
+DINLINE Waiter outer_waiter(const MoeSync& s, int rank) {
+  Waiter w = waiter_of(s, rank);
+  w.timeout_ns = 2 * (s.timeout_ns != 0 ? s.timeout_ns : kDefaultTimeoutNs);
+  return w;
+}
+
 // moe_flag is flags[kind][which][src] of one rank's flag words.
 DINLINE u64* moe_flag(u64* flags, int kind, int which, int src) {
   return flags + (kind * 2 + which) * kMaxRanks + src;
@@ -556,10 +566,7 @@ DINLINE bool sync_begin(const MoeSync& s, int rank, int world) {
       if (s.mode & kSyncStageGo) st_flag_release(&st->stage_posted, st->stage_posted + 1);  // only here
     }
   } else if (t == 0) {
-    // Twice block 0's bound, so that block 0 is the one naming the peer.
-    Waiter w = waiter_of(s, rank);
-    w.timeout_ns = 2 * (s.timeout_ns != 0 ? s.timeout_ns : kDefaultTimeoutNs);
-    if (!wait_flag(w, &st->go, e, -1, kPhaseMoeStart, s.kind)) ok = 0;
+    if (!wait_flag(outer_waiter(s, rank), &st->go, e, -1, kPhaseMoeStart, s.kind)) ok = 0;
   }
   __syncthreads();
   return ok != 0;
@@ -637,9 +644,7 @@ __global__ void moe_stage_gate(const MoeDispatchParams p) {
   MoeSyncState* st = p.sync.state + kMoeDispatch;
   const u64 e = st->stage_taken + 1;  // only this kernel, in side-stream order, touches it
   st->stage_taken = e;
-  Waiter w = waiter_of(p.sync, p.rank);
-  w.timeout_ns = 2 * (p.sync.timeout_ns != 0 ? p.sync.timeout_ns : kDefaultTimeoutNs);
-  wait_flag(w, &st->stage_posted, e, -1, kPhaseMoeStart, kMoeDispatch);
+  wait_flag(outer_waiter(p.sync, p.rank), &st->stage_posted, e, -1, kPhaseMoeStart, kMoeDispatch);
 }
 
 // ---------------------------------------------------------------- eager argument checks

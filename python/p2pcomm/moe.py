@@ -30,9 +30,11 @@ as below:
   MoeSync), not barrier kernels: the send kernel's block 0 trades start
   flags with every peer before any block writes into them, its last block
   to finish posts the middle flags, and the kernel that reads what peers
-  wrote (expand, reduce) waits for every peer's first; x is staged after
-  the send kernel, and then the expand kernel posts the middle flags
-  itself. Eager calls keep their start barrier kernel (it carries the
+  wrote (expand, reduce) waits for every peer's first. When x must be
+  copied into ``xs``, the copy runs on a side stream once the send
+  kernel's block 0 has passed the start barrier (``moe_stage_gate``; with
+  P2PCOMM_MOE_OVERLAP_STAGE=0 after the send kernel), and the expand
+  kernel, which follows the copy, posts the middle flags itself. Eager calls keep their start barrier kernel (it carries the
   argument checks) and, in dispatch, the middle one (the host reads the
   counts after it); eager combine's middle barrier is in its kernels.
   Waits are bounded (P2PCOMM_TIMEOUT_MS) and a timeout names the missing
