@@ -17,9 +17,11 @@ rows, local permute into expert-major order, and the reverse for combine).
 
 The first table times each call after a host barrier and then a stream
 barrier (not timed), so that the ranks' streams start the call together
-(graph replays also after a sleep kernel: see _LAUNCH_SLACK_CYCLES); with
-the host barrier alone, a dispatch also absorbed up to ~100 us of the
-ranks' launch skew, which made its figures vary from run to run. The phase table (on by
+(graph replays after a sleep kernel and then the barrier: see
+_LAUNCH_SLACK_CYCLES); with the host barrier alone, a dispatch also absorbed
+up to ~100 us of the ranks' launch skew, which made its figures vary from
+run to run. Mode "graph+buf b2b" replays the graphs back to back after one
+alignment, as a captured model runs its layers. The phase table (on by
 default; --no-breakdown skips it) reruns eager calls, capturable calls
 launched from Python and (GPU) CUDA-graph replays, with the ranks' streams
 first aligned by a stream barrier (on GPU a barrier kernel), and times each
@@ -136,24 +138,27 @@ class Clock:
         return b - a
 
 
-# Graph replays start after a stream barrier and then a sleep kernel of this
-# many clock cycles (~75 us on an H200): the barrier ends when the slowest
-# rank's host has launched it, and the sleep gives that host time to launch
-# the replay too (~25 us), so every rank's GPU starts the call within a
-# barrier's skew of the others, plus the sleep's spread from the GPUs'
-# clocks (a few us; why it is not longer). Without it the replays measured
-# up to ~45 us of host launch skew at 4096 tokens (the start barrier waited
-# for it). Eager calls get no sleep: their host time is part of their cost.
+# Graph replays start after a sleep kernel of this many clock cycles (~75 us
+# on an H200) and then a stream barrier: the sleep gives this rank's host
+# time to launch the barrier and the replay behind it (~25 us), and the
+# barrier, which ends on every GPU within a flag's flight (~1-2 us) of the
+# last arrival, lines the GPUs up whatever their clocks. The first version
+# slept after the barrier instead, and the sleep's length varies with each
+# GPU's clock: the dispatch's in-kernel start barrier then waited 15-22 us
+# for the slowest GPU (tools/moe_send_profile.py), which every other rank's
+# time included. Without any sleep the replays measured up to ~45 us of host
+# launch skew at 4096 tokens. Eager calls get no sleep: their host time is
+# part of their cost.
 _LAUNCH_SLACK_CYCLES = 150_000
 
 
 def aligned_start(comm, graphs: bool) -> Callable:
-    """What time_pair runs before each timed rep: a stream barrier, and for
-    graph replays the sleep above."""
+    """What time_pair runs before each timed rep: for graph replays the sleep
+    above, then a stream barrier."""
     def align() -> None:
-        comm.stream_barrier()
         if graphs and torch.cuda.is_available():
             torch.cuda._sleep(_LAUNCH_SLACK_CYCLES)
+        comm.stream_barrier()
     return align
 
 
@@ -204,9 +209,31 @@ def time_pair(dispatch: Callable, combine: Callable, reps: int, warmup: int, dev
     return slowest_median(td, ctl), slowest_median(tc, ctl)
 
 
+def time_back_to_back(dispatch: Callable, combine: Callable, reps: int, device, ctl,
+                      align: Callable) -> tuple[float, float]:
+    """Median seconds (slowest rank) of dispatch() and of combine(recv) when
+    reps pairs run back to back, as a captured model's layers do: one
+    alignment, then every call launched without waiting for the GPU, with
+    events between the calls. A rank's host skew is paid once, not per call."""
+    clock = Clock(device)
+    combine(dispatch())  # warm up
+    sync_all(device, ctl)
+    align()
+    marks = [clock.mark()]
+    for _ in range(reps):
+        recv = dispatch()
+        marks.append(clock.mark())
+        combine(recv)
+        marks.append(clock.mark())
+    td = [clock.seconds(marks[2 * i], marks[2 * i + 1]) for i in range(reps)]
+    tc = [clock.seconds(marks[2 * i + 1], marks[2 * i + 2]) for i in range(reps)]
+    return slowest_median(td, ctl), slowest_median(tc, ctl)
+
+
 def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl,
-                align: Callable) -> tuple[float, float]:
-    """The same, with dispatch and combine each captured in its own CUDA graph."""
+                align: Callable, back_to_back: bool = False) -> tuple[float, float]:
+    """The same, with dispatch and combine each captured in its own CUDA
+    graph; back_to_back: replays launched in a row (time_back_to_back)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -219,6 +246,8 @@ def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl,
     with torch.cuda.graph(gc, pool=gd.pool()):
         combine(recv)
     sync_all(device, ctl)
+    if back_to_back:
+        return time_back_to_back(lambda: gd.replay(), lambda _: gc.replay(), reps, device, ctl, align)
     return time_pair(lambda: gd.replay(), lambda _: gc.replay(), reps, 2, device, ctl, align)
 
 
@@ -478,14 +507,15 @@ class P2PRun:
     ctl: object
 
     def modes(self) -> list[str]:
-        """Modes of the first table; "+buf": x built in ep.get_dispatch_buffer() (no staging copy)."""
+        """Modes of the first table; "+buf": x built in ep.get_dispatch_buffer() (no staging copy);
+        "b2b": replays back to back (time_back_to_back), not aligned one by one."""
         cuda, graphs = self.device.type == "cuda", not self.args.no_graph
-        return ["eager"] + (["graph", "graph+buf"] if cuda and graphs else []) + \
+        return ["eager"] + (["graph", "graph+buf", "graph+buf b2b"] if cuda and graphs else []) + \
             (["capturable"] if not cuda and graphs else [])
 
     def data_for(self, ep, mode: str) -> tuple:
         x, idx, w = self.data
-        if mode.endswith("+buf"):
+        if "+buf" in mode:
             buf = ep.get_dispatch_buffer(x.shape[0])
             buf.copy_(x)
             x = buf
@@ -535,7 +565,8 @@ class P2PRun:
             dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
             combine = lambda r: ep.combine(r.x, r)  # noqa: E731
             if mode.startswith("graph"):
-                td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl, aligned_start(self.comm, True))
+                td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl, aligned_start(self.comm, True),
+                                     back_to_back=mode.endswith("b2b"))
             else:
                 td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl,
                                    aligned_start(self.comm, False))
