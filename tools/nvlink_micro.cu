@@ -10,6 +10,9 @@
 //   pull-tma  bulk copy peer -> shared, shared -> local
 //   local-*   the same with both sides local (the HBM ceiling per SM count)
 //   push-ce   copy engines (cudaMemcpyAsync, one stream per peer; no SM)
+//   push-mix, pull-mix  the copy engines move the first `ce %` of every
+//             region while push-lsu / pull-lsu move the rest at the same
+//             time: whether the engines add to what the SMs reach
 //
 // Build and run on the device machine:
 //   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_micro tools/nvlink_micro.cu && /tmp/nvlink_micro
@@ -162,8 +165,10 @@ struct Gpu {
   cudaEvent_t join[kMaxPeers];
 };
 
-enum Mode { kPushLsu, kPullLsu, kPushTma, kPullTma, kLocalLsu, kLocalTma, kPushCe };
-const char* kModeName[] = {"push-lsu", "pull-lsu", "push-tma", "pull-tma", "local-lsu", "local-tma", "push-ce"};
+enum Mode { kPushLsu, kPullLsu, kPushTma, kPullTma, kLocalLsu, kLocalTma, kPushCe, kPushMix, kPullMix };
+const char* kModeName[] = {"push-lsu", "pull-lsu", "push-tma", "pull-tma", "local-lsu",
+                           "local-tma", "push-ce",  "push-mix", "pull-mix"};
+constexpr int kModes = 9;
 
 static Job make_job(std::vector<Gpu>& g, int me, Mode m, long long per) {
   const int n = (int)g.size();
@@ -173,7 +178,7 @@ static Job make_job(std::vector<Gpu>& g, int me, Mode m, long long per) {
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
     const bool local = m == kLocalLsu || m == kLocalTma;
-    const bool pull = m == kPullLsu || m == kPullTma;
+    const bool pull = m == kPullLsu || m == kPullTma || m == kPullMix;
     if (local) {
       j.src[j.n] = g[me].send + p * per;
       j.dst[j.n] = g[me].recv + p * per;
@@ -191,18 +196,34 @@ static Job make_job(std::vector<Gpu>& g, int me, Mode m, long long per) {
 
 constexpr int kTmaStages = 12;  // 12 * 14 KiB = 168 KiB of shared memory per block
 
-static void launch(std::vector<Gpu>& g, int me, Mode m, int sms, long long per, int unroll) {
+// The copy engines' share of a region: all of it for push-ce, ce_pct % (in
+// whole chunks) for the mixed modes, none otherwise.
+static long long ce_bytes(Mode m, long long per, int ce_pct) {
+  if (m == kPushCe) return per;
+  if (m != kPushMix && m != kPullMix) return 0;
+  return per / kChunk * ce_pct / 100 * kChunk;
+}
+
+static void launch(std::vector<Gpu>& g, int me, Mode m, int sms, long long per, int unroll, int ce_pct) {
   CK(cudaSetDevice(me));
-  const Job j = make_job(g, me, m, per);
-  if (m == kPushCe) {  // fork to one stream per peer and join back
+  Job j = make_job(g, me, m, per);
+  const long long ce = ce_bytes(m, per, ce_pct);
+  if (ce > 0) {  // fork to one stream per peer and join back
     CK(cudaEventRecord(g[me].fork, g[me].st));
     for (int r = 0; r < j.n; ++r) {
       CK(cudaStreamWaitEvent(g[me].ce[r], g[me].fork, 0));
-      CK(cudaMemcpyAsync(j.dst[r], j.src[r], per, cudaMemcpyDefault, g[me].ce[r]));
+      CK(cudaMemcpyAsync(j.dst[r], j.src[r], ce, cudaMemcpyDefault, g[me].ce[r]));
       CK(cudaEventRecord(g[me].join[r], g[me].ce[r]));
-      CK(cudaStreamWaitEvent(g[me].st, g[me].join[r], 0));
     }
-    return;
+    if (ce == per) {
+      for (int r = 0; r < j.n; ++r) CK(cudaStreamWaitEvent(g[me].st, g[me].join[r], 0));
+      return;
+    }
+    for (int r = 0; r < j.n; ++r) {  // the SMs take the rest of each region
+      j.src[r] += ce;
+      j.dst[r] += ce;
+    }
+    j.per = per - ce;
   }
   if (m == kPushTma || m == kPullTma || m == kLocalTma) {
     copy_tma<kTmaStages><<<sms, 32, kTmaStages * kChunk, g[me].st>>>(j, g[me].err);
@@ -214,6 +235,7 @@ static void launch(std::vector<Gpu>& g, int me, Mode m, int sms, long long per, 
     copy_lsu<8><<<sms, kThreads, 0, g[me].st>>>(j);
   }
   CK(cudaGetLastError());
+  for (int r = 0; ce > 0 && r < j.n; ++r) CK(cudaStreamWaitEvent(g[me].st, g[me].join[r], 0));
 }
 
 int main() {
@@ -250,10 +272,10 @@ int main() {
     for (size_t k = 0; k < h.size(); ++k) h[k] = (unsigned)(k * 2654435761u) ^ (unsigned)(i * 977);
     CK(cudaMemcpy(g[i].send, h.data(), n * per_peer, cudaMemcpyHostToDevice));
   }
-  printf("| mode | SMs | unroll | GB/s per GPU | us |\n|---|---:|---:|---:|---:|\n");
+  printf("| mode | SMs | unroll | CE %% | GB/s per GPU | us |\n|---|---:|---:|---:|---:|---:|\n");
   struct Cfg {
     Mode m;
-    int sms, unroll;
+    int sms, unroll, ce_pct = 0;
   };
   std::vector<Cfg> cfgs;
   for (int sms : {24, 48, 132}) {
@@ -264,7 +286,11 @@ int main() {
   cfgs.push_back({kPullLsu, 24, 16});
   cfgs.push_back({kPushLsu, 24, 4});
   cfgs.push_back({kPushCe, 0, 0});
-  std::vector<bool> checked(7, false);
+  for (int pct : {20, 35, 50}) {
+    cfgs.push_back({kPushMix, 24, 8, pct});
+    cfgs.push_back({kPullMix, 24, 8, pct});
+  }
+  std::vector<bool> checked(kModes, false);
   for (const Cfg& c : cfgs) {
     for (int i = 0; i < n; ++i) {
       CK(cudaSetDevice(i));
@@ -280,7 +306,7 @@ int main() {
       }
       const int iters = 5;
       for (int it = 0; it < iters; ++it)
-        for (int i = 0; i < n; ++i) launch(g, i, c.m, c.sms, per_peer, c.unroll);
+        for (int i = 0; i < n; ++i) launch(g, i, c.m, c.sms, per_peer, c.unroll, c.ce_pct);
       for (int i = 0; i < n; ++i) {
         CK(cudaSetDevice(i));
         CK(cudaEventRecord(g[i].b, g[i].st));
@@ -303,8 +329,9 @@ int main() {
       if (e) printf("GPU %d: mbarrier wait timed out\n", i);
     }
     const double bytes = (double)(n - 1) * per_peer;
-    printf("| %s | %d | %d | %.0f | %.1f |\n", kModeName[c.m], c.sms, c.m == kPushTma || c.m == kPullTma || c.m == kLocalTma || c.m == kPushCe ? 0 : c.unroll,
-           bytes / (worst * 1e-3) / 1e9, worst * 1e3);
+    const bool lsu = c.m == kPushLsu || c.m == kPullLsu || c.m == kLocalLsu || c.m == kPushMix || c.m == kPullMix;
+    printf("| %s | %d | %d | %lld | %.0f | %.1f |\n", kModeName[c.m], c.sms, lsu ? c.unroll : 0,
+           ce_bytes(c.m, per_peer, c.ce_pct) * 100 / per_peer, bytes / (worst * 1e-3) / 1e9, worst * 1e3);
     fflush(stdout);
     if (!checked[c.m]) {  // every destination region equals its source region
       checked[c.m] = true;
