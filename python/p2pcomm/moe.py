@@ -34,9 +34,10 @@ as below:
   copied into ``xs``, the copy runs on a side stream once the send
   kernel's block 0 has passed the start barrier (``moe_stage_gate``; with
   P2PCOMM_MOE_OVERLAP_STAGE=0 after the send kernel), and the expand
-  kernel, which follows the copy, posts the middle flags itself. Eager calls keep their start barrier kernel (it carries the
-  argument checks) and, in dispatch, the middle one (the host reads the
-  counts after it); eager combine's middle barrier is in its kernels.
+  kernel, which follows the copy, posts the middle flags itself. Eager
+  calls keep their start barrier kernel (it carries the argument checks)
+  and, in dispatch, the middle one (the host reads the counts after it);
+  eager combine's middle barrier is in its kernels.
   Waits are bounded (P2PCOMM_TIMEOUT_MS) and a timeout names the missing
   rank (PeerTimeoutError). P2PCOMM_MOE_BARRIER_KERNELS=1 (on every rank)
   uses barrier kernels throughout, for comparison.
