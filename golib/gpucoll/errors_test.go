@@ -1,8 +1,12 @@
 package gpucoll
 
 import (
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/p2pcomm/p2pcomm/native/kernels"
 )
 
 func TestDescribeNamesTheCallThatTimedOut(t *testing.T) {
@@ -21,6 +25,28 @@ func TestDescribeNamesTheCallThatTimedOut(t *testing.T) {
 		got := describe(c.w).Error()
 		if !strings.Contains(got, c.want) {
 			t.Errorf("describe(%+v) = %q, want it to contain %q", c.w, got, c.want)
+		}
+	}
+}
+
+// The phase numbers describe() tells apart are the kernels' (p2p_common.cuh
+// kNumPhases, moe.cu's kPhaseMoe* = kNumPhases + n).
+func TestPhaseNumbersMatchTheKernels(t *testing.T) {
+	src := kernels.Sources()
+	all := src["p2p_common.cuh"] + src["moe.cu"]
+	m := regexp.MustCompile(`kNumPhases = (\d+)`).FindStringSubmatch(all)
+	if m == nil {
+		t.Fatal("kNumPhases not found in p2p_common.cuh")
+	}
+	base, _ := strconv.Atoi(m[1])
+	for name, want := range map[string]int{"kPhaseMoeStart": phaseMoeStart, "kPhaseMoeMid": phaseMoeMid} {
+		m := regexp.MustCompile(`constexpr int ` + name + ` = kNumPhases \+ (\d+);`).FindStringSubmatch(all)
+		if m == nil {
+			t.Errorf("%s not found in the kernels", name)
+			continue
+		}
+		if n, _ := strconv.Atoi(m[1]); base+n != want {
+			t.Errorf("%s = %d in the kernels, %d here", name, base+n, want)
 		}
 	}
 }
