@@ -76,6 +76,9 @@ constexpr int kMoeWarps = kThreads / 32;
 #ifndef MOE_COMB_INTERLEAVE
 #define MOE_COMB_INTERLEAVE 1  // 1: combine send items slot-major, sources rotated; 0: source-major (before)
 #endif
+#ifndef MOE_COMB_HOIST
+#define MOE_COMB_HOIST 1  // combine send, 16-bit partials: weights shuffled once per pass (0: per pack)
+#endif
 #ifndef MOE_COMB_PULL
 // 1: partials stay on the expert rank and sources read them (measured slower:
 // combine 1262 against 990 us, 4096 tokens, bf16, graph); 0: expert ranks push.
@@ -1047,6 +1050,59 @@ template <typename T, typename C> struct Transit {
   static constexpr int kIn = PackOf<T>::kElems / PackOf<C>::kElems;  // C packs per T pack
 };
 
+// widen gives the floats of one pack of T (exact). The combine kernels
+// are bound by issuing instructions (Nsight Compute on moe_combine_send,
+// 4 x H200: an instruction issued on 65% of a scheduler's cycles, 6 cycles
+// per warp and instruction, mostly waits on fixed-latency results and on
+// the math pipe), so the conversions count: bf16 takes one shift or mask
+// per element, where Num<bf16>::to on an extracted half took two.
+template <typename T>
+DINLINE void widen(V16 raw, float (&f)[PackOf<T>::kElems]) {
+  Pack<T> in;
+  in.v = raw;
+#pragma unroll
+  for (int e = 0; e < PackOf<T>::kElems; ++e) f[e] = Num<T>::to(in.e[e]);
+}
+template <>
+__device__ __forceinline__ void widen<bf16>(V16 raw, float (&f)[8]) {
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    f[2 * q] = __uint_as_float(w[q] << 16);             // element 2q: the low half
+    f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);  // 2q + 1: the high half
+  }
+}
+
+// narrow rounds floats to one pack of T, the bits of Num<T>::from. bf16 on
+// sm_80 and later: one cvt.rn.bf16x2.f32 per two elements (round to nearest
+// even, as float_to_bf16) instead of ~7 integer instructions per element;
+// float_to_bf16 still takes a pack with a NaN (its sum is NaN; inf - inf
+// sends a NaN-free pack there too, with the same bits), whose payload
+// cvt would not keep.
+template <typename T>
+DINLINE V16 narrow(const float (&f)[PackOf<T>::kElems]) {
+  Pack<T> o;
+#pragma unroll
+  for (int e = 0; e < PackOf<T>::kElems; ++e) o.e[e] = Num<T>::from(f[e]);
+  return o.v;
+}
+template <>
+__device__ __forceinline__ V16 narrow<bf16>(const float (&f)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const float any = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+  if (any == any) {  // no NaN among them
+    u32 w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[q]) : "f"(f[2 * q + 1]), "f"(f[2 * q]));
+    return V16{w[0], w[1], w[2], w[3]};
+  }
+#endif
+  Pack<bf16> o;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o.e[e] = float_to_bf16(f[e]);
+  return o.v;
+}
+
 // store_partial rounds the float32 sums acc of one pack of T to C (exact
 // for float) and stores them at pack c of the partial row dst.
 template <typename T, typename C>
@@ -1054,10 +1110,10 @@ DINLINE void store_partial(C* dst, i64 c, const float (&acc)[PackOf<T>::kElems])
   constexpr int P = PackOf<T>::kElems, PC = PackOf<C>::kElems;
 #pragma unroll
   for (int q = 0; q < P / PC; ++q) {
-    Pack<C> o;
+    float part[PC];
 #pragma unroll
-    for (int e = 0; e < PC; ++e) o.e[e] = Num<C>::from(acc[q * PC + e]);
-    st_v16(dst + c * P + q * PC, o.v);
+    for (int e = 0; e < PC; ++e) part[e] = acc[q * PC + e];
+    st_v16(dst + c * P + q * PC, narrow<C>(part));
   }
 }
 
@@ -1065,10 +1121,10 @@ DINLINE void store_partial(C* dst, i64 c, const float (&acc)[PackOf<T>::kElems])
 // rounded to float32 (no FMA: the same bits as torch's mul, then add).
 template <typename T>
 DINLINE void add_weighted(float (&acc)[PackOf<T>::kElems], float weight, V16 raw) {
-  Pack<T> in;
-  in.v = raw;
+  float in[PackOf<T>::kElems];
+  widen<T>(raw, in);
 #pragma unroll
-  for (int e = 0; e < PackOf<T>::kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(weight, Num<T>::to(in.e[e])));
+  for (int e = 0; e < PackOf<T>::kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(weight, in[e]));
 }
 
 // ItemRows is one combine item's valid pairs, one per lane (lane = k):
@@ -1139,6 +1195,13 @@ DINLINE void sum_store(const V16 (&raw)[kCombRegs], float cw, int n, C* dst, int
   constexpr int P = PackOf<T>::kElems;
   const int lane = (int)(threadIdx.x & 31);
   C* const base = dst + (i64)(pass + lane) * P;  // packs at immediate offsets from it
+  // 16-bit partials: the weights shuffled once per pass, not per pack (a shuffle and its divergence
+  // check per use were issue slots): a combine 709-712 against 717-722 us, 4096 tokens, bf16. Float
+  // partials keep the shuffle per use: hoisted, 1640 against 1467 us per combine.
+  constexpr bool hoist = MOE_COMB_HOIST && sizeof(C) == sizeof(T) && sizeof(T) == 2;
+  float wt[GL];
+#pragma unroll
+  for (int j = 0; j < GL; ++j) wt[j] = hoist ? __shfl_sync(~0u, cw, j) : 0.0f;
 #pragma unroll
   for (int u = 0; u < UL; ++u) {
     float acc[P];
@@ -1147,7 +1210,7 @@ DINLINE void sum_store(const V16 (&raw)[kCombRegs], float cw, int n, C* dst, int
 #pragma unroll
     for (int j = 0; j < GL; ++j) {
       if (j >= n) break;
-      add_weighted<T>(acc, __shfl_sync(~0u, cw, j), raw[j * UL + u]);
+      add_weighted<T>(acc, hoist ? wt[j] : __shfl_sync(~0u, cw, j), raw[j * UL + u]);
     }
     if (pass + lane + 32 * u < c1) store_partial<T, C>(base, 32 * u, acc);
   }
@@ -1342,10 +1405,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombi
           if (c0 + 32 * u >= ppr) continue;  // nothing loaded there
 #pragma unroll
           for (int q = 0; q < Q; ++q) {
-            Pack<C> in;
-            in.v = raw[r][u][q];
+            float in[PC];
+            widen<C>(raw[r][u][q], in);
 #pragma unroll
-            for (int e = 0; e < PC; ++e) acc[u][q * PC + e] = __fadd_rn(acc[u][q * PC + e], Num<C>::to(in.e[e]));
+            for (int e = 0; e < PC; ++e) acc[u][q * PC + e] = __fadd_rn(acc[u][q * PC + e], in[e]);
           }
         }
       }
@@ -1353,12 +1416,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombi
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const i64 c = c0 + 32 * u;
-      if (c < ppr) {
-        Pack<T> o;
-#pragma unroll
-        for (int e = 0; e < P; ++e) o.e[e] = Num<T>::from(acc[u][e]);
-        st_v16((char*)p.y + (t * ppr + c) * kPackBytes, o.v);
-      }
+      if (c < ppr) st_v16((char*)p.y + (t * ppr + c) * kPackBytes, narrow<T>(acc[u]));
     }
   }
 }
