@@ -1050,59 +1050,6 @@ template <typename T, typename C> struct Transit {
   static constexpr int kIn = PackOf<T>::kElems / PackOf<C>::kElems;  // C packs per T pack
 };
 
-// widen gives the floats of one pack of T (exact). The combine kernels
-// are bound by issuing instructions (Nsight Compute on moe_combine_send,
-// 4 x H200: an instruction issued on 65% of a scheduler's cycles, 6 cycles
-// per warp and instruction, mostly waits on fixed-latency results and on
-// the math pipe), so the conversions count: bf16 takes one shift or mask
-// per element, where Num<bf16>::to on an extracted half took two.
-template <typename T>
-DINLINE void widen(V16 raw, float (&f)[PackOf<T>::kElems]) {
-  Pack<T> in;
-  in.v = raw;
-#pragma unroll
-  for (int e = 0; e < PackOf<T>::kElems; ++e) f[e] = Num<T>::to(in.e[e]);
-}
-template <>
-__device__ __forceinline__ void widen<bf16>(V16 raw, float (&f)[8]) {
-  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    f[2 * q] = __uint_as_float(w[q] << 16);             // element 2q: the low half
-    f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);  // 2q + 1: the high half
-  }
-}
-
-// narrow rounds floats to one pack of T, the bits of Num<T>::from. bf16 on
-// sm_80 and later: one cvt.rn.bf16x2.f32 per two elements (round to nearest
-// even, as float_to_bf16) instead of ~7 integer instructions per element;
-// float_to_bf16 still takes a pack with a NaN (its sum is NaN; inf - inf
-// sends a NaN-free pack there too, with the same bits), whose payload
-// cvt would not keep.
-template <typename T>
-DINLINE V16 narrow(const float (&f)[PackOf<T>::kElems]) {
-  Pack<T> o;
-#pragma unroll
-  for (int e = 0; e < PackOf<T>::kElems; ++e) o.e[e] = Num<T>::from(f[e]);
-  return o.v;
-}
-template <>
-__device__ __forceinline__ V16 narrow<bf16>(const float (&f)[8]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const float any = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
-  if (any == any) {  // no NaN among them
-    u32 w[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[q]) : "f"(f[2 * q + 1]), "f"(f[2 * q]));
-    return V16{w[0], w[1], w[2], w[3]};
-  }
-#endif
-  Pack<bf16> o;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) o.e[e] = float_to_bf16(f[e]);
-  return o.v;
-}
-
 // store_partial rounds the float32 sums acc of one pack of T to C (exact
 // for float) and stores them at pack c of the partial row dst.
 template <typename T, typename C>

@@ -288,6 +288,60 @@ template <typename T> union Pack {
   T e[PackOf<T>::kElems];
 };
 
+// widen gives the floats of one pack of T (exact), narrow rounds floats
+// to one pack of T with the bits of Num<T>::from: the pack-wide forms of
+// Num's conversions, for kernels bound by issuing instructions (the MoE
+// combine: Nsight Compute on moe_combine_send, 4 x H200, an instruction
+// issued on 65% of a scheduler's cycles, mostly fixed-latency waits and the
+// math pipe). bf16 widens by one shift or mask per element, where
+// Num<bf16>::to on an extracted half took two.
+template <typename T>
+DINLINE void widen(V16 raw, float (&f)[PackOf<T>::kElems]) {
+  Pack<T> in;
+  in.v = raw;
+#pragma unroll
+  for (int e = 0; e < PackOf<T>::kElems; ++e) f[e] = Num<T>::to(in.e[e]);
+}
+template <>
+__device__ __forceinline__ void widen<bf16>(V16 raw, float (&f)[8]) {
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    f[2 * q] = __uint_as_float(w[q] << 16);             // element 2q: the low half
+    f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);  // 2q + 1: the high half
+  }
+}
+
+// narrow<bf16> on sm_80 and later: one cvt.rn.bf16x2.f32 per two elements
+// (round to nearest even, as float_to_bf16) instead of ~7 integer
+// instructions per element; float_to_bf16 still takes a pack with a NaN
+// (its sum is NaN; inf - inf sends a NaN-free pack there too, with the same
+// bits), whose payload cvt would not keep. The all-reduce kernels still
+// convert element by element (Num<T>::from): moving them is not measured.
+template <typename T>
+DINLINE V16 narrow(const float (&f)[PackOf<T>::kElems]) {
+  Pack<T> o;
+#pragma unroll
+  for (int e = 0; e < PackOf<T>::kElems; ++e) o.e[e] = Num<T>::from(f[e]);
+  return o.v;
+}
+template <>
+__device__ __forceinline__ V16 narrow<bf16>(const float (&f)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const float any = ((f[0] + f[1]) + (f[2] + f[3])) + ((f[4] + f[5]) + (f[6] + f[7]));
+  if (any == any) {  // no NaN among them
+    u32 w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[q]) : "f"(f[2 * q + 1]), "f"(f[2 * q]));
+    return V16{w[0], w[1], w[2], w[3]};
+  }
+#endif
+  Pack<bf16> o;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o.e[e] = float_to_bf16(f[e]);
+  return o.v;
+}
+
 // UIntOf<N> is the unsigned integer of N bytes, for scalar (tail) moves.
 template <int N> struct UIntOf;
 template <> struct UIntOf<2> { typedef u16 type; };
