@@ -109,22 +109,26 @@ def check_dispatch(recv, inputs, rank, W, E, K, dtype, capturable=False):
     assert torch.equal(got.view(torch.uint8), want_x.contiguous().view(torch.uint8)), "token rows differ"
 
 
-def emulate_combine(inputs, rank, W, E, K, dtype, combine_dtype=torch.float32) -> torch.Tensor:
+def emulate_combine(inputs, rank, W, E, K, dtype, combine_dtype=torch.float32, expert=None) -> torch.Tensor:
     """combine's documented rounding, op by op in torch on the CPU: on each
     expert rank d, a float32 partial from +0 adding fl32(w * out) for k
     ascending (those whose expert is on d), rounded once to combine_dtype;
     then on this rank the float32 sum from +0 of the partials of the ranks
-    the token went to, d ascending, rounded once to dtype."""
+    the token went to, d ascending, rounded once to dtype. ``expert``
+    (default expert_fn) is called with (x, local expert, source rank,
+    source token)."""
     L = E // W
     inp = inputs[rank]
     T, H = inp.x.shape
     dest = torch.where(inp.idx >= 0, torch.div(inp.idx, L, rounding_mode="floor"), -1)  # [T, K]
     src = torch.full((T,), rank, dtype=torch.int32)
+    tokens = torch.arange(T, dtype=torch.int32)
     y = torch.zeros(T, H, dtype=torch.float32)
     for d in range(W):
         partial = torch.zeros(T, H, dtype=torch.float32)
         for k in range(K):
-            out = expert_fn(inp.x, inp.idx[:, k].remainder(L), src).float()
+            local = inp.idx[:, k].remainder(L)
+            out = (expert(inp.x, local, src, tokens) if expert else expert_fn(inp.x, local, src)).float()
             on_d = (dest[:, k] == d).unsqueeze(1)
             partial = torch.where(on_d, partial + out * inp.w[:, k:k + 1], partial)
         sent = (dest == d).any(dim=1).unsqueeze(1)
@@ -244,6 +248,48 @@ def test_combine_transit_matches_emulation(comms, device, transit, case):
     assert_same_bits(want[one_rank], exact[one_rank], "tokens on one expert rank")
     if combine_dtype != torch.float32 and routing == "random" and W > 1 and K > 1:
         assert not torch.equal(want, exact), "a rounded transit should change some token split across ranks"
+
+
+def nonfinite_expert(x, local_expert, src_rank, src_token):
+    """expert_fn, then NaN, +inf and -inf planted in some rows at columns
+    that follow the (token, expert) pair, so that tokens get NaN from one
+    expert, inf from another, inf - inf, or nothing special."""
+    out = expert_fn(x, local_expert, src_rank)
+    H = out.shape[1]
+    t, e = src_token.long(), local_expert.long()
+    cols = torch.arange(H, device=out.device)
+    for value, rows, col in ((float("nan"), (t % 5 == 1) & (e % 2 == 0), (3 * t) % H),
+                             (float("inf"), t % 3 == 0, (t + e) % H),
+                             (float("-inf"), t % 4 == 2, (t + 2 * e) % H)):
+        hit = rows.unsqueeze(1) & (cols.unsqueeze(0) == col.unsqueeze(1))
+        out = torch.where(hit, torch.tensor(value, dtype=out.dtype, device=out.device), out)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transit", TRANSITS)
+@pytest.mark.parametrize("capturable", [False, True])
+def test_combine_of_nonfinite_expert_outputs(comms, device, transit, capturable):
+    """NaN and inf in expert outputs propagate as the documented sums say:
+    NaN exactly where the emulation has NaN (NaN payloads aside), every
+    other element, inf and -inf included, the emulation's exact bits."""
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 8 * W, 8, 256, 40
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        combine_dtype = transit_dtype(transit, dtype)
+        inputs = [make_inputs(71, q, Tm - 2 * q, H, E, K, dtype, "duplicates", 0.1) for q in range(W)]
+        ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                    combine_dtype=combine_dtype)
+        inp = inputs[r]
+        recv = ep.dispatch(inp.x.to(device), inp.idx.to(device), inp.w.to(device), capturable=capturable)
+        y = ep.combine(nonfinite_expert(recv.x, recv.local_expert, recv.src_rank, recv.src_token), recv).cpu()
+        want = emulate_combine(inputs, r, W, E, K, dtype, combine_dtype, expert=nonfinite_expert)
+        nan = torch.isnan(want)
+        assert nan.any() and torch.isinf(want).any(), "the test should produce NaN and inf"
+        assert torch.equal(torch.isnan(y), nan), f"{dtype}: NaN in different places"
+        assert_same_bits(y[~nan], want[~nan], f"{dtype} combine_dtype={combine_dtype}, finite and inf")
+        ep.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
