@@ -101,9 +101,10 @@ type Space struct {
 // New creates the Space of this rank on the GPU with the given ordinal
 // (which must be the current context's device or have none current). It is
 // collective: ranks exchange GPU UUIDs and PCI ids, and every rank fails
-// with status.PeerUnavailable if any pair of GPUs visible to one process
-// cannot access each other. A peer whose GPU this process cannot see is
-// noted (LocalOrdinal -1); mapping its memory then relies on IPC.
+// with status.PeerUnavailable if two ranks share a GPU or any pair of GPUs
+// visible to one process cannot access each other. A peer whose GPU this
+// process cannot see is noted (LocalOrdinal -1); mapping its memory then
+// relies on IPC.
 func New(drv Driver, bs bootstrap.Bootstrap, device int) (*Space, error) {
 	s := &Space{drv: drv, bs: bs, device: device, rank: bs.Rank(), size: bs.Size(), opened: map[openKey]uintptr{}}
 	if s.size > MaxRanks {
@@ -172,6 +173,17 @@ func (s *Space) mapPeers(recs [][]byte) error {
 			p.LocalOrdinal = ord
 		}
 		s.peers[r] = p
+	}
+	// Two ranks on one GPU are refused up front, as NCCL does: run that way
+	// (8 ranks on 4 H200s), the MoE tests' barriers timed out and reported
+	// mismatches after P2PCOMM_TIMEOUT_MS instead of saying why.
+	for a := range s.peers {
+		for b := a + 1; b < len(s.peers); b++ {
+			if s.peers[a].UUID == s.peers[b].UUID {
+				return status.Errorf(status.PeerUnavailable,
+					"ranks %d and %d are both on GPU %s: p2pcomm needs one GPU per rank", a, b, s.peers[a].BusID)
+			}
+		}
 	}
 	me, err := s.drv.Device(s.device)
 	if err != nil {
