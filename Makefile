@@ -59,6 +59,7 @@ test-python: lib
 test-dist: lib
 	$(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
 	$(TORCHRUN) --nproc_per_node=4 -m pytest -q -x tests/python/dist
+	$(TORCHRUN) --nproc_per_node=8 -m pytest -q -x tests/python/dist/test_moe.py
 
 test: vet test-go fuzz test-mpi test-python test-dist
 
