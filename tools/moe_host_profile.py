@@ -1,11 +1,14 @@
 """Where an eager MoE call spends host time (a diagnostic, GPU only).
 
-    torchrun --nproc_per_node=4 tools/moe_host_profile.py [tokens...]
+    torchrun --nproc_per_node=4 tools/moe_host_profile.py [--costs] [tokens...]
 
 Runs eager dispatch + combine back to back (bf16, E=256, H=7168, K=8, bf16
 partials, no host barrier between calls, as a model would) and prints, on
 rank 0, the host wall time between ExpertParallel's phase marks (medians),
 the wall time per call, then cProfile's top functions for one more loop.
+``--costs`` first prints what the pieces an eager call is made of cost the
+host (median us on rank 0): a ctypes call into Go, a kernel launch through
+Go, a stream barrier, events, allocations, a host sync on an idle GPU.
 """
 import cProfile
 import os
@@ -24,14 +27,75 @@ from p2pcomm.bench_moe import routing
 E, H, K, ITERS = 256, 7168, 8, 60
 
 
+def host_costs(comm, ep, dev, rank, n=300) -> None:
+    """Median host time of each building block of an eager call."""
+    from p2pcomm import moe
+
+    post = moe._PostParams(peer_status=ep._ptr_status[0], topk_idx=0, num_ids=0, num_experts=ep.num_experts,
+                           idx_bytes=4, code=0, id_code=1, rank=rank, world=comm.world_size)
+    small = torch.zeros(4, dtype=torch.int32, device=dev)
+    pinned = torch.empty(4, dtype=torch.int32, pin_memory=True)
+    ev, stream = torch.cuda.Event(), torch.cuda.Stream(dev)
+
+    def tolist_idle():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        small.tolist()
+        return time.perf_counter_ns() - t0
+
+    def pinned_idle():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        pinned.copy_(small, non_blocking=True)
+        ev.record()
+        ev.synchronize()
+        return time.perf_counter_ns() - t0
+
+    def record_wait():
+        ev.record()
+        stream.wait_event(ev)
+
+    pieces = [
+        ("ctypes -> Go (p2p_device_info)", lambda: comm.sm_count),
+        ("kernel launch through Go (moe_post_status)", lambda: ep._launch("moe_post_status", post, 1)),
+        ("stream barrier (Go barrier kernel)", comm.stream_barrier),
+        ("event record + wait_event", record_wait),
+        ("torch.empty [128, 7168] bf16 on GPU", lambda: torch.empty(128, 7168, dtype=torch.bfloat16, device=dev)),
+        ("torch.cuda.current_stream()", lambda: torch.cuda.current_stream(dev)),
+        ("_DispatchParams built", lambda: moe._DispatchParams(peer_meta=ep._ptr_meta, peer_hdr=ep._ptr_hdr,
+                                                              sync=ep._syncs[0, 0])),
+    ]
+    rows = []
+    for name, f in pieces:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            f()
+            times.append(time.perf_counter_ns() - t0)
+        rows.append((name, statistics.median(times) / 1e3))
+        torch.cuda.synchronize()
+        comm.barrier()
+    for name, f in (("tolist of 4 ints, GPU idle (D2H + sync)", tolist_idle),
+                    ("pinned copy + event sync, GPU idle", pinned_idle)):
+        rows.append((name, statistics.median(f() for _ in range(n)) / 1e3))
+    if rank == 0:
+        print("\n== host cost of each piece (median us, rank 0) ==")
+        for name, us in rows:
+            print(f"  {name:46s} {us:8.2f}")
+
+
 def main() -> None:
-    tokens = [int(a) for a in sys.argv[1:]] or [4096, 128]
+    args = sys.argv[1:]
+    costs = "--costs" in args
+    tokens = [int(a) for a in args if a != "--costs"] or [4096, 128]
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     init_distributed(dev)
     rank = dist.get_rank()
     comm = p2pcomm.Communicator(group=dist.group.WORLD, device=dev)
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=max(tokens), topk=K,
                                 dtype=torch.bfloat16, combine_dtype=torch.bfloat16)
+    if costs:
+        host_costs(comm, ep, dev, rank)
     for T in tokens:
         x = torch.randn(T, H, device=dev).to(torch.bfloat16)
         idx, w, _ = routing(T, E, K, 7 * rank + T, dev)

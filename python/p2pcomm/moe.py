@@ -167,6 +167,11 @@ _KERNEL_FILE = "moe.cu"
 _KERNEL_TYPES = {torch.bfloat16: "bf16", torch.float16: "half16", torch.float32: "float"}
 _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
+# Eager dispatch copies x into the staging buffer on a side stream, under the send kernel, only from
+# this size up: the fork and join cost the host ~20 µs (events, stream switches; 4 x H200 host), more
+# than a smaller copy takes on the GPU (~2 µs for 128 tokens of 7168 bf16), and eager calls of small
+# batches are bound by the host.
+_EAGER_OVERLAP_BYTES = 8 << 20
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
@@ -861,7 +866,8 @@ class ExpertParallel:
         P2PCOMM_MOE_OVERLAP_STAGE=0, after the send kernel); the expand kernel
         posts the mid barrier itself when x was staged, else the send kernel's
         last block has. Eager calls come after _post_status's start barrier
-        (their copy of x forks onto the side stream right away) and pass
+        (their copy of x forks onto the side stream right away when x holds
+        at least _EAGER_OVERLAP_BYTES, else runs before the send kernel) and pass
         status, every rank's posted argument check (the send kernel writes
         nothing if one failed), and problem, this rank's own; the mid
         barrier is a barrier kernel, since the host reads the counts after
@@ -880,7 +886,8 @@ class ExpertParallel:
         # after their start barrier kernel; capturable ones before the send kernel, whose block 0
         # then releases the copy (moe_stage_gate) once past its start barrier: until then peers may
         # read the previous rows.
-        overlap = staged and self._stage_overlap and (in_kernel or not capturable)
+        overlap = staged and self._stage_overlap and (in_kernel or (not capturable and
+                                                                  x.numel() * x.element_size() >= _EAGER_OVERLAP_BYTES))
         send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) | (_SYNC_STAGE_GO if overlap else 0) \
             if in_kernel else 0
         p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
@@ -889,8 +896,8 @@ class ExpertParallel:
                             rank=self.rank, world=W, idx_bytes=idx_bytes,
                             status=0 if status is None else status.data_ptr(),
                             sync=self._syncs[_DISPATCH, send_mode])
-        main = torch.cuda.current_stream(self.device)
         if overlap:
+            main = torch.cuda.current_stream(self.device)
             self._fork.record(main)
             self._side.wait_event(self._fork)
         elif staged and not capturable:  # eager: after the start barrier kernel
