@@ -78,6 +78,35 @@ def host_costs(comm, ep, dev, rank, n=300) -> None:
     for name, f in (("tolist of 4 ints, GPU idle (D2H + sync)", tolist_idle),
                     ("pinned copy + event sync, GPU idle", pinned_idle)):
         rows.append((name, statistics.median(f() for _ in range(n)) / 1e3))
+    # Waits for a GPU that is busy for ~500 us: how late the host gets back (ready - GPU done).
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 1_000_000
+
+    def late(wait):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        wait()
+        host = (time.perf_counter_ns() - t0) / 1e3
+        return host - start.elapsed_time(end) * 1e3
+
+    def spin():
+        pinned.copy_(small, non_blocking=True)
+        ev.record()
+        while not ev.query():
+            pass
+
+    def blocking():
+        pinned.copy_(small, non_blocking=True)
+        ev.record()
+        ev.synchronize()
+
+    for name, wait in (("tolist after ~500 us of GPU work: host late by", small.tolist),
+                       ("pinned copy + event sync, same: late by", blocking),
+                       ("pinned copy + event.query() spin, same: late by", spin)):
+        rows.append((name, statistics.median(late(wait) for _ in range(60))))
     if rank == 0:
         print("\n== host cost of each piece (median us, rank 0) ==")
         for name, us in rows:
