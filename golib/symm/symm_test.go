@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"unsafe"
 
@@ -50,18 +49,7 @@ func TestNewPeerUnavailable(t *testing.T) {
 // TestNewRanksSharingAGPU puts ranks r and r+2 on GPU r of 2: every rank
 // fails with PeerUnavailable naming the first pair.
 func TestNewRanksSharingAGPU(t *testing.T) {
-	const size = 4
-	w := newWorld(size)
-	errs := make([]error, size)
-	var wg sync.WaitGroup
-	for r := 0; r < size; r++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, errs[r] = New(newFakeDriver(r), &fakeBootstrap{w: w, rank: r}, r%2)
-		}()
-	}
-	wg.Wait()
+	errs := runRanksOn(4, func(r int) int { return r % 2 }, nil, func(int, *Space, *fakeDriver) error { return nil })
 	for r, err := range errs {
 		if status.CodeOf(err) != status.PeerUnavailable || !strings.Contains(err.Error(), "ranks 0 and 2 are both on GPU") {
 			t.Errorf("rank %d: New() = %v, want PeerUnavailable naming ranks 0 and 2", r, err)
