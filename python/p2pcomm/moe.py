@@ -168,7 +168,7 @@ _KERNEL_TYPES = {torch.bfloat16: "bf16", torch.float16: "half16", torch.float32:
 _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
 # Eager dispatch copies x into the staging buffer on a side stream, under the send kernel, only from
-# this size up: the fork and join cost the host ~20 µs (events, stream switches; 4 x H200 host), more
+# this size up: the fork and join cost the host ~25 µs (events, stream switches; 4 x H200 host), more
 # than a smaller copy takes on the GPU (~2 µs for 128 tokens of 7168 bf16), and eager calls of small
 # batches are bound by the host.
 _EAGER_OVERLAP_BYTES = 8 << 20
@@ -886,8 +886,8 @@ class ExpertParallel:
         # after their start barrier kernel; capturable ones before the send kernel, whose block 0
         # then releases the copy (moe_stage_gate) once past its start barrier: until then peers may
         # read the previous rows.
-        overlap = staged and self._stage_overlap and (in_kernel or (not capturable and
-                                                                  x.numel() * x.element_size() >= _EAGER_OVERLAP_BYTES))
+        overlap = (staged and self._stage_overlap
+                   and (in_kernel or (not capturable and x.numel() * x.element_size() >= _EAGER_OVERLAP_BYTES)))
         send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) | (_SYNC_STAGE_GO if overlap else 0) \
             if in_kernel else 0
         p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
