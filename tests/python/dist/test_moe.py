@@ -310,14 +310,27 @@ def test_int32_ids_and_all_to_one_expert(comms, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_dispatch_from_its_buffer(comms, device):
+@pytest.mark.parametrize("staging", ["in_line", "side_stream"])
+def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
     """x built in ep.get_dispatch_buffer() (no staging copy), x a view at
     another offset inside that buffer (copied out first), and a plain x
-    again: each round matches the reference, rows and combine."""
+    again: each round matches the reference, rows and combine. Eager GPU
+    calls copy x into the staging buffer on the caller's stream below a
+    size and on a side stream from it: both, whatever the size here."""
+    monkeypatch.setattr(p2pcomm.moe, "_EAGER_OVERLAP_BYTES", 0 if staging == "side_stream" else 1 << 62)
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    side_copies = []  # per staging copy: whether it ran on the side stream
+    if ep.uses_kernels:
+        stage = ep._stage
+
+        def spy(x):
+            side_copies.append(torch.cuda.current_stream() == ep._side)
+            stage(x)
+
+        monkeypatch.setattr(ep, "_stage", spy)
     with pytest.raises(p2pcomm.InvalidArgumentError, match="num_tokens"):
         ep.get_dispatch_buffer(Tm + 1)
     assert ep.get_dispatch_buffer().shape == (Tm, H) and ep.get_dispatch_buffer(0).shape == (0, H)
@@ -341,6 +354,8 @@ def test_dispatch_from_its_buffer(comms, device):
         check_combine(y, inputs, r, W, E, K, dtype)
         if where == "buffer":
             assert torch.equal(x.cpu().view(torch.uint8), inp.x.view(torch.uint8)), "dispatch changed x"
+    if ep.uses_kernels and sizes[r]:  # copies of "plain", and of "inside" unless x is the whole buffer
+        assert side_copies == [staging == "side_stream"] * (1 + (sizes[r] < Tm)), side_copies
 
 
 @pytest.mark.parametrize("device", DEVICES)
