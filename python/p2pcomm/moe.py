@@ -118,10 +118,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import weakref
 from typing import Optional
 
 import torch
 
+from . import ops
 from .communicator import Communicator, ReduceOp
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
@@ -158,6 +160,13 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when a's and b's storage bytes intersect."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _rows_key(x: torch.Tensor) -> tuple:
+    """What identifies a dispatch's rows among live tensors."""
+    return x.data_ptr(), tuple(x.shape), x.device
+
+
 _OK, _INVALID, _UNSUPPORTED = 0, 1, 2
 
 # -- GPU kernels (native/kernels/moe.cu) ------------------------------------------------------------
@@ -316,6 +325,10 @@ class DispatchResult:
     _comb_layers: Optional[tuple] = dataclasses.field(repr=False)
     # Made by the GPU kernels: combine's state lives in the ep's buffers (send_slot, comb_rows).
     _kernel: bool = dataclasses.field(default=False, repr=False)
+    # The kernels' (counts [L+1], info [4, R]), of which the public fields are views (the custom op's outputs).
+    _packed: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    # Traced by torch.compile: the public fields are the op's outputs; combine finds the rest by x.
+    _from_op: bool = dataclasses.field(default=False, repr=False)
 
 
 class ExpertParallel:
@@ -391,9 +404,12 @@ class ExpertParallel:
         self.max_recv_rows = W * max_tokens_per_rank * K
         ExpertParallel._next_id += 1
         self._id = ExpertParallel._next_id
+        self._op_key = f"ep{self._id}"  # names it to the custom ops (ops.py)
         # The latest dispatch that moved data: its number (0: none yet) and mode. Every rank agrees
         # on both (same calls in the same order), so combine takes its mode from here, not from recv.
         self._seq, self._seq_capturable = 0, self.capturable
+        # The latest result (weakly) and, from the custom op, the latest one without its rows (see _recv_of).
+        self._latest, self._op_recv, self._op_rows = None, None, None
         self._on_phase = None  # benchmarks: called with each phase's name as it ends (see _phase)
         Tm, dev = max_tokens_per_rank, self.device
         self._kernels = self._kernels_usable()  # the same on every rank: it decides the allocations below
@@ -437,6 +453,7 @@ class ExpertParallel:
         self._layer_ids = torch.arange(K, device=dev)
         self._codes = torch.tensor([_OK, _INVALID, _UNSUPPORTED], dtype=torch.int32, device=dev)
         self._setup_kernels()
+        ops.track_ep(self)
 
     @property
     def uses_kernels(self) -> bool:
@@ -585,8 +602,20 @@ class ExpertParallel:
         Returns a :class:`DispatchResult`. Work is ordered on the current
         CUDA stream; inputs are not modified (except a view of x inside
         :meth:`get_dispatch_buffer`'s memory: see there).
+
+        Under ``torch.compile`` (fullgraph too) the call is the custom op
+        ``torch.ops.p2pcomm.moe_dispatch``, whose body is this method: the
+        same checks and errors when the compiled code runs; in eager mode R
+        is a data-dependent size there.
         """
         capturable = self.capturable if capturable is None else bool(capturable)
+        if torch.compiler.is_compiling():
+            return self._traced_dispatch(x, topk_idx, topk_weights, capturable)
+        recv = self._dispatch(x, topk_idx, topk_weights, capturable)
+        self._latest = weakref.ref(recv)  # a compiled combine finds it by its rows (_recv_of)
+        return recv
+
+    def _dispatch(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
         problem = self._check_dispatch(x, topk_idx, topk_weights)
         if capturable:
             if problem is not None:
@@ -726,7 +755,16 @@ class ExpertParallel:
         (PeerTimeoutError after P2PCOMM_TIMEOUT_MS); the argument checks are
         host-side and run when the call is made (or captured), not on graph
         replays.
+
+        Under ``torch.compile`` the call is the custom op
+        ``torch.ops.p2pcomm.moe_combine``: it names its dispatch by
+        ``recv.x``, so ``recv`` must be this ep's latest result, from
+        compiled code or not (an older one raises StateError).
         """
+        if torch.compiler.is_compiling():
+            return torch.ops.p2pcomm.moe_combine(expert_out, recv.x, self._op_key, recv._num_tokens)
+        if isinstance(recv, DispatchResult) and recv._from_op:  # returned by compiled code
+            recv = self._recv_of(recv.x)
         problem = self._check_combine(expert_out, recv)
         if self._seq_capturable:
             if problem is not None:
@@ -801,6 +839,57 @@ class ExpertParallel:
         host reads the checks)."""
         if self._on_phase is not None:
             self._on_phase(name)
+
+    # -- torch.compile -------------------------------------------------------------------------------
+
+    def _traced_dispatch(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
+        """dispatch as torch.compile traces it: the custom op, whose body
+        is _op_dispatch, and a result made of views of its outputs."""
+        L = self.num_local_experts
+        out_x, counts, info = torch.ops.p2pcomm.moe_dispatch(x, topk_idx, topk_weights, self._op_key, capturable,
+                                                             self.max_recv_rows, L)
+        return DispatchResult(
+            x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
+            src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=self._id,
+            _seq=0, _num_tokens=x.shape[0], _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
+            _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _from_op=True)
+
+    def _op_dispatch(self, x, topk_idx, topk_weights, capturable: bool, max_rows: int, num_local: int) -> tuple:
+        """The body of torch.ops.p2pcomm.moe_dispatch: dispatch, its result
+        kept here without its rows (combine gets them back as its input)."""
+        if (max_rows, num_local) != (self.max_recv_rows, self.num_local_experts):
+            raise InvalidArgumentError(f"moe_dispatch: max_rows={max_rows}, num_local={num_local}, but this ep has "
+                                       f"{self.max_recv_rows} and {self.num_local_experts}")
+        recv = self.dispatch(x, topk_idx, topk_weights, capturable=capturable)
+        if recv._packed is not None:
+            counts, info = recv._packed
+        else:  # the torch-op path: separate tensors
+            counts = torch.cat([recv.expert_counts, recv.num_rows])
+            info = torch.stack([recv.local_expert, recv.src_rank, recv.src_token.to(torch.int32),
+                                recv.weight.view(torch.int32)])
+        self._op_recv, self._op_rows = dataclasses.replace(recv, x=None, _packed=None), _rows_key(recv.x)
+        return recv.x, counts, info
+
+    def _op_combine(self, expert_out, recv_x, num_tokens: int) -> torch.Tensor:
+        """The body of torch.ops.p2pcomm.moe_combine."""
+        recv = self._recv_of(recv_x)
+        if recv._num_tokens != num_tokens:
+            raise StateError(f"recv was dispatched with {recv._num_tokens} tokens, not {num_tokens}")
+        return self.combine(expert_out, recv)
+
+    def _recv_of(self, recv_x: torch.Tensor) -> DispatchResult:
+        """The result of this ep's latest dispatch whose rows are recv_x:
+        made by the custom op (kept without rows) or by a plain call (kept
+        weakly: the caller holds it). StateError when there is none: an
+        older dispatch's rows, which combine must refuse."""
+        key = _rows_key(recv_x)
+        if self._op_recv is not None and self._op_rows == key and self._op_recv._seq == self._seq:
+            return dataclasses.replace(self._op_recv, x=recv_x)
+        latest = self._latest() if self._latest is not None else None
+        if latest is not None and _rows_key(latest.x) == key:
+            return latest
+        raise StateError("recv is not the result of this ExpertParallel's latest dispatch (a newer dispatch has "
+                         "reused its buffers); combine the latest dispatch's result")
 
     # -- GPU kernels -----------------------------------------------------------------------------------
 
@@ -946,7 +1035,8 @@ class ExpertParallel:
             x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
             src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=self._id,
             _seq=self._seq, _num_tokens=T, _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
-            _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True)
+            _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True,
+            _packed=(counts, info))
 
     def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult, status: Optional[torch.Tensor] = None,
                          problem: Optional[P2PCommError] = None) -> torch.Tensor:

@@ -414,6 +414,72 @@ def test_capturable_mode(comms, device, transit):
     comm.check()
 
 
+def pow2_expert(x, local_expert, src_rank, src_token=None):
+    """An expert whose every product is exact (a power of two, signed by the
+    source rank), so compiled code, fused or not, gives the emulation's bits."""
+    scale = torch.where(local_expert % 2 == 0, 2.0, 0.5) * torch.where(src_rank % 2 == 0, 1.0, -1.0)
+    return x * scale.to(x.dtype).unsqueeze(1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("capturable", [False, True])
+def test_torch_compile_fullgraph(comms, device, capturable):
+    """dispatch, experts and combine in one torch.compile(fullgraph=True)
+    function (the custom ops p2pcomm::moe_dispatch / moe_combine; inductor on
+    GPU, aot_eager on CPU), rounds of new routing and token counts: rows and
+    metadata as the reference, combine the emulation's bits. A compiled
+    result combines outside compiled code and the other way round; an older
+    result raises StateError in compiled code too, and the ep stays usable."""
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    torch.compiler.reset()  # each ep compiles anew: the earlier cases' graphs would count to the recompile limit
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(x, idx, w):
+        recv = ep.dispatch(x, idx, w, capturable=capturable)
+        return recv, ep.combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def compiled_dispatch(x, idx, w):
+        return ep.dispatch(x, idx, w, capturable=capturable)
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def compiled_combine(out, recv):
+        return ep.combine(out, recv)
+
+    def on(inputs):
+        inp = inputs[r]
+        return inp.x.to(device), inp.idx.to(device), inp.w.to(device)
+
+    def check(recv, y, inputs, what):
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=capturable)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), what)
+
+    for i, sizes in enumerate(([Tm - q for q in range(W)], [0 if q == 1 else 5 + q for q in range(W)],
+                               [Tm] * W)):
+        inputs = [make_inputs(300 + i, q, sizes[q], H, E, K, dtype, "random", 0.2) for q in range(W)]
+        recv, y = step(*on(inputs))
+        assert recv._from_op, "made by the custom op"
+        check(recv, y, inputs, f"compiled round {i}")
+    recv = compiled_dispatch(*on(inputs))  # combined outside compiled code
+    assert recv._from_op
+    check(recv, ep.combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv), inputs, "eager combine")
+    recv = ep.dispatch(*on(inputs), capturable=capturable)  # combined inside
+    out = pow2_expert(recv.x, recv.local_expert, recv.src_rank)
+    check(recv, compiled_combine(out, recv), inputs, "compiled combine")
+    newer = [make_inputs(310, q, Tm - 2 * q, H, E, K, dtype, "random", 0.2) for q in range(W)]
+    recv2, y2 = step(*on(newer))
+    with pytest.raises(p2pcomm.StateError, match="latest"):  # every rank: nothing waits
+        compiled_combine(out, recv)
+    check(recv2, compiled_combine(pow2_expert(recv2.x, recv2.local_expert, recv2.src_rank), recv2), newer,
+          "compiled combine after a stale one")
+    if device == "cuda":
+        comm.check()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_results_identical_on_repeat_and_across_modes(comms, device):
     comm = comms(device)
