@@ -21,7 +21,9 @@ barrier (not timed), so that the ranks' streams start the call together
 _LAUNCH_SLACK_CYCLES); with the host barrier alone, a dispatch also absorbed
 up to ~100 us of the ranks' launch skew, which made its figures vary from
 run to run. Mode "graph+buf b2b" replays the graphs back to back after one
-alignment, as a captured model runs its layers. The phase table (on by
+alignment, as a captured model runs its layers. With --compile, modes
+"compiled" (eager calls inside torch.compile) and "compiled graph"
+(capturable calls under mode="reduce-overhead") time the custom-op path. The phase table (on by
 default; --no-breakdown skips it) reruns eager calls, capturable calls
 launched from Python and (GPU) CUDA-graph replays, with the ranks' streams
 first aligned by a stream barrier (on GPU a barrier kernel), and times each
@@ -339,6 +341,27 @@ def _add_phases(times: dict, call: str, begin, marks: list, clock: Clock) -> Non
     times.setdefault(f"{call} total", []).append(clock.seconds(begin, marks[-1][1]))
 
 
+def compiled_calls(ep, x, idx, w, capturable: bool) -> tuple[Callable, Callable]:
+    """dispatch() and combine(recv) through torch.compile(fullgraph=True):
+    eager calls as they are; capturable ones under mode="reduce-overhead",
+    which replays each as a CUDA graph (the inputs marked static, so the
+    graphs read them in place)."""
+    torch.compiler.reset()  # each ep compiles anew: earlier eps' graphs would count to the recompile limit
+    mode = "reduce-overhead" if capturable and x.is_cuda else None
+    if mode:
+        for t in (x, idx, w):
+            torch._dynamo.mark_static_address(t)
+    cd = torch.compile(lambda a, i, v: ep.dispatch(a, i, v, capturable=capturable), fullgraph=True, mode=mode)
+    cc = torch.compile(lambda out, r: ep.combine(out, r), fullgraph=True, mode=mode)
+
+    def dispatch():
+        if mode:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are done with
+        return cd(x, idx, w)
+
+    return dispatch, lambda r: cc(r.x, r)
+
+
 def _round(ep, x, idx, w, capturable: bool):
     recv = ep.dispatch(x, idx, w, capturable=capturable)
     return ep.combine(recv.x, recv)
@@ -511,7 +534,8 @@ class P2PRun:
         "b2b": replays back to back (time_back_to_back), not aligned one by one."""
         cuda, graphs = self.device.type == "cuda", not self.args.no_graph
         return ["eager"] + (["graph", "graph+buf", "graph+buf b2b"] if cuda and graphs else []) + \
-            (["capturable"] if not cuda and graphs else [])
+            (["capturable"] if not cuda and graphs else []) + \
+            (["compiled"] + (["compiled graph"] if cuda and graphs else []) if self.args.compile else [])
 
     def data_for(self, ep, mode: str) -> tuple:
         x, idx, w = self.data
@@ -557,19 +581,23 @@ class P2PRun:
 
     def time_mode(self, ep, mode: str, transit: torch.dtype) -> MoeRow:
         a, label = self.args, _name(transit)
-        capturable = mode != "eager"
+        capturable = mode not in ("eager", "compiled")
         try:
             x, idx, w = self.data_for(ep, mode)
-            y = _round(ep, x, idx, w, capturable)
+            if mode.startswith("compiled"):
+                dispatch, combine = compiled_calls(ep, x, idx, w, capturable)
+                y = combine(dispatch())
+            else:
+                y = _round(ep, x, idx, w, capturable)
+                dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
+                combine = lambda r: ep.combine(r.x, r)  # noqa: E731
             ok = _agree(self.ref is None or _close(y, self.ref, self.dtype, transit), self.ctl)
-            dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
-            combine = lambda r: ep.combine(r.x, r)  # noqa: E731
             if mode.startswith("graph"):
                 td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl, aligned_start(self.comm, True),
                                      back_to_back=mode.endswith("b2b"))
-            else:
+            else:  # compiled graph: replays, whose launch the sleep covers as for graph
                 td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl,
-                                   aligned_start(self.comm, False))
+                                   aligned_start(self.comm, mode == "compiled graph"))
             sent = self.p2p_rows * self.hidden
             return MoeRow(self.tokens, "p2pcomm", mode, label, td * 1e6, sent * self.dtype.itemsize / td / 1e9,
                           tc * 1e6, sent * transit.itemsize / tc / 1e9, "ok" if ok else "WRONG")
@@ -656,6 +684,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=20, help="timed repetitions; the median is reported")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph (capturable) rows")
+    p.add_argument("--compile", action="store_true",
+                   help="also time dispatch and combine under torch.compile: eager calls (mode compiled) and, on "
+                        "GPU, capturable calls under mode='reduce-overhead' (compiled graph)")
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each phase of dispatch and combine (default on; --no-breakdown skips it)")
     p.add_argument("--out", default="bench_out", help="directory for the CSV and markdown")
