@@ -759,13 +759,21 @@ class ExpertParallel:
         Under ``torch.compile`` the call is the custom op
         ``torch.ops.p2pcomm.moe_combine``: it names its dispatch by
         ``recv.x``, so ``recv`` must be this ep's latest result, from
-        compiled code or not (an older one raises StateError).
+        compiled code or not (an older one raises StateError, and in eager
+        mode the other ranks MismatchError, as above).
         """
         if torch.compiler.is_compiling():
             return torch.ops.p2pcomm.moe_combine(expert_out, recv.x, self._op_key, recv._num_tokens)
+        problem = None
         if isinstance(recv, DispatchResult) and recv._from_op:  # returned by compiled code
-            recv = self._recv_of(recv.x)
-        problem = self._check_combine(expert_out, recv)
+            recv, problem = self._recv_of(recv.x)
+        return self._combine(expert_out, recv, problem)
+
+    def _combine(self, expert_out, recv: Optional[DispatchResult], problem: Optional[P2PCommError]) -> torch.Tensor:
+        """combine, given the problem found with recv so far (then recv may
+        be None), so that eager calls raise it on every rank together."""
+        if problem is None:
+            problem = self._check_combine(expert_out, recv)
         if self._seq_capturable:
             if problem is not None:
                 raise problem
@@ -872,24 +880,25 @@ class ExpertParallel:
 
     def _op_combine(self, expert_out, recv_x, num_tokens: int) -> torch.Tensor:
         """The body of torch.ops.p2pcomm.moe_combine."""
-        recv = self._recv_of(recv_x)
-        if recv._num_tokens != num_tokens:
-            raise StateError(f"recv was dispatched with {recv._num_tokens} tokens, not {num_tokens}")
-        return self.combine(expert_out, recv)
+        recv, problem = self._recv_of(recv_x)
+        if problem is None and recv._num_tokens != num_tokens:
+            problem = StateError(f"recv was dispatched with {recv._num_tokens} tokens, not {num_tokens}")
+        return self._combine(expert_out, recv, problem)
 
-    def _recv_of(self, recv_x: torch.Tensor) -> DispatchResult:
-        """The result of this ep's latest dispatch whose rows are recv_x:
-        made by the custom op (kept without rows) or by a plain call (kept
-        weakly: the caller holds it). StateError when there is none: an
-        older dispatch's rows, which combine must refuse."""
+    def _recv_of(self, recv_x: torch.Tensor) -> tuple:
+        """(result, None) for the result of this ep's latest dispatch whose
+        rows are recv_x: made by the custom op (kept without rows) or by a
+        plain call (kept weakly: the caller holds it); (None, StateError)
+        when there is none: an older dispatch's rows, which combine must
+        refuse."""
         key = _rows_key(recv_x)
         if self._op_recv is not None and self._op_rows == key and self._op_recv._seq == self._seq:
-            return dataclasses.replace(self._op_recv, x=recv_x)
+            return dataclasses.replace(self._op_recv, x=recv_x), None
         latest = self._latest() if self._latest is not None else None
         if latest is not None and _rows_key(latest.x) == key:
-            return latest
-        raise StateError("recv is not the result of this ExpertParallel's latest dispatch (a newer dispatch has "
-                         "reused its buffers); combine the latest dispatch's result")
+            return latest, None
+        return None, StateError("recv is not the result of this ExpertParallel's latest dispatch (a newer dispatch "
+                                "has reused its buffers); combine the latest dispatch's result")
 
     # -- GPU kernels -----------------------------------------------------------------------------------
 

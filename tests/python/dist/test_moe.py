@@ -429,7 +429,8 @@ def test_torch_compile_fullgraph(comms, device, capturable):
     GPU, aot_eager on CPU), rounds of new routing and token counts: rows and
     metadata as the reference, combine the emulation's bits. A compiled
     result combines outside compiled code and the other way round; an older
-    result raises StateError in compiled code too, and the ep stays usable."""
+    result raises StateError in compiled code too (eager, one rank's: the
+    others raise MismatchError, nobody waits), and the ep stays usable."""
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
@@ -472,10 +473,18 @@ def test_torch_compile_fullgraph(comms, device, capturable):
     check(recv, compiled_combine(out, recv), inputs, "compiled combine")
     newer = [make_inputs(310, q, Tm - 2 * q, H, E, K, dtype, "random", 0.2) for q in range(W)]
     recv2, y2 = step(*on(newer))
+    out2 = pow2_expert(recv2.x, recv2.local_expert, recv2.src_rank)
     with pytest.raises(p2pcomm.StateError, match="latest"):  # every rank: nothing waits
         compiled_combine(out, recv)
-    check(recv2, compiled_combine(pow2_expert(recv2.x, recv2.local_expert, recv2.src_rank), recv2), newer,
-          "compiled combine after a stale one")
+    if not capturable:  # rank 1 alone: it raises StateError and the others MismatchError, together
+        if r == 1:
+            with pytest.raises(p2pcomm.StateError, match="latest"):
+                compiled_combine(out, recv)
+        else:
+            with pytest.raises(p2pcomm.MismatchError, match="rank 1"):
+                compiled_combine(out2, recv2)
+    check(recv2, compiled_combine(out2, recv2), newer, "compiled combine after a stale one")
+    check(recv2, ep.combine(out2, recv2), newer, "and outside compiled code")
     if device == "cuda":
         comm.check()
 
