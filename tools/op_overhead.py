@@ -85,9 +85,10 @@ res = {}
 for name, fn in (("moe pair: plain", plain), ("moe pair: ops direct", direct), ("moe pair: ops via custom_op", wrapped),
                  ("moe pair: compiled step", lambda: step(x, idx, w)), ("moe pair: plain again", plain)):
     res[name + " (wall, synced)"] = wall(fn)
+h = comm._handle
 for name, fn in (("all_reduce 8 KiB: plain", lambda: comm.all_reduce(small)),
-                 ("all_reduce 8 KiB: op direct", lambda: torch.ops.p2pcomm.all_reduce(small, comm._handle, "sum", "auto")),
-                 ("all_reduce 8 KiB: op via custom_op", lambda: torch.ops.abtest.all_reduce(small, comm._handle, "sum", "auto")),
+                 ("all_reduce 8 KiB: op direct", lambda: torch.ops.p2pcomm.all_reduce(small, h, "sum", "auto")),
+                 ("all_reduce 8 KiB: op via custom_op", lambda: torch.ops.abtest.all_reduce(small, h, "sum", "auto")),
                  ("all_reduce 8 KiB: compiled", lambda: ar(small)),
                  ("all_reduce 8 KiB: plain again", lambda: comm.all_reduce(small))):
     res[name + " (per call, back to back)"] = per_call(fn)

@@ -472,7 +472,7 @@ def test_torch_compile_fullgraph(comms, device, capturable):
     out = pow2_expert(recv.x, recv.local_expert, recv.src_rank)
     check(recv, compiled_combine(out, recv), inputs, "compiled combine")
     newer = [make_inputs(310, q, Tm - 2 * q, H, E, K, dtype, "random", 0.2) for q in range(W)]
-    recv2, y2 = step(*on(newer))
+    recv2, _ = step(*on(newer))
     out2 = pow2_expert(recv2.x, recv2.local_expert, recv2.src_rank)
     with pytest.raises(p2pcomm.StateError, match="latest"):  # every rank: nothing waits
         compiled_combine(out, recv)
