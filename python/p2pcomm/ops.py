@@ -62,8 +62,11 @@ _op("all_reduce(Tensor x, int handle, str op, str algorithm) -> Tensor",
     lambda x, handle, op, algorithm: _comm(handle)._eager_all_reduce(x, op, algorithm),
     lambda x, handle, op, algorithm: torch.empty_like(x, memory_format=torch.contiguous_format))
 
-_op("all_reduce_(Tensor(a!) x, int handle, str op, str algorithm) -> ()",
-    lambda x, handle, op, algorithm: _comm(handle)._eager_all_reduce_(x, op, algorithm),
+def _all_reduce_(x, handle, op, algorithm) -> None:
+    _comm(handle)._eager_all_reduce_(x, op, algorithm)  # returns x; an op of schema "-> ()" must return None
+
+
+_op("all_reduce_(Tensor(a!) x, int handle, str op, str algorithm) -> ()", _all_reduce_,
     lambda x, handle, op, algorithm: None)
 
 
