@@ -16,16 +16,16 @@ from p2pcomm.bench import init_distributed
 from p2pcomm.bench_moe import routing
 
 @torch.library.custom_op("abtest::moe_dispatch", mutates_args=())
-def ab_dispatch(x: torch.Tensor, i: torch.Tensor, w: torch.Tensor, key: str, cap: bool, rows: int,
+def ab_dispatch(x: torch.Tensor, i: torch.Tensor, w: torch.Tensor, key: torch.Tensor, cap: bool, rows: int,
                 nl: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ops._ep(key)._op_dispatch(x, i, w, cap, rows, nl)
 
 @ab_dispatch.register_fake
 def _(x, i, w, key, cap, rows, nl):
-    return ops._fake_dispatch(x, i, w, key, cap, rows, nl)
+    return ops._fake_dispatch(x, i, w, key, None, cap, rows, nl)
 
 @torch.library.custom_op("abtest::moe_combine", mutates_args=())
-def ab_combine(o: torch.Tensor, rx: torch.Tensor, key: str, n: int) -> torch.Tensor:
+def ab_combine(o: torch.Tensor, rx: torch.Tensor, key: torch.Tensor, n: int) -> torch.Tensor:
     return ops._ep(key)._op_combine(o, rx, n)
 
 @torch.library.custom_op("abtest::all_reduce", mutates_args=())
@@ -42,7 +42,7 @@ ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=T
 x = torch.randn(T, H, device=dev).to(torch.bfloat16)
 idx, w, _ = routing(T, E, K, rank, dev)
 small = torch.randn(4096, device=dev, dtype=torch.bfloat16)
-key, R, L = ep._op_key, ep.max_recv_rows, ep.num_local_experts
+key, R, L = ep._op_ident, ep.max_recv_rows, ep.num_local_experts
 
 def wall(fn, n=60):
     for _ in range(5):
@@ -68,8 +68,8 @@ def plain():
     ep.combine(r.x, r)
 
 def direct():
-    rx, _, _ = torch.ops.p2pcomm.moe_dispatch(x, idx, w, key, False, R, L)
-    torch.ops.p2pcomm.moe_combine(rx, rx, key, T)
+    rx, _, _ = torch.ops.p2pcomm.moe_dispatch(x, idx, w, key, ep._op_order, False, R, L)
+    torch.ops.p2pcomm.moe_combine(rx, rx, key, ep._op_order, T)
 
 def wrapped():
     rx, _, _ = torch.ops.abtest.moe_dispatch(x, idx, w, key, False, R, L)

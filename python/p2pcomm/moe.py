@@ -404,7 +404,6 @@ class ExpertParallel:
         self.max_recv_rows = W * max_tokens_per_rank * K
         ExpertParallel._next_id += 1
         self._id = ExpertParallel._next_id
-        self._op_key = f"ep{self._id}"  # names it to the custom ops (ops.py)
         # The latest dispatch that moved data: its number (0: none yet) and mode. Every rank agrees
         # on both (same calls in the same order), so combine takes its mode from here, not from recv.
         self._seq, self._seq_capturable = 0, self.capturable
@@ -453,6 +452,13 @@ class ExpertParallel:
         self._layer_ids = torch.arange(K, device=dev)
         self._codes = torch.tensor([_OK, _INVALID, _UNSUPPORTED], dtype=torch.int32, device=dev)
         self._setup_kernels()
+        # What names this ep to the torch ops, and the tensor they declare they write, so that
+        # compiled code keeps this ep's calls in order (ops.py). Static: CUDA-graph trees
+        # (mode="reduce-overhead") neither copy them nor refuse the declared writes.
+        self._op_ident = torch.zeros(1, dtype=torch.int32, device=dev)
+        self._op_order = torch.zeros(1, dtype=torch.int32, device=dev)
+        for t in (self._op_ident, self._op_order):
+            torch._dynamo.mark_static_address(t)
         ops.track_ep(self)
 
     @property
@@ -521,6 +527,7 @@ class ExpertParallel:
         """Drop this rank's references. The symmetric memory is released
         when the communicator closes. Not collective; idempotent."""
         self._peer_recv_x = self._peer_meta = self._peer_counts = self._peer_status = self._peer_comb = []
+        self._latest = self._op_recv = None
 
     def __enter__(self) -> "ExpertParallel":
         return self
@@ -612,7 +619,8 @@ class ExpertParallel:
         if torch.compiler.is_compiling():
             return self._traced_dispatch(x, topk_idx, topk_weights, capturable)
         recv = self._dispatch(x, topk_idx, topk_weights, capturable)
-        self._latest = weakref.ref(recv)  # a compiled combine finds it by its rows (_recv_of)
+        # A compiled combine finds it by its rows (_recv_of); an op-made result is stale now.
+        self._latest, self._op_recv = weakref.ref(recv), None
         return recv
 
     def _dispatch(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
@@ -760,10 +768,15 @@ class ExpertParallel:
         ``torch.ops.p2pcomm.moe_combine``: it names its dispatch by
         ``recv.x``, so ``recv`` must be this ep's latest result, from
         compiled code or not (an older one raises StateError, and in eager
-        mode the other ranks MismatchError, as above).
+        mode the other ranks MismatchError, as above). Under
+        ``mode="reduce-overhead"`` dispatch in compiled code too, or mark a
+        plain result's ``recv.x`` with ``torch._dynamo.mark_static_address``:
+        CUDA-graph trees copy other inputs, and a copy of the rows is not
+        the dispatch's.
         """
         if torch.compiler.is_compiling():
-            return torch.ops.p2pcomm.moe_combine(expert_out, recv.x, self._op_key, recv._num_tokens)
+            return torch.ops.p2pcomm.moe_combine(expert_out, recv.x, self._op_ident, self._op_order,
+                                                 recv._num_tokens)
         problem = None
         if isinstance(recv, DispatchResult) and recv._from_op:  # returned by compiled code
             recv, problem = self._recv_of(recv.x)
@@ -854,11 +867,11 @@ class ExpertParallel:
         """dispatch as torch.compile traces it: the custom op, whose body
         is _op_dispatch, and a result made of views of its outputs."""
         L = self.num_local_experts
-        out_x, counts, info = torch.ops.p2pcomm.moe_dispatch(x, topk_idx, topk_weights, self._op_key, capturable,
-                                                             self.max_recv_rows, L)
+        out_x, counts, info = torch.ops.p2pcomm.moe_dispatch(x, topk_idx, topk_weights, self._op_ident, self._op_order,
+                                                             capturable, self.max_recv_rows, L)
         return DispatchResult(
             x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
-            src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=self._id,
+            src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=0,
             _seq=0, _num_tokens=x.shape[0], _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
             _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _from_op=True)
 

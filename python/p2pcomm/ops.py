@@ -8,9 +8,24 @@ The ops are defined with a schema and one CompositeExplicitAutograd kernel
 each, not with ``torch.library.custom_op``, whose wrapper (an autograd layer,
 an output-aliasing check) doubled the host cost of a small call: an 8 KiB
 all-reduce through the op, back to back on 4 x H200, 30.0 us per call that
-way against 14.4 (10.7 without any op). A communicator is named by its
-integer handle; an ExpertParallel by a string, since an int that changes
-between objects was traced as a symbolic int after a recompile."""
+way against 14.4 (10.7 without any op).
+
+A communicator is named by its integer handle, an ExpertParallel by a
+one-element tensor of its own (``ep``; the kernel finds the ep by that
+tensor's address): an int id is a constant that dynamo guards on (always as
+an nn.Module's attribute), so every further ep, one per layer, recompiled
+the function until torch.compile's limit, while tensors are guarded by
+shape and dtype only. Nothing at trace time looks an ep up: the fake
+kernels take every size from their arguments.
+
+The MoE ops change their ep's state (its buffers; the latest dispatch, which
+a combine pairs with), so they must run in program order: each declares that
+it writes the ep's one-element ``order`` tensor, and torch.compile keeps the
+writes to one tensor in order and never drops them. Declared pure, inductor
+moved a graph's second dispatch ahead of its first combine; declared an
+ordered effect instead, inductor (torch 2.11) failed to lower dispatch's
+tuple of outputs. Both tensors are marked static, so CUDA-graph trees
+neither copy them nor refuse the declared writes."""
 
 from __future__ import annotations
 
@@ -19,7 +34,7 @@ import weakref
 import torch
 
 _live: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_live_eps: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
+_live_eps: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()  # by _op_ident address
 
 
 def track(comm) -> None:
@@ -27,7 +42,7 @@ def track(comm) -> None:
 
 
 def track_ep(ep) -> None:
-    _live_eps[ep._op_key] = ep
+    _live_eps[ep._op_ident.data_ptr()] = ep
 
 
 def _comm(handle: int):
@@ -39,12 +54,12 @@ def _comm(handle: int):
     return comm
 
 
-def _ep(key: str):
-    ep = _live_eps.get(key)
+def _ep(ident: torch.Tensor):
+    ep = _live_eps.get(ident.data_ptr())
     if ep is None:
         from .errors import StateError
 
-        raise StateError(f"ExpertParallel {key} is gone")
+        raise StateError("the ExpertParallel of this op is gone (or the op got a copy of its ep tensor)")
     return ep
 
 
@@ -62,6 +77,7 @@ _op("all_reduce(Tensor x, int handle, str op, str algorithm) -> Tensor",
     lambda x, handle, op, algorithm: _comm(handle)._eager_all_reduce(x, op, algorithm),
     lambda x, handle, op, algorithm: torch.empty_like(x, memory_format=torch.contiguous_format))
 
+
 def _all_reduce_(x, handle, op, algorithm) -> None:
     _comm(handle)._eager_all_reduce_(x, op, algorithm)  # returns x; an op of schema "-> ()" must return None
 
@@ -75,20 +91,20 @@ _op("all_reduce_(Tensor(a!) x, int handle, str op, str algorithm) -> ()", _all_r
 # expert, source rank, source token, weight bits). Eager mode's R depends on the routing: an
 # unbacked size while tracing. The fake kernels take every size from their arguments, never from
 # the ep: compiled graphs are cached across processes by what the graph holds.
-def _fake_dispatch(x, topk_idx, topk_weights, ep_key, capturable, max_rows, num_local):
+def _fake_dispatch(x, topk_idx, topk_weights, ep, order, capturable, max_rows, num_local):
     rows = max_rows if capturable else torch.library.get_ctx().new_dynamic_size()
     return (x.new_empty(rows, x.shape[1]), x.new_empty(num_local + 1, dtype=torch.int32),
             x.new_empty(4, rows, dtype=torch.int32))
 
 
-_op("moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, str ep_key, bool capturable, SymInt max_rows, "
-    "SymInt num_local) -> (Tensor, Tensor, Tensor)",
-    lambda x, topk_idx, topk_weights, ep_key, capturable, max_rows, num_local:
-        _ep(ep_key)._op_dispatch(x, topk_idx, topk_weights, capturable, max_rows, num_local),
+_op("moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor ep, Tensor(a!) order, bool capturable, "
+    "SymInt max_rows, SymInt num_local) -> (Tensor, Tensor, Tensor)",
+    lambda x, topk_idx, topk_weights, ep, order, capturable, max_rows, num_local:
+        _ep(ep)._op_dispatch(x, topk_idx, topk_weights, capturable, max_rows, num_local),
     _fake_dispatch)
 
 # combine names its dispatch by that dispatch's rows (recv.x), the one tensor of it the op sees;
 # expert_out has the ep's dtype and hidden size (the body checks).
-_op("moe_combine(Tensor expert_out, Tensor recv_x, str ep_key, SymInt num_tokens) -> Tensor",
-    lambda expert_out, recv_x, ep_key, num_tokens: _ep(ep_key)._op_combine(expert_out, recv_x, num_tokens),
-    lambda expert_out, recv_x, ep_key, num_tokens: expert_out.new_empty(num_tokens, expert_out.shape[1]))
+_op("moe_combine(Tensor expert_out, Tensor recv_x, Tensor ep, Tensor(a!) order, SymInt num_tokens) -> Tensor",
+    lambda expert_out, recv_x, ep, order, num_tokens: _ep(ep)._op_combine(expert_out, recv_x, num_tokens),
+    lambda expert_out, recv_x, ep, order, num_tokens: expert_out.new_empty(num_tokens, expert_out.shape[1]))

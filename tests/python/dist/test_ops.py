@@ -1,11 +1,14 @@
-"""torch.library.opcheck of the torch ops p2pcomm defines (ops.py): schema,
-fake kernels against the real ones, autograd registration, AOT dispatch with
-dynamic shapes. Every rank runs the same checks in the same order, so each
-collective call inside them meets its peers'. The CPU backend suffices: the
-registration does not depend on the device, and the GPU's compile tests
-(test_gpu, test_moe) run the same ops under inductor. moe_combine is left to
-those tests: opcheck passes it clones, and combine names its dispatch by the
-rows' address (a clone is refused, as a stale result is)."""
+"""torch.library.opcheck of the all-reduce ops p2pcomm defines (ops.py):
+schema, fake kernels against the real ones, autograd registration, AOT
+dispatch with dynamic shapes; both of them inside torch.compile; and the
+MoE ops called directly. Every rank runs the same checks in the same order,
+so each collective call inside them meets its peers'. The CPU backend
+suffices: the registration does not depend on the device, and the GPU's
+compile tests (test_gpu, test_moe) run the same ops under inductor. The MoE
+ops are not opcheck'ed: opcheck passes them clones, and they find their ep
+by the address of its tensor (dispatch) and their dispatch by the rows'
+address (combine), so a clone is refused, as a stale result is; test_moe
+compiles them instead."""
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ def test_opcheck_all_reduce(comms, op):
 
 
 @pytest.mark.parametrize("capturable", [False, True])
-def test_opcheck_moe_dispatch(comms, capturable):
+def test_moe_ops_called_directly(comms, capturable):
     comm = comms("cpu")
     W, r = comm.world_size, comm.rank
     E, K, H, Tm = 4 * W, 2, 32, 8
@@ -31,11 +34,12 @@ def test_opcheck_moe_dispatch(comms, capturable):
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = torch.randint(-1, E, (T, K), generator=g)
     w = torch.rand(T, K, generator=g)
-    args = (x, idx, w, ep._op_key, capturable, ep.max_recv_rows, ep.num_local_experts)
-    torch.library.opcheck(torch.ops.p2pcomm.moe_dispatch.default, args)
-    # The op's result combines like any other (and opcheck's calls left the ep usable).
+    args = (x, idx, w, ep._op_ident, ep._op_order, capturable, ep.max_recv_rows, ep.num_local_experts)
+    with pytest.raises(p2pcomm.StateError, match="copy of its ep tensor"):  # every rank: nothing waits
+        torch.ops.p2pcomm.moe_dispatch(x, idx, w, ep._op_ident.clone(), *args[4:])
+    # The op's result combines like any other, and matches plain calls bit for bit.
     rows, counts, info = torch.ops.p2pcomm.moe_dispatch(*args)
-    y = torch.ops.p2pcomm.moe_combine(rows, rows, ep._op_key, T)
+    y = torch.ops.p2pcomm.moe_combine(rows, rows, ep._op_ident, ep._op_order, T)
     recv = ep.dispatch(x, idx, w, capturable=capturable)
     assert torch.equal(y.view(torch.int16), ep.combine(recv.x, recv).view(torch.int16))
     assert torch.equal(rows[:int(counts[-1])], recv.x[:int(recv.num_rows)])
