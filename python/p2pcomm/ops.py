@@ -25,7 +25,10 @@ writes to one tensor in order and never drops them. Declared pure, inductor
 moved a graph's second dispatch ahead of its first combine; declared an
 ordered effect instead, inductor (torch 2.11) failed to lower dispatch's
 tuple of outputs. Both tensors are marked static, so CUDA-graph trees
-neither copy them nor refuse the declared writes."""
+neither copy them nor refuse the declared writes; inductor's freezing and
+dynamo's install_free_tensors would make them constants of the graph
+instead, so one graph shared by several eps would call the first ep every
+time: the fake kernels refuse to trace with either setting on."""
 
 from __future__ import annotations
 
@@ -86,12 +89,29 @@ _op("all_reduce_(Tensor(a!) x, int handle, str op, str algorithm) -> ()", _all_r
     lambda x, handle, op, algorithm: None)
 
 
+def _refuse_constant_eps() -> None:
+    """UnsupportedError, at trace time, under settings that make an ep's
+    tensors constants of the graph (see the module doc)."""
+    import torch._inductor.config as inductor_config
+
+    on = [name for name, value in (("torch._inductor.config.freezing", getattr(inductor_config, "freezing", False)),
+                                   ("torch._dynamo.config.install_free_tensors",
+                                    getattr(torch._dynamo.config, "install_free_tensors", False))) if value]
+    if on:
+        from .errors import UnsupportedError
+
+        raise UnsupportedError(f"ExpertParallel under torch.compile with {' and '.join(on)}: that makes the ep's "
+                               "tensors constants of the graph, and a graph shared by several eps would run the "
+                               "first one's; turn it off for code that calls dispatch or combine")
+
+
 # dispatch returns its result's tensors as three that share no memory (outputs of an op must not
 # alias): the rows, the counts ([E/W] per local expert, then R) and the info ([4, R] int32: local
 # expert, source rank, source token, weight bits). Eager mode's R depends on the routing: an
 # unbacked size while tracing. The fake kernels take every size from their arguments, never from
 # the ep: compiled graphs are cached across processes by what the graph holds.
 def _fake_dispatch(x, topk_idx, topk_weights, ep, order, capturable, max_rows, num_local):
+    _refuse_constant_eps()
     rows = max_rows if capturable else torch.library.get_ctx().new_dynamic_size()
     return (x.new_empty(rows, x.shape[1]), x.new_empty(num_local + 1, dtype=torch.int32),
             x.new_empty(4, rows, dtype=torch.int32))
@@ -107,4 +127,5 @@ _op("moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor ep, Ten
 # expert_out has the ep's dtype and hidden size (the body checks).
 _op("moe_combine(Tensor expert_out, Tensor recv_x, Tensor ep, Tensor(a!) order, SymInt num_tokens) -> Tensor",
     lambda expert_out, recv_x, ep, order, num_tokens: _ep(ep)._op_combine(expert_out, recv_x, num_tokens),
-    lambda expert_out, recv_x, ep, order, num_tokens: expert_out.new_empty(num_tokens, expert_out.shape[1]))
+    lambda expert_out, recv_x, ep, order, num_tokens: (_refuse_constant_eps(),
+                                                        expert_out.new_empty(num_tokens, expert_out.shape[1]))[1])

@@ -513,8 +513,9 @@ def inductor_cpu_problem():
 def test_compiled_rounds_keep_program_order(comms, capturable):
     """Two dispatch/combine rounds in one inductor graph (two micro-batches)
     run in program order: declared pure, inductor moved the second dispatch
-    ahead of the first combine, which then raised StateError. CPU backend:
-    the order is decided by the graph, whatever the device."""
+    ahead of the first combine in eager mode's graph (the capturable one kept
+    its order by chance), which then raised StateError. CPU backend: the
+    order is decided by the graph, whatever the device."""
     problem = inductor_cpu_problem()
     if problem:
         pytest.skip(f"inductor cannot compile for the CPU here: {problem}")
@@ -554,7 +555,9 @@ def test_one_compiled_function_serves_many_eps(comms, how):
     """Ten eps (one per layer) through one compiled function, or ten
     compiled layers sharing one forward: one graph, not one per ep (an int
     id in the graph recompiled per ep until torch.compile's limit, 8, and
-    failed under fullgraph). aot_eager: dynamo's guards decide this."""
+    failed under fullgraph), and each call runs its own ep (the eps' call
+    counts). aot_eager: dynamo's guards decide this. Settings that would
+    make the ep a constant of the shared graph are refused."""
     comm = comms("cpu")
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 2, 32, 8, torch.float32
@@ -572,6 +575,14 @@ def test_one_compiled_function_serves_many_eps(comms, how):
         got = shared(ep, inp.x, inp.idx, inp.w) if how == "argument" else layers[n](inp.x, inp.idx, inp.w)
         assert_same_bits(got, want, f"ep {n}")
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert [ep._seq for ep in eps] == [2] * len(eps), "each ep: one plain and one compiled dispatch"
+    # Freezing makes the (static) ep tensors constants of the graph: refused at trace time, on every rank.
+    torch.compiler.reset()
+    frozen = torch.compile(MoeLayer(eps[0]), fullgraph=True, backend="aot_eager")
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        with pytest.raises(Exception, match="freezing: that makes the ep.s tensors constants"):
+            frozen(inp.x, inp.idx, inp.w)
+    assert_same_bits(layers[0](inp.x, inp.idx, inp.w), MoeLayer(eps[0])(inp.x, inp.idx, inp.w), "after")
 
 
 @pytest.mark.parametrize("device", DEVICES)
