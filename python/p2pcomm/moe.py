@@ -331,6 +331,19 @@ class DispatchResult:
     _from_op: bool = dataclasses.field(default=False, repr=False)
 
 
+def _packed_result(x, counts, info, num_local: int, capturable: bool, **private) -> DispatchResult:
+    """A DispatchResult made of views of the kernels' packed outputs, as
+    the kernel path and the traced op both return them: counts [L+1] (rows
+    per local expert, then R) and info [4, R] (local expert, source rank,
+    source token, weight's float32 bits)."""
+    L = num_local
+    return DispatchResult(
+        x=x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
+        src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _send_mask=None,
+        _send_slot=None, _comb_rows=None, _comb_weight=None, _comb_valid=None, _comb_ranges=(), _comb_slot=None,
+        _comb_layers=None, **private)
+
+
 class ExpertParallel:
     """Expert-parallel dispatch and combine over a :class:`Communicator`.
 
@@ -869,11 +882,8 @@ class ExpertParallel:
         L = self.num_local_experts
         out_x, counts, info = torch.ops.p2pcomm.moe_dispatch(x, topk_idx, topk_weights, self._op_ident, self._op_order,
                                                              capturable, self.max_recv_rows, L)
-        return DispatchResult(
-            x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
-            src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=0,
-            _seq=0, _num_tokens=x.shape[0], _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
-            _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _from_op=True)
+        return _packed_result(out_x, counts, info, L, capturable, _ep_id=0, _seq=0, _num_tokens=x.shape[0],
+                              _from_op=True)
 
     def _op_dispatch(self, x, topk_idx, topk_weights, capturable: bool, max_rows: int, num_local: int) -> tuple:
         """The body of torch.ops.p2pcomm.moe_dispatch: dispatch, its result
@@ -1053,12 +1063,8 @@ class ExpertParallel:
                           num_local=L, world=W, rank=self.rank, sync=self._syncs[_DISPATCH, expand_mode])
         self._launch("moe_dispatch_expand", e, self._blocks, 4 * (W + 1) * L)
         self._phase("expand")
-        return DispatchResult(
-            x=out_x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0], src_rank=info[1],
-            src_token=info[2], weight=info[3].view(torch.float32), capturable=capturable, _ep_id=self._id,
-            _seq=self._seq, _num_tokens=T, _send_mask=None, _send_slot=None, _comb_rows=None, _comb_weight=None,
-            _comb_valid=None, _comb_ranges=(), _comb_slot=None, _comb_layers=None, _kernel=True,
-            _packed=(counts, info))
+        return _packed_result(out_x, counts, info, L, capturable, _ep_id=self._id, _seq=self._seq, _num_tokens=T,
+                              _kernel=True, _packed=(counts, info))
 
     def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult, status: Optional[torch.Tensor] = None,
                          problem: Optional[P2PCommError] = None) -> torch.Tensor:
