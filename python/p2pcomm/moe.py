@@ -782,10 +782,11 @@ class ExpertParallel:
         ``recv.x``, so ``recv`` must be this ep's latest result, from
         compiled code or not (an older one raises StateError, and in eager
         mode the other ranks MismatchError, as above). Under
-        ``mode="reduce-overhead"`` dispatch in compiled code too, or mark a
-        plain result's ``recv.x`` with ``torch._dynamo.mark_static_address``:
-        CUDA-graph trees copy other inputs, and a copy of the rows is not
-        the dispatch's.
+        ``mode="reduce-overhead"`` dispatch in compiled code too: CUDA-graph
+        trees copy a plain result's ``recv.x`` into their own buffer when
+        they record (``torch._dynamo.mark_static_address`` on it does not
+        stop that), and combine refuses the copy with StateError, on every
+        rank alike.
         """
         if torch.compiler.is_compiling():
             return torch.ops.p2pcomm.moe_combine(expert_out, recv.x, self._op_ident, self._op_order,

@@ -489,6 +489,102 @@ def test_torch_compile_fullgraph(comms, device, capturable):
         comm.check()
 
 
+
+GPU_ONLY = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+
+
+def _static_inputs(inputs, r, device):
+    """Inputs a CUDA-graph tree reads in place: one set of buffers, marked
+    static, which each round refills (as a model's step would)."""
+    bufs = tuple(t.to(device) for t in (inputs[r].x, inputs[r].idx, inputs[r].w))
+    for t in bufs:
+        torch._dynamo.mark_static_address(t)
+    return bufs
+
+
+@GPU_ONLY
+def test_reduce_overhead_step(comms):
+    """A whole step, capturable dispatch, experts and combine, in one
+    torch.compile(mode="reduce-overhead") function, and dispatch and combine
+    as two such functions: CUDA-graph trees warm up, record and then replay
+    them, each round with new routing and data; every round checked."""
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                capturable=True)
+    torch.compiler.reset()
+
+    @torch.compile(fullgraph=True, mode="reduce-overhead")
+    def step(x, idx, w):
+        recv = ep.dispatch(x, idx, w)
+        return recv, ep.combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
+
+    @torch.compile(fullgraph=True, mode="reduce-overhead")
+    def dispatch(x, idx, w):
+        return ep.dispatch(x, idx, w)
+
+    @torch.compile(fullgraph=True, mode="reduce-overhead")
+    def combine(out, recv):
+        return ep.combine(out, recv)
+
+    def rounds(seed):
+        for i in range(5):  # warm-up, recording, replays
+            yield i, [make_inputs(seed + i, q, Tm, H, E, K, dtype, "random", 0.2) for q in range(W)]
+
+    x, idx, w = _static_inputs(next(rounds(500))[1], r, "cuda")
+    for i, inputs in rounds(500):
+        for buf, t in zip((x, idx, w), (inputs[r].x, inputs[r].idx, inputs[r].w)):
+            buf.copy_(t)
+        torch.compiler.cudagraph_mark_step_begin()
+        recv, y = step(x, idx, w)
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), f"step, round {i}")
+    for i, inputs in rounds(510):
+        for buf, t in zip((x, idx, w), (inputs[r].x, inputs[r].idx, inputs[r].w)):
+            buf.copy_(t)
+        torch.compiler.cudagraph_mark_step_begin()
+        recv = dispatch(x, idx, w)
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+        y = combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), f"pair, round {i}")
+    comm.check()
+
+
+@GPU_ONLY
+def test_reduce_overhead_combine_of_plain_dispatch(comms):
+    """Under mode="reduce-overhead" a plain dispatch's rows reach a compiled
+    combine as a copy once CUDA-graph trees record (they copy non-static
+    inputs; marking recv.x static does not stop it, 4 x H200, torch 2.11):
+    the copy is refused with StateError on every rank, nothing waits, and
+    the ep stays usable."""
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                capturable=True)
+    torch.compiler.reset()
+
+    @torch.compile(fullgraph=True, mode="reduce-overhead")
+    def combine(out, recv):
+        return ep.combine(out, recv)
+
+    def plain_dispatch(seed):
+        inputs = [make_inputs(seed, q, Tm - q, H, E, K, dtype, "random", 0.2) for q in range(W)]
+        return inputs, ep.dispatch(*(t.cuda() for t in (inputs[r].x, inputs[r].idx, inputs[r].w)))
+
+    with pytest.raises(p2pcomm.StateError, match="latest"):
+        for i in range(3):  # the warm-up reads recv.x in place (and must be right); recording copies it
+            inputs, recv = plain_dispatch(520 + i)
+            torch.compiler.cudagraph_mark_step_begin()
+            y = combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
+            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), "warm-up")
+    for i in range(2):
+        inputs, recv = plain_dispatch(530 + i)
+        y = ep.combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), f"plain round {i} after")
+    comm.check()
+
 _INDUCTOR_CPU = None
 
 
