@@ -493,13 +493,16 @@ def test_torch_compile_fullgraph(comms, device, capturable):
 GPU_ONLY = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
 
 
-def _static_inputs(inputs, r, device):
-    """Inputs a CUDA-graph tree reads in place: one set of buffers, marked
-    static, which each round refills (as a model's step would)."""
-    bufs = tuple(t.to(device) for t in (inputs[r].x, inputs[r].idx, inputs[r].w))
-    for t in bufs:
-        torch._dynamo.mark_static_address(t)
-    return bufs
+def _graph_tree_ep(comms):
+    """The reduce-overhead tests' capturable ep on the GPU, torch.compile's
+    caches reset (each test compiles anew), and its shape: W, r, E, K, H,
+    T_max, dtype."""
+    comm = comms("cuda")
+    W, E, K, H, Tm, dtype = comm.world_size, 4 * comm.world_size, 4, 128, 24, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                capturable=True)
+    torch.compiler.reset()
+    return comm, ep, (W, comm.rank, E, K, H, Tm, dtype)
 
 
 @GPU_ONLY
@@ -508,12 +511,7 @@ def test_reduce_overhead_step(comms):
     torch.compile(mode="reduce-overhead") function, and dispatch and combine
     as two such functions: CUDA-graph trees warm up, record and then replay
     them, each round with new routing and data; every round checked."""
-    comm = comms("cuda")
-    W, r = comm.world_size, comm.rank
-    E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
-    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
-                                capturable=True)
-    torch.compiler.reset()
+    comm, ep, (W, r, E, K, H, Tm, dtype) = _graph_tree_ep(comms)
 
     @torch.compile(fullgraph=True, mode="reduce-overhead")
     def step(x, idx, w):
@@ -532,18 +530,24 @@ def test_reduce_overhead_step(comms):
         for i in range(5):  # warm-up, recording, replays
             yield i, [make_inputs(seed + i, q, Tm, H, E, K, dtype, "random", 0.2) for q in range(W)]
 
-    x, idx, w = _static_inputs(next(rounds(500))[1], r, "cuda")
-    for i, inputs in rounds(500):
+    # One set of inputs that the graphs read in place, refilled each round (as a model's step would).
+    x, idx, w = (torch.empty(Tm, H, dtype=dtype, device="cuda"), torch.empty(Tm, K, dtype=torch.long, device="cuda"),
+                 torch.empty(Tm, K, dtype=torch.float32, device="cuda"))
+    for t in (x, idx, w):
+        torch._dynamo.mark_static_address(t)
+
+    def refill(inputs):
         for buf, t in zip((x, idx, w), (inputs[r].x, inputs[r].idx, inputs[r].w)):
             buf.copy_(t)
-        torch.compiler.cudagraph_mark_step_begin()
+        torch.compiler.cudagraph_mark_step_begin()  # the previous round's outputs are done with
+
+    for i, inputs in rounds(500):
+        refill(inputs)
         recv, y = step(x, idx, w)
         check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
         assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), f"step, round {i}")
     for i, inputs in rounds(510):
-        for buf, t in zip((x, idx, w), (inputs[r].x, inputs[r].idx, inputs[r].w)):
-            buf.copy_(t)
-        torch.compiler.cudagraph_mark_step_begin()
+        refill(inputs)
         recv = dispatch(x, idx, w)
         check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
         y = combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
@@ -558,12 +562,7 @@ def test_reduce_overhead_combine_of_plain_dispatch(comms):
     inputs; marking recv.x static does not stop it, 4 x H200, torch 2.11):
     the copy is refused with StateError on every rank, nothing waits, and
     the ep stays usable."""
-    comm = comms("cuda")
-    W, r = comm.world_size, comm.rank
-    E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
-    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
-                                capturable=True)
-    torch.compiler.reset()
+    comm, ep, (W, r, E, K, H, Tm, dtype) = _graph_tree_ep(comms)
 
     @torch.compile(fullgraph=True, mode="reduce-overhead")
     def combine(out, recv):
