@@ -125,7 +125,11 @@ _op("moe_dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor ep, Ten
 
 # combine names its dispatch by that dispatch's rows (recv.x), the one tensor of it the op sees;
 # expert_out has the ep's dtype and hidden size (the body checks).
+def _fake_combine(expert_out, recv_x, ep, order, num_tokens):
+    _refuse_constant_eps()
+    return expert_out.new_empty(num_tokens, expert_out.shape[1])
+
+
 _op("moe_combine(Tensor expert_out, Tensor recv_x, Tensor ep, Tensor(a!) order, SymInt num_tokens) -> Tensor",
     lambda expert_out, recv_x, ep, order, num_tokens: _ep(ep)._op_combine(expert_out, recv_x, num_tokens),
-    lambda expert_out, recv_x, ep, order, num_tokens: (_refuse_constant_eps(),
-                                                        expert_out.new_empty(num_tokens, expert_out.shape[1]))[1])
+    _fake_combine)

@@ -37,10 +37,10 @@ def gpu_skip_reason():
     return None
 
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))),
-]
+# Marks a test (or, as pytestmark, a module) that needs the GPUs.
+GPU_ONLY = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU_ONLY)]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """GPU-only behaviour: CUDA graphs, torch.compile, subgroups, a rank that
 never arrives, bad GPU inputs. Skips without GPUs (see conftest)."""
 
-import os
 import time
 
 import pytest
@@ -9,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import gpu_skip_reason, same_on_all_ranks
+from conftest import GPU_ONLY, same_on_all_ranks
 
-pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+pytestmark = GPU_ONLY
 
 
 def expected_sum(fill, w, n, dtype=torch.float32):

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import gpu_skip_reason
+from conftest import GPU_ONLY
 
-pytestmark = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+pytestmark = GPU_ONLY
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 OPS = ["sum", "prod", "min", "max", "avg"]

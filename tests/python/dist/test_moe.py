@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import DEVICES, gpu_skip_reason, same_on_all_ranks
+from conftest import DEVICES, GPU_ONLY, same_on_all_ranks
 
 
 @dataclasses.dataclass
@@ -489,10 +489,6 @@ def test_torch_compile_fullgraph(comms, device, capturable):
         comm.check()
 
 
-
-GPU_ONLY = pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
-
-
 def _graph_tree_ep(comms):
     """The reduce-overhead tests' capturable ep on the GPU, torch.compile's
     caches reset (each test compiles anew), and its shape: W, r, E, K, H,
@@ -583,6 +579,7 @@ def test_reduce_overhead_combine_of_plain_dispatch(comms):
         y = ep.combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv)
         assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, expert=pow2_expert), f"plain round {i} after")
     comm.check()
+
 
 _INDUCTOR_CPU = None
 
@@ -918,7 +915,7 @@ def test_back_to_back_calls_with_skewed_ranks(comms, device):
         comm.check()
 
 
-@pytest.mark.skipif(gpu_skip_reason() is not None, reason=str(gpu_skip_reason()))
+@GPU_ONLY
 @pytest.mark.parametrize("call", ["dispatch", "combine"])
 def test_capturable_rank_that_never_arrives(group, monkeypatch, call):
     """Capturable calls wait for their peers inside the kernels: when rank 1
