@@ -61,12 +61,6 @@ constexpr int kMoeWarps = kThreads / 32;
 #ifndef MOE_NC_LOADS
 #define MOE_NC_LOADS 0  // 1: rows read through ld.global.nc (see ld_v16_stable); 0: ld.global.cg (measured faster: dispatch 1161 vs 1290 us in a graph, 4096 tokens)
 #endif
-#ifndef MOE_COUNT_KERNEL
-// 1: moe_dispatch_count counts each block's tokens first, so that each send
-// block sums G counts instead of recounting every token before its range
-// (0, before: the last block read all T * K ids).
-#define MOE_COUNT_KERNEL 1
-#endif
 #ifndef MOE_PROFILE
 // 1: thread 0 of every count and send block stamps %globaltimer (low 32
 // bits) after each step into the stamp rows after pair_rank's scratch
@@ -177,11 +171,15 @@ static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) 
 //   180    4    rank
 //   184    4    world           W
 //   188    4    idx_bytes       4 or 8
-//   192    8    status          [W] i32: each rank's argument check of this
+//   192    4    counted         1: moe_dispatch_count ran first (its rows
+//                               hold each block's counts); 0: each send
+//                               block counts the tokens before its range
+//   196    4    pad
+//   200    8    status          [W] i32: each rank's argument check of this
 //                               eager call (0: ok), posted before the start
 //                               barrier; nullptr in capturable mode
-//   200    104  sync            MoeSync (moe_dispatch_send)
-//   total  304, aligned to 8
+//   208    104  sync            MoeSync (moe_dispatch_send)
+//   total  312, aligned to 8
 struct MoeDispatchParams {
   void* peer_meta[kMaxRanks];
   void* peer_hdr[kMaxRanks];
@@ -197,14 +195,16 @@ struct MoeDispatchParams {
   int rank;
   int world;
   int idx_bytes;
+  int counted;
+  int pad;
   const int* status;
   MoeSync sync;
 };
-static_assert(sizeof(MoeDispatchParams) == 304, "MoeDispatchParams size");
+static_assert(sizeof(MoeDispatchParams) == 312, "MoeDispatchParams size");
 // NVRTC has no offsetof: the field sizes add up to the size (no padding),
 // which pins every offset in the table.
 static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::peer_hdr) == 128 &&
-                  5 * sizeof(void*) + 8 * sizeof(int) + sizeof(MoeSync) == 304 - 128,
+                  5 * sizeof(void*) + 10 * sizeof(int) + sizeof(MoeSync) == 312 - 128,
               "MoeDispatchParams fields");
 
 // MoeExpandParams is the argument of moe_dispatch_expand.
@@ -719,7 +719,6 @@ DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest,
 // memory: 4 * (W + E) bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispatchParams p) {
-#if MOE_COUNT_KERNEL
   prof_stamp(p, 0);
   extern __shared__ int cnt[];  // [W] tokens per destination | [E] pairs per expert
   const int W = p.world, E = p.num_experts, n = W + E;
@@ -732,7 +731,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
   int* row = p.pair_rank + (i64)p.max_tokens * p.topk + (i64)blockIdx.x * n;
   for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) row[i] = cnt[i];
   prof_stamp(p, 1);
-#endif
 }
 
 // MetaFields is what one lane loads for one token's metadata (see
@@ -800,9 +798,9 @@ DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
   __syncthreads();
 
   // 1. Tokens and pairs before this block's range: the sums of the earlier
-  // blocks' counts (moe_dispatch_count), or counted here (MOE_COUNT_KERNEL=0).
-#if MOE_COUNT_KERNEL
-  {
+  // blocks' counts (moe_dispatch_count), or, for small batches, where that
+  // kernel's launch costs more than counting again, counted here.
+  if (p.counted) {
     const int n = W + E;
     const int* rows = p.pair_rank + (i64)p.max_tokens * K;
     for (int i = tid; i < n; i += (int)blockDim.x) {
@@ -811,10 +809,9 @@ DINLINE void dispatch_send_body(const MoeDispatchParams& p) {
       if (i < W) run_dest[i] = acc;
       else run_exp[i - W] = acc;
     }
+  } else {
+    count_tokens(p, 0, t0, run_dest, run_exp);
   }
-#else
-  count_tokens(p, 0, t0, run_dest, run_exp);
-#endif
   const i64 q0 = (i64)t0 * K, q1 = (i64)t1 * K;
   __syncthreads();
   prof_stamp(p, 4);

@@ -13,10 +13,11 @@ as below:
 
 - ``moe_dispatch_count`` then ``moe_dispatch_send`` (source): each block
   counts its own tokens per destination and per expert; then, from the
-  earlier blocks' counts, slots per destination and, per pair, its
-  rank among this source's pairs of the same expert (in (token, k) order);
-  metadata goes into every destination's ``meta[s, slot]``, per-source
-  totals into ``hdr``. The token rows themselves are staged (a memcpy, or
+  earlier blocks' counts (small batches skip the count kernel: each send
+  block counts the tokens before its own), slots per destination and, per
+  pair, its rank among this source's pairs of the same expert (in (token,
+  k) order); metadata goes into every destination's ``meta[s, slot]``,
+  per-source totals into ``hdr``. The token rows themselves are staged (a memcpy, or
   nothing when x was built in :meth:`ExpertParallel.get_dispatch_buffer`)
   in this rank's symmetric ``xs[t]``.
 - ``moe_dispatch_expand`` (destination, after the mid barrier): row of
@@ -156,6 +157,16 @@ def _stage_overlap_disabled() -> bool:
     return os.environ.get("P2PCOMM_MOE_OVERLAP_STAGE", "") == "0"
 
 
+def _count_kernel_min_pairs() -> int:
+    """Routed (token, k) pairs from which dispatch runs moe_dispatch_count
+    before the send kernel; below, each send block counts the tokens before
+    its own instead (see _COUNT_KERNEL_MIN_PAIRS). P2PCOMM_MOE_COUNT_PAIRS
+    overrides it (for A/B runs; 0: always the count kernel; same bits
+    either way)."""
+    v = os.environ.get("P2PCOMM_MOE_COUNT_PAIRS", "")
+    return int(v) if v.strip().isdigit() else _COUNT_KERNEL_MIN_PAIRS
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when a's and b's storage bytes intersect."""
     a0, b0 = a.data_ptr(), b.data_ptr()
@@ -181,6 +192,11 @@ _DEFAULT_SMS = 24
 # than a smaller copy takes on the GPU (~2 µs for 128 tokens of 7168 bf16), and eager calls of small
 # batches are bound by the host.
 _EAGER_OVERLAP_BYTES = 8 << 20
+# The count kernel saves each send block from recounting every token before its range, which costs
+# the last block T*K id loads; for small batches that costs less than the kernel's launch (4 x H200,
+# bf16, K=8, graph: dispatch 3 µs faster without it at 128 tokens, 2 at 256 and 512, even at 1024,
+# 20 slower at 4096).
+_COUNT_KERNEL_MIN_PAIRS = 8192
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
@@ -224,7 +240,7 @@ class _DispatchParams(ctypes.Structure):
                 ("send_slot", ctypes.c_uint64), ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32),
-                ("status", ctypes.c_uint64), ("sync", _Sync)]
+                ("counted", ctypes.c_int32), ("pad", ctypes.c_int32), ("status", ctypes.c_uint64), ("sync", _Sync)]
 
 
 class _ExpandParams(ctypes.Structure):
@@ -254,8 +270,8 @@ class _PostParams(ctypes.Structure):
 # (struct, size, {field: offset}) as tabled in moe.cu.
 _PARAM_LAYOUTS = (
     (_Sync, 104, {"state": 64, "err": 80, "timeout_ns": 88, "mode": 96, "kind": 100}),
-    (_DispatchParams, 304, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
-                            "idx_bytes": 188, "status": 192, "sync": 200}),
+    (_DispatchParams, 312, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
+                            "idx_bytes": 188, "counted": 192, "status": 200, "sync": 208}),
     (_ExpandParams, 248, {"meta": 64, "out_x": 80, "comb_rows": 104, "row_cap": 112, "max_tokens": 120,
                           "world": 136, "rank": 140, "sync": 144}),
     (_PostParams, 104, {"topk_idx": 64, "num_ids": 72, "code": 84, "id_code": 88, "world": 96}),
@@ -510,6 +526,7 @@ class ExpertParallel:
         # x's copy into the staging buffer runs on a side stream while the send kernel runs (see
         # _dispatch_kernels): the stream, and the events that fork it from the caller's and join it back.
         self._stage_overlap = not _stage_overlap_disabled()
+        self._count_min_pairs = _count_kernel_min_pairs()
         self._side = torch.cuda.Stream(self.device) if self._stage_overlap else None
         self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         dev = self.device
@@ -1012,10 +1029,11 @@ class ExpertParallel:
                    and (in_kernel or (not capturable and x.numel() * x.element_size() >= _EAGER_OVERLAP_BYTES)))
         send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) | (_SYNC_STAGE_GO if overlap else 0) \
             if in_kernel else 0
+        counted = problem is None and T > 0 and T * K >= self._count_min_pairs
         p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
                             send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
                             num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
-                            rank=self.rank, world=W, idx_bytes=idx_bytes,
+                            rank=self.rank, world=W, idx_bytes=idx_bytes, counted=int(counted),
                             status=0 if status is None else status.data_ptr(),
                             sync=self._syncs[_DISPATCH, send_mode])
         if overlap:
@@ -1026,7 +1044,7 @@ class ExpertParallel:
             self._stage(x)
         if not capturable:
             self._phase("stage")
-        if problem is None:
+        if counted:
             self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
         self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
         if overlap:

@@ -209,6 +209,39 @@ def test_dispatch_combine_match_reference(comms, device, case):
     check_combine(ep.combine(out3, recv3), other, r, W, E, K, dtype)
 
 
+@GPU_ONLY
+@pytest.mark.parametrize("count_kernel", [True, False])
+def test_slots_and_ranks_with_and_without_count_kernel(comms, monkeypatch, count_kernel):
+    """The send kernel's slots and pair ranks start from the earlier blocks'
+    counts, which moe_dispatch_count leaves for large batches and each send
+    block counts itself for small ones: both ways on batches large enough
+    for every block to have tokens before it, skewed and with -1 ids, eager
+    and capturable, against the reference, with the kernel launched or not
+    as asked."""
+    monkeypatch.setattr(p2pcomm.moe, "_COUNT_KERNEL_MIN_PAIRS", 0 if count_kernel else 1 << 40)
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 16 * W, 8, 64, 700, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    launched = []
+    launch = ep._launch
+
+    def spy(name, *args):
+        launched.append(name)
+        launch(name, *args)
+
+    monkeypatch.setattr(ep, "_launch", spy)
+    sizes = [Tm if q == 0 else (0 if q == 1 else 1 + (97 * q) % Tm) for q in range(W)]
+    for seed, routing, capturable in ((61, "random", False), (62, "duplicates", True), (63, "one_expert", False)):
+        inputs = [make_inputs(seed, q, sizes[q], H, E, K, dtype, routing, 0.1) for q in range(W)]
+        recv, out, y = run_round(ep, inputs, r, "cuda", capturable=capturable)
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=capturable)
+        check_combine(y, inputs, r, W, E, K, dtype)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine")
+    assert ("moe_dispatch_count" in launched) == (count_kernel and sizes[r] > 0), launched
+    comm.check()
+
+
 TRANSITS = ["float32", "dtype"]  # combine_dtype: float32, or the ep's own dtype
 
 
