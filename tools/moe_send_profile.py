@@ -7,10 +7,11 @@ ep's buffer) in a CUDA graph, replays it with the ranks' streams aligned
 first (as python -m p2pcomm.bench moe does), and reads the %globaltimer
 stamps that a -DMOE_PROFILE=1 build writes per block (moe.cu prof_stamp).
 Prints, per rank, the median over replays of each step in microseconds:
-the count kernel (first block in to last block out), the gap to the send
-kernel, its start barrier (longest block), the sums of earlier blocks'
-counts, slots, pair ranks (median block), metadata with hdr and sync_end
-(longest block), and the whole span.
+the count kernel (first block in to last block out; 0 for batches under
+moe.py's _COUNT_KERNEL_MIN_PAIRS, whose send blocks count in "sums"), the
+gap to the send kernel, its start barrier (longest block), the sums of
+earlier blocks' counts, slots, pair ranks (median block), metadata with hdr
+and sync_end (longest block), and the whole span.
 """
 import os
 import statistics
