@@ -17,9 +17,10 @@ as below:
   block counts the tokens before its own), slots per destination and, per
   pair, its rank among this source's pairs of the same expert (in (token,
   k) order); metadata goes into every destination's ``meta[s, slot]``,
-  per-source totals into ``hdr``. The token rows themselves are staged (a memcpy, or
-  nothing when x was built in :meth:`ExpertParallel.get_dispatch_buffer`)
-  in this rank's symmetric ``xs[t]``.
+  per-source totals into ``hdr``. The token rows themselves are staged (a
+  memcpy, or nothing when x was built in
+  :meth:`ExpertParallel.get_dispatch_buffer`) in this rank's symmetric
+  ``xs[t]``.
 - ``moe_dispatch_expand`` (destination, after the mid barrier): row of
   pair (s, slot, k) = first row of its expert + rows of that expert from
   sources before s + the sender's pair rank: expert-major order with no
@@ -162,7 +163,7 @@ def _count_kernel_min_pairs() -> int:
     before the send kernel; below, each send block counts the tokens before
     its own instead (see _COUNT_KERNEL_MIN_PAIRS). P2PCOMM_MOE_COUNT_PAIRS
     overrides it (for A/B runs; 0: always the count kernel; same bits
-    either way)."""
+    either way, so local to each rank)."""
     v = os.environ.get("P2PCOMM_MOE_COUNT_PAIRS", "")
     return int(v) if v.strip().isdigit() else _COUNT_KERNEL_MIN_PAIRS
 
