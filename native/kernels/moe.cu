@@ -154,7 +154,8 @@ struct MoeSync {
 static_assert(sizeof(MoeSync) == 104, "MoeSync size");
 static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) == 104, "MoeSync fields");
 
-// MoeDispatchParams is the argument of moe_dispatch_send.
+// MoeDispatchParams is the argument of moe_dispatch_count, moe_dispatch_send
+// and moe_stage_gate.
 //
 //   offset size field
 //   0      64   peer_meta[8]    each rank's meta
@@ -162,7 +163,7 @@ static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) 
 //   128    8    topk_idx        [T, K] i32 or i64 (idx_bytes)
 //   136    8    topk_w          [T, K] f32
 //   144    8    send_slot       [Tm, W] i32, local output
-//   152    8    pair_rank       [Tm*K + G*(W+E)] i32, local scratch
+//   152    8    pair_rank       [Tm*K + G*(W+E+8)] i32, local scratch
 //   160    4    num_tokens      T
 //   164    4    max_tokens      Tm
 //   168    4    hidden          H
@@ -775,7 +776,8 @@ DINLINE void load_fields(const MoeDispatchParams& p, int t, int t1, MetaFields& 
 // barriers. Block b owns the tokens block_tokens gives it. It sums, per
 // destination and per expert, the tokens and pairs of the blocks before it
 // (moe_dispatch_count's rows: the kernel boundary is the only cross-block
-// sync), then ranks its own tokens (slot on each
+// sync; without that kernel, p.counted == 0, it counts them itself), then
+// ranks its own tokens (slot on each
 // destination = tokens before it sent there) and pairs (rank among this
 // source's pairs of the same expert, in (token, k) order), and finally
 // writes each token's metadata into every destination's meta. The last

@@ -7,9 +7,9 @@ memory (CPU: shared memory; GPU: CUDA IPC peer mappings over NVLink).
     y = ep.combine(expert_out, recv)                   # back on the source rank, weighted
 
 On GPU (bfloat16, float16, float32; see :attr:`ExpertParallel.uses_kernels`)
-dispatch and combine are five fused kernels of native/kernels/moe.cu, each
-on ``num_sms`` blocks, with the same barriers, buffers and results contract
-as below:
+dispatch and combine are five fused kernels of native/kernels/moe.cu (the
+count kernel only for larger batches), on at most ``num_sms`` blocks each,
+with the same barriers, buffers and results contract as below:
 
 - ``moe_dispatch_count`` then ``moe_dispatch_send`` (source): each block
   counts its own tokens per destination and per expert; then, from the
@@ -120,6 +120,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -162,10 +163,16 @@ def _count_kernel_min_pairs() -> int:
     """Routed (token, k) pairs from which dispatch runs moe_dispatch_count
     before the send kernel; below, each send block counts the tokens before
     its own instead (see _COUNT_KERNEL_MIN_PAIRS). P2PCOMM_MOE_COUNT_PAIRS
-    overrides it (for A/B runs; 0: always the count kernel; same bits
-    either way, so local to each rank)."""
-    v = os.environ.get("P2PCOMM_MOE_COUNT_PAIRS", "")
-    return int(v) if v.strip().isdigit() else _COUNT_KERNEL_MIN_PAIRS
+    overrides it (for A/B runs; 0: the count kernel whenever the rank has
+    tokens; same bits either way, so local to each rank)."""
+    v = os.environ.get("P2PCOMM_MOE_COUNT_PAIRS", "").strip()
+    if not v:
+        return _COUNT_KERNEL_MIN_PAIRS
+    if not v.isdigit():
+        warnings.warn(f"P2PCOMM_MOE_COUNT_PAIRS={v!r} is not a non-negative integer; using the default "
+                      f"{_COUNT_KERNEL_MIN_PAIRS}", stacklevel=3)
+        return _COUNT_KERNEL_MIN_PAIRS
+    return int(v)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -413,12 +420,10 @@ class ExpertParallel:
         self.comm = comm
         self.world_size, self.rank = comm.world_size, comm.rank
         self.device = comm.device
-        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
-            raise InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         self.num_sms = num_sms
         combine_dtype = torch.float32 if combine_dtype is None else combine_dtype
         problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
-                                             combine_dtype)
+                                             combine_dtype, num_sms)
         self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
                               combine_dtype)
         if problem is not None:
@@ -568,7 +573,12 @@ class ExpertParallel:
 
     # -- construction checks -------------------------------------------------------------------------
 
-    def _local_config_problem(self, E, H, Tm, K, dtype, capturable, combine_dtype) -> Optional[P2PCommError]:
+    def _local_config_problem(self, E, H, Tm, K, dtype, capturable, combine_dtype,
+                              num_sms) -> Optional[P2PCommError]:
+        """This rank's first bad argument, or None (raised only after every
+        rank has agreed, so that the others raise MismatchError instead of
+        waiting for it). num_sms is not compared across ranks: it sets only
+        this rank's grids."""
         for name, v in (("num_experts", E), ("hidden", H), ("max_tokens_per_rank", Tm), ("topk", K)):
             if isinstance(v, bool) or not isinstance(v, int):
                 return InvalidArgumentError(f"{name} must be an int, got {type(v).__name__}")
@@ -585,6 +595,8 @@ class ExpertParallel:
             return UnsupportedError(f"combine_dtype {combine_dtype} is not supported with dtype {dtype}; use "
                                     f"torch.float32 (exact partials) or {dtype} (partials rounded once, half the "
                                     "bytes)")
+        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
+            return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         return None
 
     def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable, combine_dtype) -> None:
@@ -993,7 +1005,8 @@ class ExpertParallel:
 
     def _dispatch_kernels(self, x, topk_idx, topk_weights, capturable: bool, status: Optional[torch.Tensor] = None,
                           problem: Optional[P2PCommError] = None) -> DispatchResult:
-        """dispatch on the kernel path: moe_dispatch_count, moe_dispatch_send
+        """dispatch on the kernel path: moe_dispatch_count (from
+        _COUNT_KERNEL_MIN_PAIRS routed pairs up), moe_dispatch_send
         (metadata and hdr into the destinations), the mid barrier, then
         moe_dispatch_expand pulls the rows and builds the expert-major result
         here.

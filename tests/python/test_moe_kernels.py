@@ -3,7 +3,8 @@ against the layout tables and static_asserts in native/kernels/moe.cu; the
 kernel names moe.py launches against moe.cu's instantiations; and, where
 NVRTC is installed (torch's nvidia wheels), every kernel compiled for sm_80
 and sm_90 with no register spills (the kernels are tuned to keep many loads
-in flight in registers; a spill would quietly cost bandwidth)."""
+in flight in registers; a spill would quietly cost bandwidth); and the A/B
+knob that moves the count kernel's threshold."""
 
 import ctypes
 import glob
@@ -169,3 +170,17 @@ def test_kernels_compile_without_spills(arch):
     spilled = {e: r for e, r in report.items() if r[1] or r[2] or r[3]}
     assert not spilled, f"sm_{arch} (registers, spill stores, spill loads, stack bytes): {spilled}"
     assert all(r[0] <= 65536 // moe._THREADS for r in report.values()), report
+
+
+def test_count_pairs_knob(monkeypatch):
+    """P2PCOMM_MOE_COUNT_PAIRS (A/B runs): unset -> the default, an integer
+    -> itself, anything else -> a warning and the default, never silently."""
+    monkeypatch.delenv("P2PCOMM_MOE_COUNT_PAIRS", raising=False)
+    assert moe._count_kernel_min_pairs() == moe._COUNT_KERNEL_MIN_PAIRS
+    for v, want in (("0", 0), (" 1000000000 ", 1000000000)):
+        monkeypatch.setenv("P2PCOMM_MOE_COUNT_PAIRS", v)
+        assert moe._count_kernel_min_pairs() == want
+    for v in ("1e9", "-1", "8k"):
+        monkeypatch.setenv("P2PCOMM_MOE_COUNT_PAIRS", v)
+        with pytest.warns(UserWarning, match="P2PCOMM_MOE_COUNT_PAIRS"):
+            assert moe._count_kernel_min_pairs() == moe._COUNT_KERNEL_MIN_PAIRS

@@ -218,6 +218,7 @@ def test_slots_and_ranks_with_and_without_count_kernel(comms, monkeypatch, count
     for every block to have tokens before it, skewed and with -1 ids, eager
     and capturable, against the reference, with the kernel launched or not
     as asked."""
+    monkeypatch.delenv("P2PCOMM_MOE_COUNT_PAIRS", raising=False)  # it would override the constant
     monkeypatch.setattr(p2pcomm.moe, "_COUNT_KERNEL_MIN_PAIRS", 0 if count_kernel else 1 << 40)
     comm = comms("cuda")
     W, r = comm.world_size, comm.rank
@@ -802,7 +803,9 @@ def test_construction_checks(comms, device):
             ("dtype", torch.int32, p2pcomm.UnsupportedError, "dtype"),
             ("combine_dtype", torch.float16, p2pcomm.UnsupportedError, "combine_dtype torch.float16 is not supported"),
             ("combine_dtype", torch.float64, p2pcomm.UnsupportedError, "combine_dtype"),
-            ("combine_dtype", "bfloat16", p2pcomm.InvalidArgumentError, "combine_dtype must be a torch.dtype")]:
+            ("combine_dtype", "bfloat16", p2pcomm.InvalidArgumentError, "combine_dtype must be a torch.dtype"),
+            ("num_sms", 0, p2pcomm.InvalidArgumentError, "num_sms must be a positive int or None, got 0"),
+            ("num_sms", True, p2pcomm.InvalidArgumentError, "num_sms must be a positive int or None, got True")]:
         bad = dict(num_experts=2 * W, hidden=64, max_tokens_per_rank=4, topk=2)  # bfloat16
         if r == 1:
             bad[field] = value
