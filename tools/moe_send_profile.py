@@ -9,9 +9,10 @@ stamps that a -DMOE_PROFILE=1 build writes per block (moe.cu prof_stamp).
 Prints, per rank, the median over replays of each step in microseconds:
 the count kernel (first block in to last block out; 0 for batches under
 moe.py's _COUNT_KERNEL_MIN_PAIRS, whose send blocks count in "sums"), the
-gap to the send kernel, its start barrier (longest block), the sums of
-earlier blocks' counts, slots, pair ranks (median block), metadata with hdr
-and sync_end (longest block), and the whole span.
+gap to the send kernel, the sums of earlier blocks' counts, slots, pair
+ranks (median block), what is left of the start barrier's wait after them
+(longest block; the flags went out at the kernel's start), metadata with
+hdr and sync_end (longest block), and the whole span.
 """
 import os
 import statistics
@@ -25,18 +26,22 @@ from p2pcomm.bench import init_distributed
 from p2pcomm.bench_moe import aligned_start, routing
 
 E, H, K, REPS = 256, 7168, 8, 40
-STEPS = ("count", "gap", "barrier", "sums", "slots", "pair ranks", "meta+end", "span")
+STEPS = ("count", "gap", "sums", "slots", "pair ranks", "barrier", "meta+end", "span")
 
 
 def steps(st: torch.Tensor) -> list[float]:
-    """st: [G, 8] u32 stamps (ns, low 32 bits) -> the STEPS in us."""
+    """st: [G, 8] u32 stamps (ns, low 32 bits) -> the STEPS in us.
+
+    Stamps in time order: 0, 1 count kernel in/out; 2 send kernel start;
+    4, 5, 6 after its local steps 1-3; 3 past the start barrier; 7 end.
+    """
     t = st.to(torch.int64)
     t = (t - t[:, 0].min()) % (1 << 32)  # wrap-safe, relative to the first count block
     med = lambda v: float(v.median())  # noqa: E731
     return [x / 1e3 for x in (
-        int(t[:, 1].max()), int(t[:, 2].min() - t[:, 1].max()), int((t[:, 3] - t[:, 2]).max()),
-        med(t[:, 4] - t[:, 3]), med(t[:, 5] - t[:, 4]), med(t[:, 6] - t[:, 5]), int((t[:, 7] - t[:, 6]).max()),
-        int(t[:, 7].max()))]
+        int(t[:, 1].max()), int(t[:, 2].min() - t[:, 1].max()),
+        med(t[:, 4] - t[:, 2]), med(t[:, 5] - t[:, 4]), med(t[:, 6] - t[:, 5]), int((t[:, 3] - t[:, 6]).max()),
+        int((t[:, 7] - t[:, 3]).max()), int(t[:, 7].max()))]
 
 
 def main() -> None:
