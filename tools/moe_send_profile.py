@@ -11,8 +11,10 @@ the count kernel (first block in to last block out; 0 for batches under
 moe.py's _COUNT_KERNEL_MIN_PAIRS, whose send blocks count in "sums"), the
 gap to the send kernel, the sums of earlier blocks' counts, slots, pair
 ranks (median block), what is left of the start barrier's wait after them
-(longest block; the flags went out at the kernel's start), metadata with
-hdr and sync_end (longest block), and the whole span.
+(median block: the flags went out at the kernel's start, and blocks with no
+tokens wait through all of it), metadata with hdr and sync_end (longest
+block), and the whole span. With MOE_PROFILE_BLOCKS=1 ranks 0 and 1 also
+print each block's start, end of local steps, barrier passed and end.
 """
 import os
 import statistics
@@ -40,7 +42,7 @@ def steps(st: torch.Tensor) -> list[float]:
     med = lambda v: float(v.median())  # noqa: E731
     return [x / 1e3 for x in (
         int(t[:, 1].max()), int(t[:, 2].min() - t[:, 1].max()),
-        med(t[:, 4] - t[:, 2]), med(t[:, 5] - t[:, 4]), med(t[:, 6] - t[:, 5]), int((t[:, 3] - t[:, 6]).max()),
+        med(t[:, 4] - t[:, 2]), med(t[:, 5] - t[:, 4]), med(t[:, 6] - t[:, 5]), med(t[:, 3] - t[:, 6]),
         int((t[:, 7] - t[:, 3]).max()), int(t[:, 7].max()))]
 
 
@@ -67,12 +69,14 @@ def main() -> None:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             ep.dispatch(x, idx, w, capturable=True)
-        rows = []
+        rows, raw = [], []
         for _ in range(REPS):
             align()
             g.replay()
             torch.cuda.synchronize()
-            rows.append(steps(stamps.cpu()))
+            st = stamps.cpu()
+            rows.append(steps(st))
+            raw.append(st.to(torch.int64))
         meds = torch.tensor([statistics.median(r[i] for r in rows) for i in range(len(STEPS))],
                             dtype=torch.float64, device=dev)
         got = [torch.zeros_like(meds) for _ in range(world)]
@@ -82,6 +86,14 @@ def main() -> None:
             print("| rank | " + " | ".join(STEPS) + " |\n|---:|" + "---:|" * len(STEPS))
             for r, m in enumerate(got):
                 print(f"| {r} | " + " | ".join(f"{v:.1f}" for v in m.tolist()) + " |")
+        if os.environ.get("MOE_PROFILE_BLOCKS") and rank in (0, 1):
+            r = torch.stack(raw)  # [REPS, G, 8]
+            r = (r - r[:, :, 2].min(dim=1).values[:, None, None]) % (1 << 32)
+            med = r.median(dim=0).values
+            print(f"rank {rank}, {T} tokens: per block, median us after the first block's start: start, "
+                  "local steps done, past the barrier, end")
+            for b in range(G):
+                print(f"  block {b:2d}: " + " ".join(f"{float(med[b, i]) / 1e3:5.1f}" for i in (2, 6, 3, 7)))
     dist.barrier()
     dist.destroy_process_group()
 
