@@ -18,21 +18,12 @@
 //   nvcc -O3 -arch=sm_90 -o /tmp/flag_latency tools/flag_latency.cu && /tmp/flag_latency
 // Prints us per round trip (pingpong) or per barrier, median of 5 runs of
 // 2000 rounds, GPU 0's %globaltimer.
-#include <cuda_runtime.h>
+#include "cuda_check.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
 
 typedef unsigned long long u64;
 constexpr int kMaxGpus = 8;

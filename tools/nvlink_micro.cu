@@ -19,22 +19,13 @@
 // Prints one row per (mode, SMs): GB/s per GPU of bytes moved (remote bytes
 // for push/pull), the slowest GPU's median over repetitions. Every mode's
 // result is checked against the source bytes once.
-#include <cuda_runtime.h>
+#include "cuda_check.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));        \
-      exit(1);                                                                                  \
-    }                                                                                           \
-  } while (0)
 
 constexpr int kMaxPeers = 8;
 constexpr int kChunk = 14336;  // bytes: one bf16 row of 7168
