@@ -77,11 +77,6 @@ constexpr int kMoeWarps = kThreads / 32;
 // 0: release/acquire.
 #define MOE_START_RELAXED 1
 #endif
-#ifndef MOE_END_FENCE
-// 1: sync_end's flag posters fence again before their release stores (0:
-// not: the release is cumulative over what thread 0's fences ordered).
-#define MOE_END_FENCE 0
-#endif
 #ifndef MOE_COMB_HOIST
 #define MOE_COMB_HOIST 1  // combine send, 16-bit partials: weights shuffled once per pass (0: per pack)
 #endif
@@ -108,27 +103,31 @@ static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 // boundary. Eager calls keep their start barrier kernel (it also carries
 // the argument checks) and use kSyncArrive / kSyncWait for combine.
 constexpr int kSyncStart = 1;        // send kernels: barrier with every peer before writing into them
-constexpr int kSyncArrive = 2;       // send kernels: the last block to finish posts the middle flags
+constexpr int kSyncArrive = 2;       // send kernels: every block posts its middle flags when done
 constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
 constexpr int kSyncArriveFirst = 8;  // expand: block 0 posts the middle flags itself (x was staged
                                      // after the send kernel), then waits like kSyncWait
 constexpr int kSyncStageGo = 16;     // dispatch send: block 0 also posts stage_posted once past the
                                      // start barrier (moe_stage_gate releases x's copy on a side stream)
+constexpr int kSyncGridShift = 8;    // mode >> kSyncGridShift: the send kernel's grid (its blocks' middle flags)
 constexpr int kMoeKinds = 2;         // 0: dispatch, 1: combine (also ErrorWord.step)
 constexpr int kMoeDispatch = 0;
 constexpr int kMoeSyncBlocks = 256;  // most blocks of a send kernel (moe.py caps num_sms)
 enum MoeFlag { kMoeFlagStart = 0, kMoeFlagMid = 1 };
-// Flags of one rank (symmetric memory, zeroed): u64 [kind][MoeFlag][source
-// rank], written only by that source, and only growing.
-constexpr int kMoeFlagWords = kMoeKinds * 2 * kMaxRanks;
+// Flags of one rank (symmetric memory, zeroed), written only by their source
+// and only growing: u64 [kind][MoeFlag][source rank] (start flags; the mid
+// ones unused), then the middle flags, one per send block: u64 [kind][source
+// rank][block].
+constexpr int kMoeMidFlagBase = kMoeKinds * 2 * kMaxRanks;
+constexpr int kMoeFlagWords = kMoeMidFlagBase + kMoeKinds * kMaxRanks * kMoeSyncBlocks;
 
 // MoeSyncState is one rank's local state of one kind (device memory,
 // zeroed once; [kMoeKinds] of them): counter[b] is the calls run by block b
 // of that kind's send kernel, so counter[b] + 1 is the current call's epoch,
 // the same for every block and every rank (every rank runs the same calls
 // with a grid it never changes); go is the latest epoch whose start barrier
-// block 0 passed; done counts the blocks of the running send kernel that
-// finished (the last one resets it). stage_posted counts the send kernels
+// block 0 passed; done is unused (it counted the finished blocks of a send
+// kernel when the last one posted the middle flags). stage_posted counts the send kernels
 // with kSyncStageGo that passed their start barrier, stage_taken the
 // moe_stage_gate launches (one per such call, on the side stream).
 struct MoeSyncState {
@@ -539,6 +538,10 @@ DINLINE Waiter outer_waiter(const MoeSync& s, int rank) {
 DINLINE u64* moe_flag(u64* flags, int kind, int which, int src) {
   return flags + (kind * 2 + which) * kMaxRanks + src;
 }
+// moe_mid_flag is the middle flag of block b of src's send kernel.
+DINLINE u64* moe_mid_flag(u64* flags, int kind, int src, int b) {
+  return flags + kMoeMidFlagBase + (kind * kMaxRanks + src) * kMoeSyncBlocks + b;
+}
 
 // MoeBegin is a send kernel's start-barrier state, one per block (shared
 // memory): the call's epoch, whether a wait gave up, and (block 0) whether
@@ -656,57 +659,52 @@ DINLINE bool sync_go(const MoeSync& s, int rank, int world, MoeBegin& sb) {
 }
 
 // sync_end runs last in every block of a send kernel whose waits in
-// sync_go passed. With kSyncArrive the last block to finish posts the call's
-// epoch into every peer's middle flag: each block fences its own writes
-// (after bar.sync) and counts itself done; the last one fences again
-// before the flags, so a peer that sees its flag sees every block's writes
-// (the pattern of CUDA's threadFenceReduction, at system scope). Epochs
-// come from each block's own counter: they agree because a send kernel's
-// grid never changes (moe.py launches it on the ep's fixed block count).
+// sync_go passed. With kSyncArrive the block posts the call's epoch into
+// its middle flag in every peer, after a bar.sync: each poster's release
+// is cumulative over the block's writes, so a peer that sees the flag sees
+// them. No block waits for another: the last block's count and its fences
+// (~2 us at 128 tokens) are gone. Epochs come from each block's own
+// counter: they agree because a send kernel's grid never changes (moe.py
+// launches it on the ep's fixed block count, which the waiters read from
+// the mode).
 DINLINE void sync_end(const MoeSync& s, int rank, int world) {
   if (!(s.mode & kSyncArrive)) return;
-  __shared__ int last;
-  MoeSyncState* st = s.state + s.kind;
   const int t = (int)threadIdx.x;
   __syncthreads();
-  if (t == 0) {
-    __threadfence_system();
-    last = atomicAdd(&st->done, 1u) == gridDim.x - 1;
-    if (last) {
-      __threadfence_system();  // acquire side: every block's writes (fenced before its count) first
-      st->done = 0;            // every block has counted: the next call starts from 0
-    }
-  }
-  __syncthreads();
-  if (last && t < world && t != rank) {
-#if MOE_END_FENCE
-    __threadfence_system();
-#endif
-    st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagMid, rank), st->counter[blockIdx.x]);
+  if (t < world && t != rank) {
+    st_flag_release(moe_mid_flag(s.peer_flags[t], s.kind, rank, (int)blockIdx.x),
+                    s.state[s.kind].counter[blockIdx.x]);
   }
 }
 
 // sync_wait runs first in every block of a kernel that reads what peers
-// wrote (expand, reduce): with kSyncWait it returns once every peer has
-// posted the epoch of this rank's latest send kernel of the kind (which
-// has finished: stream order) into its middle flag here; with
-// kSyncArriveFirst block 0 posts this rank's flags first (the sources'
-// rows were staged after the send kernel). False, uniformly in the block,
-// when a wait gave up: the block must then read nothing.
+// wrote (expand, reduce): with kSyncWait it returns once every block of
+// every peer's latest send kernel of the kind has posted this rank's epoch
+// (its latest send kernel's, which has finished: stream order) into its
+// middle flag here; with kSyncArriveFirst block 0 posts all of this rank's
+// flags first (the sources' rows were staged after the send kernel). False,
+// uniformly in the block, when a wait gave up: the block must then read
+// nothing.
 DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
   if (!(s.mode & (kSyncWait | kSyncArriveFirst))) return true;
   __shared__ int ok;
   const u64 e = s.state[s.kind].counter[0];
+  const int G = s.mode >> kSyncGridShift;  // the send kernel's blocks
   const int t = (int)threadIdx.x;
   if (t == 0) ok = 1;
-  __syncthreads();
-  if (t < world && t != rank) {
-    if ((s.mode & kSyncArriveFirst) && blockIdx.x == 0) {
-      __threadfence_system();  // the send kernel's and the staging copy's writes before the flag
-      st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagMid, rank), e);
+  if ((s.mode & kSyncArriveFirst) && blockIdx.x == 0) {
+    __threadfence_system();  // the send kernel's and the staging copy's writes before the flags
+    for (int i = t; i < world * G; i += (int)blockDim.x) {
+      const int d = i / G;
+      if (d != rank) st_flag_release(moe_mid_flag(s.peer_flags[d], s.kind, rank, i % G), e);
     }
-    if (!wait_flag(waiter_of(s, rank), moe_flag(s.peer_flags[rank], s.kind, kMoeFlagMid, t), e, t,
-                   kPhaseMoeMid, s.kind)) {
+  }
+  __syncthreads();
+  for (int i = t; i < world * G; i += (int)blockDim.x) {
+    const int d = i / G;
+    if (d != rank &&
+        !wait_flag(waiter_of(s, rank), moe_mid_flag(s.peer_flags[rank], s.kind, d, i % G), e, d, kPhaseMoeMid,
+                   s.kind)) {
       ok = 0;
     }
   }

@@ -232,9 +232,10 @@ def kernel_expressions() -> set:
 # In-kernel barriers (moe.cu MoeSync): mode bits, kinds, flag words per rank, local state bytes.
 _SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO = 1, 2, 4, 8, 16
 _DISPATCH, _COMBINE = 0, 1
-_SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS
-_SYNC_STATE_BYTES = 2 * 2112
 _MAX_SYNC_BLOCKS = 256
+_SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS + 2 * _MAX_RANKS * _MAX_SYNC_BLOCKS  # start flags, then per-block mid flags
+_SYNC_STATE_BYTES = 2 * 2112
+_SYNC_GRID_SHIFT = 8  # mode >> it: the send kernels' grid, whose blocks' middle flags the waiters read
 
 
 class _Sync(ctypes.Structure):
@@ -552,7 +553,8 @@ class ExpertParallel:
         for kind in (_DISPATCH, _COMBINE):
             for mode in range(32):
                 self._syncs[kind, mode] = _Sync(peer_flags=flags, state=self._sync_state.data_ptr(), signal=signal,
-                                                err=err, timeout_ns=timeout_ns, mode=mode, kind=kind)
+                                                err=err, timeout_ns=timeout_ns,
+                                                mode=mode | self._blocks << _SYNC_GRID_SHIFT, kind=kind)
 
     def __repr__(self) -> str:
         return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "

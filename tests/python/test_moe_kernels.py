@@ -69,8 +69,10 @@ def test_sync_constants_match():
     assert const("kMoeKinds") == 2 and const("kMoeSyncBlocks") == moe._MAX_SYNC_BLOCKS
     state = int(re.search(r"static_assert\(sizeof\(MoeSyncState\) == (\d+)", src).group(1))
     assert const("kMoeKinds") * state == moe._SYNC_STATE_BYTES
-    assert re.search(r"constexpr int kMoeFlagWords = kMoeKinds \* 2 \* kMaxRanks;", src)
-    assert moe._SYNC_FLAG_WORDS == 2 * 2 * moe._MAX_RANKS
+    assert re.search(r"constexpr int kMoeMidFlagBase = kMoeKinds \* 2 \* kMaxRanks;", src)
+    assert re.search(r"constexpr int kMoeFlagWords = kMoeMidFlagBase \+ kMoeKinds \* kMaxRanks \* kMoeSyncBlocks;", src)
+    assert moe._SYNC_FLAG_WORDS == 2 * 2 * moe._MAX_RANKS + 2 * moe._MAX_RANKS * moe._MAX_SYNC_BLOCKS
+    assert const("kSyncGridShift") == moe._SYNC_GRID_SHIFT and moe._MAX_SYNC_BLOCKS << moe._SYNC_GRID_SHIFT < 2**31
 
 
 def instantiations() -> list:
