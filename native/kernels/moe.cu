@@ -186,7 +186,9 @@ static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) 
 //   192    4    counted         1: moe_dispatch_count ran first (its rows
 //                               hold each block's counts); 0: each send
 //                               block counts the tokens before its range
-//   196    4    pad
+//   196    4    ids_shared      1: the send kernel copies the expert ids of
+//                               tokens [0, its range's end) into shared
+//                               memory first (dynamic shared 4 * (E + T*K))
 //   200    8    status          [W] i32: each rank's argument check of this
 //                               eager call (0: ok), posted before the start
 //                               barrier; nullptr in capturable mode
@@ -208,7 +210,7 @@ struct MoeDispatchParams {
   int world;
   int idx_bytes;
   int counted;
-  int pad;
+  int ids_shared;
   const int* status;
   MoeSync sync;
 };
@@ -472,11 +474,17 @@ DINLINE int owner_of(int g, int L) {
   return q;
 }
 
+// expert_id is expert_at, or read from sh, the send kernel's copy of the
+// ids in shared memory, when there is one.
+DINLINE int expert_id(const MoeDispatchParams& p, i64 q, const int* sh) {
+  return sh != nullptr ? sh[q] : expert_at(p, q);
+}
+
 // dest_mask: bit d set when one of token t's experts lives on rank d.
-DINLINE u32 dest_mask(const MoeDispatchParams& p, int t, int L) {
+DINLINE u32 dest_mask(const MoeDispatchParams& p, int t, int L, const int* sh) {
   u32 m = 0;
   for (int k = 0; k < p.topk; ++k) {
-    const int g = expert_at(p, (i64)t * p.topk + k);
+    const int g = expert_id(p, (i64)t * p.topk + k, sh);
     if (g >= 0) m |= 1u << owner_of(g, L);
   }
   return m;
@@ -776,18 +784,18 @@ DINLINE void prof_stamp(const MoeDispatchParams& p, int i) {
 // count_tokens adds, for tokens [t0, t1), the tokens sent to each
 // destination into dest[] and the pairs of each expert into experts[]
 // (shared counters; integer counts, so any order).
-DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest, int* experts) {
+DINLINE void count_tokens(const MoeDispatchParams& p, int t0, int t1, int* dest, int* experts, const int* sh) {
   const int lane = (int)threadIdx.x & 31, K = p.topk, W = p.world, L = p.num_experts / W;
   for (int base = t0; base < t1; base += (int)blockDim.x) {
     const int t = base + (int)threadIdx.x;
-    const u32 m = t < t1 ? dest_mask(p, t, L) : 0u;
+    const u32 m = t < t1 ? dest_mask(p, t, L, sh) : 0u;
     for (int d = 0; d < W; ++d) {
       const u32 bal = __ballot_sync(~0u, (m >> d) & 1u);
       if (lane == 0 && bal != 0) atomicAdd(&dest[d], __popc(bal));
     }
   }
   for (i64 q = (i64)t0 * K + threadIdx.x; q < (i64)t1 * K; q += blockDim.x) {  // shared atomics beat __match_any_sync here
-    const int g = expert_at(p, q);
+    const int g = expert_id(p, q, sh);
     if (g >= 0) atomicAdd(&experts[g], 1);
   }
 }
@@ -806,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_count(const MoeDispa
   __syncthreads();
   int t0, t1;
   block_tokens(p.num_tokens, t0, t1);
-  count_tokens(p, t0, t1, cnt, cnt + W);
+  count_tokens(p, t0, t1, cnt, cnt + W, nullptr);
   __syncthreads();
   int* row = p.pair_rank + (i64)p.max_tokens * p.topk + (i64)blockIdx.x * n;
   for (int i = (int)threadIdx.x; i < n; i += (int)blockDim.x) row[i] = cnt[i];
@@ -866,7 +874,7 @@ DINLINE void load_fields(const MoeDispatchParams& p, int t, int t1, MetaFields& 
 // Dynamic shared memory: 4 * E bytes.
 template <typename T>
 DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
-  extern __shared__ int run_exp[];  // [E]: pairs of each expert so far
+  extern __shared__ int run_exp[];  // [E]: pairs of each expert so far; then, with p.ids_shared, [t1 * K] ids
   __shared__ int run_dest[kMaxRanks];
   __shared__ int wcnt[kMoeWarps][kMaxRanks];
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
@@ -876,6 +884,25 @@ DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
   block_tokens(ntok, t0, t1);
   for (int e = tid; e < E; e += (int)blockDim.x) run_exp[e] = 0;
   if (tid < kMaxRanks) run_dest[tid] = 0;
+  // Small batches: every id this block reads below, loaded once, 4 loads in
+  // flight per thread, instead of from global memory in each step (each
+  // thread's K ids in turn for dest_mask): the steps are chains of loads
+  // and block barriers there.
+  const int* sh = nullptr;
+  if (p.ids_shared) {  // uniform
+    int* ids = run_exp + E;
+    const i64 n = (i64)t1 * K;
+    for (i64 base = tid; base < n; base += 4 * (i64)blockDim.x) {
+      int v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = base + u * blockDim.x < n ? expert_at(p, base + u * blockDim.x) : -1;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (base + u * blockDim.x < n) ids[base + u * blockDim.x] = v[u];
+      }
+    }
+    sh = ids;
+  }
   __syncthreads();
 
   // 1. Tokens and pairs before this block's range: the sums of the earlier
@@ -891,7 +918,7 @@ DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
       else run_exp[i - W] = acc;
     }
   } else {
-    count_tokens(p, 0, t0, run_dest, run_exp);
+    count_tokens(p, 0, t0, run_dest, run_exp, sh);
   }
   const i64 q0 = (i64)t0 * K, q1 = (i64)t1 * K;
   __syncthreads();
@@ -901,7 +928,7 @@ DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
   // 2. Slots of this block's tokens on each destination, in token order.
   for (int base = t0; base < t1; base += (int)blockDim.x) {
     const int t = base + tid;
-    const u32 m = t < t1 ? dest_mask(p, t, L) : 0u;
+    const u32 m = t < t1 ? dest_mask(p, t, L, sh) : 0u;
     u32 bal[kMaxRanks];
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
@@ -934,13 +961,16 @@ DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
   prof_stamp(p, 5);
   sync_try_go(p.sync, p.rank, W, sb);
   // 3. Rank of each pair among this source's pairs of its expert: warps in
-  // turn, so ranks follow (token, k) order.
+  // turn, so ranks follow (token, k) order; only the warps that hold pairs
+  // (a block barrier each: 16 of them for the ~48 pairs of a block at 128
+  // tokens).
   for (i64 base = q0; base < q1; base += blockDim.x) {
     const i64 q = base + tid;
-    const int g = q < q1 ? expert_at(p, q) : -1;
+    const int g = q < q1 ? expert_id(p, q, sh) : -1;
     const u32 peers = __match_any_sync(~0u, g);
+    const int busy = (int)min((i64)nw, (q1 - base + 31) / 32);  // uniform
     int r = -1;
-    for (int w = 0; w < nw; ++w) {
+    for (int w = 0; w < busy; ++w) {
       if (w == warp) {
         if (g >= 0) r = run_exp[g] + __popc(peers & lanemask_lt());
         __syncwarp();

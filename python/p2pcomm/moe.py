@@ -205,6 +205,7 @@ _EAGER_OVERLAP_BYTES = 8 << 20
 # bf16, K=8, graph: dispatch 3 µs faster without it at 128 tokens, 2 at 256 and 512, even at 1024,
 # 20 slower at 4096).
 _COUNT_KERNEL_MIN_PAIRS = 8192
+_SEND_SHARED_MAX = 48 << 10  # moe_dispatch_send's dynamic shared memory with the ids copied in (ids_shared)
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
@@ -249,7 +250,8 @@ class _DispatchParams(ctypes.Structure):
                 ("send_slot", ctypes.c_uint64), ("pair_rank", ctypes.c_uint64), ("num_tokens", ctypes.c_int32), ("max_tokens", ctypes.c_int32),
                 ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32), ("num_experts", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("idx_bytes", ctypes.c_int32),
-                ("counted", ctypes.c_int32), ("pad", ctypes.c_int32), ("status", ctypes.c_uint64), ("sync", _Sync)]
+                ("counted", ctypes.c_int32), ("ids_shared", ctypes.c_int32), ("status", ctypes.c_uint64),
+                ("sync", _Sync)]
 
 
 class _ExpandParams(ctypes.Structure):
@@ -280,7 +282,7 @@ class _PostParams(ctypes.Structure):
 _PARAM_LAYOUTS = (
     (_Sync, 104, {"state": 64, "err": 80, "timeout_ns": 88, "mode": 96, "kind": 100}),
     (_DispatchParams, 312, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
-                            "idx_bytes": 188, "counted": 192, "status": 200, "sync": 208}),
+                            "idx_bytes": 188, "counted": 192, "ids_shared": 196, "status": 200, "sync": 208}),
     (_ExpandParams, 248, {"meta": 64, "out_x": 80, "comb_rows": 104, "row_cap": 112, "max_tokens": 120,
                           "world": 136, "rank": 140, "sync": 144}),
     (_PostParams, 104, {"topk_idx": 64, "num_ids": 72, "code": 84, "id_code": 88, "world": 96}),
@@ -1046,10 +1048,13 @@ class ExpertParallel:
         send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) | (_SYNC_STAGE_GO if overlap else 0) \
             if in_kernel else 0
         counted = problem is None and T > 0 and T * K >= self._count_min_pairs
+        # Small batches without the count kernel: the send kernel copies the ids into shared memory
+        # first (under the default 48 KiB of dynamic shared memory).
+        ids_shared = problem is None and not counted and 4 * (self.num_experts + T * K) <= _SEND_SHARED_MAX
         p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
                             send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),
                             num_tokens=T, max_tokens=Tm, hidden=H, topk=K, num_experts=self.num_experts,
-                            rank=self.rank, world=W, idx_bytes=idx_bytes, counted=int(counted),
+                            rank=self.rank, world=W, idx_bytes=idx_bytes, counted=int(counted), ids_shared=int(ids_shared),
                             status=0 if status is None else status.data_ptr(),
                             sync=self._syncs[_DISPATCH, send_mode])
         if overlap:
@@ -1062,7 +1067,7 @@ class ExpertParallel:
             self._phase("stage")
         if counted:
             self._launch("moe_dispatch_count", p, self._blocks, 4 * (W + self.num_experts))  # same grid as send
-        self._launch("moe_dispatch_send", p, self._blocks, 4 * self.num_experts)
+        self._launch("moe_dispatch_send", p, self._blocks, 4 * (self.num_experts + (T * K if ids_shared else 0)))
         if overlap:
             with torch.cuda.stream(self._side):
                 if capturable:
