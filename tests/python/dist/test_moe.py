@@ -448,6 +448,68 @@ def test_capturable_mode(comms, device, transit):
     comm.check()
 
 
+@GPU_ONLY
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_capturable_staging(comms, monkeypatch, layout):
+    """A captured dispatch of a plain x (contiguous, or a transposed view)
+    stages it into xs on a side stream behind moe_stage_gate. Replayed with
+    new routing and data, xs poisoned before every replay, it gives the
+    reference's rows and the emulation's combine bits, with one copy per
+    call on the side stream."""
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 8 * W, 4, 256, 40, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                capturable=True)
+    side_copies = []  # per staging copy: whether it ran on the side stream
+    stage = ep._stage
+
+    def stage_spy(x):
+        side_copies.append(torch.cuda.current_stream() == ep._side)
+        stage(x)
+
+    monkeypatch.setattr(ep, "_stage", stage_spy)
+    rounds = [[make_inputs(140 + i, q, Tm, H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    device = torch.device("cuda", torch.cuda.current_device())
+    static_x = (torch.zeros(H, Tm, dtype=dtype, device=device).t() if layout == "strided"
+                else torch.zeros(Tm, H, dtype=dtype, device=device))
+    static_idx = torch.zeros(Tm, K, dtype=torch.int64, device=device)
+    static_w = torch.zeros(Tm, K, dtype=torch.float32, device=device)
+
+    def step():
+        recv = ep.dispatch(static_x, static_idx, static_w)
+        return recv, ep.combine(expert_fn(recv.x, recv.local_expert, recv.src_rank), recv)
+
+    def load(inputs):
+        static_x.copy_(inputs[r].x)
+        static_idx.copy_(inputs[r].idx)
+        static_w.copy_(inputs[r].w)
+
+    load(rounds[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv, y = step()
+    for inputs in rounds[1:] + rounds[:1]:
+        load(inputs)
+        # No peer reads this rank's xs now: each pulled it before its combine, which this rank's
+        # finished graph waited for.
+        ep._xs.fill_(float("nan"))
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine")
+    assert side_copies == [True, True], side_copies  # warm-up and capture
+    comm.check()
+
+
 def pow2_expert(x, local_expert, src_rank, src_token=None):
     """An expert whose every product is exact (a power of two, signed by the
     source rank), so compiled code, fused or not, gives the emulation's bits."""
