@@ -392,6 +392,37 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
         assert side_copies == [staging == "side_stream"] * (1 + (sizes[r] < Tm)), side_copies
 
 
+def capture_step(ep, static_x, first, rank):
+    """Captures dispatch of static_x (and static routing), expert_fn and
+    combine in one CUDA graph, warmed up first on a side stream with round
+    `first` loaded. Returns (graph, load, recv, y): load(inputs) copies a
+    round's inputs of this rank into the static tensors before a replay."""
+    T, K = static_x.shape[0], ep.topk
+    static_idx = torch.zeros(T, K, dtype=torch.int64, device=static_x.device)
+    static_w = torch.zeros(T, K, dtype=torch.float32, device=static_x.device)
+
+    def step():
+        recv = ep.dispatch(static_x, static_idx, static_w)
+        return recv, ep.combine(expert_fn(recv.x, recv.local_expert, recv.src_rank), recv)
+
+    def load(inputs):
+        static_x.copy_(inputs[rank].x)
+        static_idx.copy_(inputs[rank].idx)
+        static_w.copy_(inputs[rank].w)
+
+    load(first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up (allocations, sort workspace) outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recv, y = step()
+    return graph, load, recv, y
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transit", TRANSITS)
 def test_capturable_mode(comms, device, transit):
@@ -416,29 +447,7 @@ def test_capturable_mode(comms, device, transit):
         return
     # CUDA: capture dispatch + expert + combine once, replay with new routing copied in.
     static_x = torch.zeros(Tm, H, dtype=dtype, device=device)
-    static_idx = torch.zeros(Tm, K, dtype=torch.int64, device=device)
-    static_w = torch.zeros(Tm, K, dtype=torch.float32, device=device)
-
-    def step():
-        recv = ep.dispatch(static_x, static_idx, static_w)
-        out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
-        return recv, ep.combine(out, recv)
-
-    def load(inputs):
-        static_x.copy_(inputs[r].x)
-        static_idx.copy_(inputs[r].idx)
-        static_w.copy_(inputs[r].w)
-
-    load(rounds[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm up (allocations, sort workspace) outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recv, y = step()
+    graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
     for inputs in rounds[1:] + rounds[:1]:
         load(inputs)
         graph.replay()
@@ -473,28 +482,7 @@ def test_capturable_staging(comms, monkeypatch, layout):
     device = torch.device("cuda", torch.cuda.current_device())
     static_x = (torch.zeros(H, Tm, dtype=dtype, device=device).t() if layout == "strided"
                 else torch.zeros(Tm, H, dtype=dtype, device=device))
-    static_idx = torch.zeros(Tm, K, dtype=torch.int64, device=device)
-    static_w = torch.zeros(Tm, K, dtype=torch.float32, device=device)
-
-    def step():
-        recv = ep.dispatch(static_x, static_idx, static_w)
-        return recv, ep.combine(expert_fn(recv.x, recv.local_expert, recv.src_rank), recv)
-
-    def load(inputs):
-        static_x.copy_(inputs[r].x)
-        static_idx.copy_(inputs[r].idx)
-        static_w.copy_(inputs[r].w)
-
-    load(rounds[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recv, y = step()
+    graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
     for inputs in rounds[1:] + rounds[:1]:
         load(inputs)
         # No peer reads this rank's xs now: each pulled it before its combine, which this rank's
