@@ -205,7 +205,10 @@ _EAGER_OVERLAP_BYTES = 8 << 20
 # bf16, K=8, graph: dispatch 3 µs faster without it at 128 tokens, 2 at 256 and 512, even at 1024,
 # 20 slower at 4096).
 _COUNT_KERNEL_MIN_PAIRS = 8192
-_SEND_SHARED_MAX = 48 << 10  # moe_dispatch_send's dynamic shared memory with the ids copied in (ids_shared)
+# moe_dispatch_send's dynamic shared memory with the ids copied in (ids_shared): a block gets 48 KiB without
+# opting in, static shared memory (~0.6 KiB in the send kernel) included, and the launcher opts in only above
+# 48 KiB of dynamic memory, so stay clear of that edge.
+_SEND_SHARED_MAX = 46 << 10
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
