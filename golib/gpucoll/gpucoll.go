@@ -471,10 +471,8 @@ func (b *Backend) Launch(file, expr string, grid, block, sharedBytes uint32, str
 	if err != nil {
 		return err
 	}
-	if sharedBytes > 48<<10 {
-		if err := b.drv.FuncSetAttribute(fn, cuda.FuncAttrMaxDynamicSharedSizeBytes, int(sharedBytes)); err != nil {
-			return err
-		}
+	if err := b.kernels.allowShared(fn, sharedBytes); err != nil {
+		return fmt.Errorf("launch %s with %d bytes of dynamic shared memory: %w", expr, sharedBytes, err)
 	}
 	if err := b.drv.Launch(fn, grid, block, sharedBytes, stream, params); err != nil {
 		return fmt.Errorf("launch %s: %w", expr, err)

@@ -40,11 +40,34 @@ type kernelCache struct {
 	funcs map[[2]int32]cuda.Function
 	// byName: every kernel of every compiled file, by file and name expression.
 	byName map[string]cuda.Function
+	// shared: the dynamic shared memory each function was allowed (allowShared).
+	shared map[cuda.Function]uint32
 }
 
 func newKernelCache(drv *cuda.Driver, arch int, extra []string) *kernelCache {
 	return &kernelCache{drv: drv, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{},
-		byName: map[string]cuda.Function{}}
+		byName: map[string]cuda.Function{}, shared: map[cuda.Function]uint32{}}
+}
+
+// allowShared lets fn take bytes of dynamic shared memory per block. Without
+// the attribute a block gets 48 KiB less the kernel's static shared memory,
+// which the driver does not report here, so a size just under 48 KiB could
+// fail to launch: every size is set, once per function and again when it
+// grows (one driver call, not one per launch).
+func (k *kernelCache) allowShared(fn cuda.Function, bytes uint32) error {
+	if bytes == 0 {
+		return nil
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.shared[fn] >= bytes {
+		return nil
+	}
+	if err := k.drv.FuncSetAttribute(fn, cuda.FuncAttrMaxDynamicSharedSizeBytes, int(bytes)); err != nil {
+		return err
+	}
+	k.shared[fn] = bytes
+	return nil
 }
 
 // function returns the all-reduce kernel of algo for dt.

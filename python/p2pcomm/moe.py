@@ -205,10 +205,7 @@ _EAGER_OVERLAP_BYTES = 8 << 20
 # bf16, K=8, graph: dispatch 3 µs faster without it at 128 tokens, 2 at 256 and 512, even at 1024,
 # 20 slower at 4096).
 _COUNT_KERNEL_MIN_PAIRS = 8192
-# moe_dispatch_send's dynamic shared memory with the ids copied in (ids_shared): a block gets 48 KiB without
-# opting in, static shared memory (~0.6 KiB in the send kernel) included, and the launcher opts in only above
-# 48 KiB of dynamic memory, so stay clear of that edge.
-_SEND_SHARED_MAX = 46 << 10
+_SEND_SHARED_MAX = 48 << 10  # moe_dispatch_send's dynamic shared memory with the ids copied in (ids_shared)
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
@@ -1052,7 +1049,7 @@ class ExpertParallel:
             if in_kernel else 0
         counted = problem is None and T > 0 and T * K >= self._count_min_pairs
         # Small batches without the count kernel: the send kernel copies the ids into shared memory
-        # first (under the default 48 KiB of dynamic shared memory).
+        # first (up to _SEND_SHARED_MAX bytes with its expert counters).
         ids_shared = problem is None and not counted and 4 * (self.num_experts + T * K) <= _SEND_SHARED_MAX
         p = _DispatchParams(peer_meta=self._ptr_meta, peer_hdr=self._ptr_hdr, topk_idx=idx_ptr, topk_w=w_ptr,
                             send_slot=self._send_slot.data_ptr(), pair_rank=self._pair_rank.data_ptr(),

@@ -243,6 +243,34 @@ def test_slots_and_ranks_with_and_without_count_kernel(comms, monkeypatch, count
     comm.check()
 
 
+@GPU_ONLY
+def test_send_kernel_shared_memory_near_48k(comms, monkeypatch):
+    """A send kernel with just under 48 KiB of dynamic shared memory (4096
+    expert counters and 1023 x 8 ids), which with its static shared memory
+    is more than a block gets without opting in: the launcher opts in, and
+    dispatch and combine match the reference."""
+    monkeypatch.delenv("P2PCOMM_MOE_COUNT_PAIRS", raising=False)
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4096, 8, 64, 1023, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    shared = {}
+    launch = ep._launch
+
+    def spy(name, p, grid, shared_bytes=0):
+        shared[name] = shared_bytes
+        launch(name, p, grid, shared_bytes)
+
+    monkeypatch.setattr(ep, "_launch", spy)
+    inputs = [make_inputs(71, q, Tm, H, E, K, dtype, "random", 0.1) for q in range(W)]
+    recv, out, y = run_round(ep, inputs, r, "cuda")
+    check_dispatch(recv, inputs, r, W, E, K, dtype)
+    check_combine(y, inputs, r, W, E, K, dtype)
+    assert shared["moe_dispatch_send"] == 4 * (E + Tm * K) and 47 << 10 < 4 * (E + Tm * K) <= 48 << 10, shared
+    assert "moe_dispatch_count" not in shared, shared
+    comm.check()
+
+
 TRANSITS = ["float32", "dtype"]  # combine_dtype: float32, or the ep's own dtype
 
 
