@@ -77,6 +77,12 @@ constexpr int kMoeWarps = kThreads / 32;
 // 0: release/acquire.
 #define MOE_START_RELAXED 1
 #endif
+#ifndef MOE_START_SKIP
+// 1: a capturable send kernel skips waiting at its start barrier when this
+// rank passed the other kind's middle barrier since its previous call of
+// this kind (see free_epoch in MoeSyncState); 0: it always waits.
+#define MOE_START_SKIP 1
+#endif
 #ifndef MOE_COMB_HOIST
 #define MOE_COMB_HOIST 1  // combine send, 16-bit partials: weights shuffled once per pass (0: per pack)
 #endif
@@ -126,15 +132,21 @@ constexpr int kMoeFlagWords = kMoeMidFlagBase + kMoeKinds * kMaxRanks * kMoeSync
 // of that kind's send kernel, so counter[b] + 1 is the current call's epoch,
 // the same for every block and every rank (every rank runs the same calls
 // with a grid it never changes); go is the latest epoch whose start barrier
-// block 0 passed; done is unused (it counted the finished blocks of a send
-// kernel when the last one posted the middle flags). stage_posted counts the send kernels
+// block 0 passed. free_epoch is the epoch of this kind's next send kernel
+// when it needs no start barrier: since this kind's previous send kernel,
+// this rank passed an in-kernel middle barrier of the other kind (that
+// kernel's sync_wait sets it). Each peer posted those middle flags after
+// everything it ran before, so it has finished reading what this call's
+// send kernel overwrites: a combine's partials are read by the previous
+// combine's reduce, which precedes the peer's dispatch send kernel; a
+// dispatch's metadata and staged rows by the previous expand and combine
+// send, which precede the peer's combine send kernel. stage_posted counts the send kernels
 // with kSyncStageGo that passed their start barrier, stage_taken the
 // moe_stage_gate launches (one per such call, on the side stream).
 struct MoeSyncState {
   u64 counter[kMoeSyncBlocks];
   u64 go;
-  u32 done;
-  u32 pad0;
+  u64 free_epoch;
   u64 stage_posted;
   u64 stage_taken;
   u32 pad[8];
@@ -553,11 +565,13 @@ DINLINE u64* moe_mid_flag(u64* flags, int kind, int src, int b) {
 
 // MoeBegin is a send kernel's start-barrier state, one per block (shared
 // memory): the call's epoch, whether a wait gave up, and (block 0) whether
-// go has been released.
+// go has been released, and whether the call skips the start barrier.
 struct MoeBegin {
   u64 epoch;
   int ok;
   int released;
+  int skip;
+  int pad;
 };
 
 // The start barrier of a send kernel (kSyncStart) keeps it from writing into
@@ -594,11 +608,29 @@ DINLINE bool wait_start_flag(const MoeSync& s, int rank, int peer, u64 e) {
                     kPhaseMoeStart, s.kind, e);
 }
 
+// post_go: block 0's thread 0 releases go for epoch e (and x's staging
+// copy, with kSyncStageGo).
+DINLINE void post_go(const MoeSync& s, u64 e) {
+  MoeSyncState* st = s.state + s.kind;
+  st_flag_release(&st->go, e);
+  if (s.mode & kSyncStageGo) st_flag_release(&st->stage_posted, st->stage_posted + 1);  // only here
+}
+
+// release_go: post_go once every peer's start flag is in (seen by other
+// threads of the block before a bar.sync).
+DINLINE void release_go(const MoeSync& s, MoeBegin& sb) {
+  post_go(s, sb.epoch);
+  sb.released = 1;
+}
+
 // sync_enter runs first in every block of a send kernel. It advances the
 // block's call counter (always, whatever the mode: a later call may need
 // it) and, with kSyncStart, block 0 posts the epoch into every peer's start
-// flag (thread t into rank t). Returns false, uniformly in the block, for a
-// grid too large for the counters (then nothing else runs).
+// flag (thread t into rank t). When the state's free_epoch says the call
+// needs no start barrier, block 0 releases go at once and no block waits
+// (the flags still go out: a peer whose own history differs may wait for
+// them). Returns false, uniformly in the block, for a grid too large for
+// the counters (then nothing else runs).
 DINLINE bool sync_enter(const MoeSync& s, int rank, int world, MoeBegin& sb) {
   MoeSyncState* st = s.state + s.kind;
   const int t = (int)threadIdx.x;
@@ -610,7 +642,9 @@ DINLINE bool sync_enter(const MoeSync& s, int rank, int world, MoeBegin& sb) {
     sb.epoch = st->counter[blockIdx.x] + 1;  // only this block touches counter[b]
     st->counter[blockIdx.x] = sb.epoch;
     sb.ok = 1;
-    sb.released = 0;
+    // Written by an earlier kernel (stream order), the same for every block.
+    sb.skip = MOE_START_SKIP && (s.mode & kSyncStart) && st->free_epoch == sb.epoch;
+    sb.released = sb.skip;
   }
   __syncthreads();
   if ((s.mode & kSyncStart) && blockIdx.x == 0 && t < world && t != rank) {
@@ -619,16 +653,8 @@ DINLINE bool sync_enter(const MoeSync& s, int rank, int world, MoeBegin& sb) {
     // order has finished them.
     st_start_flag(moe_flag(s.peer_flags[t], s.kind, kMoeFlagStart, rank), sb.epoch);
   }
+  if (sb.skip && blockIdx.x == 0 && t == 0) post_go(s, sb.epoch);
   return true;
-}
-
-// release_go: block 0's thread 0 once every peer's start flag is in (seen
-// by other threads of the block before a bar.sync).
-DINLINE void release_go(const MoeSync& s, MoeBegin& sb) {
-  MoeSyncState* st = s.state + s.kind;
-  st_flag_release(&st->go, sb.epoch);
-  if (s.mode & kSyncStageGo) st_flag_release(&st->stage_posted, st->stage_posted + 1);  // only here
-  sb.released = 1;
 }
 
 // sync_try_go runs in every thread of every block between a dispatch send
@@ -650,7 +676,7 @@ DINLINE void sync_try_go(const MoeSync& s, int rank, int world, MoeBegin& sb) {
 // when a wait gave up (recorded in the ErrorWord): the block must then
 // write nothing into peers and skip sync_end.
 DINLINE bool sync_go(const MoeSync& s, int rank, int world, MoeBegin& sb) {
-  if (!(s.mode & kSyncStart)) return true;
+  if (!(s.mode & kSyncStart) || sb.skip) return true;  // uniform
   MoeSyncState* st = s.state + s.kind;
   const int t = (int)threadIdx.x;
   if (blockIdx.x == 0) {
@@ -717,6 +743,12 @@ DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
     }
   }
   __syncthreads();
+  if (ok && blockIdx.x == 0 && t == 0) {
+    // Every peer has run all it enqueued before its send kernel of this
+    // call: the other kind's next send kernel needs no start barrier.
+    MoeSyncState* other = s.state + (kMoeKinds - 1 - s.kind);
+    other->free_epoch = other->counter[0] + 1;
+  }
   return ok != 0;
 }
 

@@ -1030,12 +1030,15 @@ def test_back_to_back_calls_with_skewed_ranks(comms, device):
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("call", ["dispatch", "combine"])
-def test_capturable_rank_that_never_arrives(group, monkeypatch, call):
+@pytest.mark.parametrize("before, call, barrier", [("dispatch", "dispatch", "start"), ("combine", "dispatch", "middle"),
+                                                   ("combine", "combine", "start"), ("dispatch", "combine", "middle")])
+def test_capturable_rank_that_never_arrives(group, monkeypatch, before, call, barrier):
     """Capturable calls wait for their peers inside the kernels: when rank 1
     never makes the call, every other rank's kernels give up after
     P2PCOMM_TIMEOUT_MS and the communicator names rank 1, instead of
-    hanging."""
+    hanging. A call that follows the other kind (a dispatch after a
+    combine, a combine after a dispatch) skips its start barrier, so the
+    ranks wait at its middle barrier instead."""
     monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
@@ -1045,18 +1048,21 @@ def test_capturable_rank_that_never_arrives(group, monkeypatch, call):
     inputs = [make_inputs(61, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
     recv, out, y = run_round(ep, inputs, r, "cuda", capturable=True)
     check_combine(y, inputs, r, W, E, K, torch.bfloat16)
+    inp = inputs[r]
+    if before == "dispatch":
+        recv = ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
+        out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
     torch.cuda.synchronize()
     dist.barrier()
     if r != 1:
         start = time.monotonic()
         if call == "dispatch":
-            inp = inputs[r]
             ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
         else:
             ep.combine(out, recv)
         torch.cuda.synchronize()  # the kernels give up after the timeout
         assert time.monotonic() - start < 20
-        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank 1 never arrived at the start barrier of an MoE {call}"):
+        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank 1 never arrived at the {barrier} barrier of an MoE {call}"):
             comm.check()
     dist.barrier()
     comm.close()
