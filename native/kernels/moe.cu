@@ -115,15 +115,20 @@ constexpr int kSyncArriveFirst = 8;  // expand: block 0 posts the middle flags i
                                      // after the send kernel), then waits like kSyncWait
 constexpr int kSyncStageGo = 16;     // dispatch send: block 0 also posts stage_posted once past the
                                      // start barrier (moe_stage_gate releases x's copy on a side stream)
+constexpr int kSyncStaged = 32;      // expand: also wait for every peer's staged flag, which each rank
+                                     // posts once per capturable dispatch: moe_stage_done after x's copy
+                                     // on the side stream, else the send kernel (kSyncPostStaged) or
+                                     // the expand with kSyncArriveFirst
+constexpr int kSyncPostStaged = 64;  // dispatch send: block 0 posts the staged flags with its middle flags
 constexpr int kSyncGridShift = 8;    // mode >> kSyncGridShift: the send kernel's grid (its blocks' middle flags)
 constexpr int kMoeKinds = 2;         // 0: dispatch, 1: combine (also ErrorWord.step)
 constexpr int kMoeDispatch = 0;
 constexpr int kMoeSyncBlocks = 256;  // most blocks of a send kernel (moe.py caps num_sms)
-enum MoeFlag { kMoeFlagStart = 0, kMoeFlagMid = 1 };
+enum MoeFlag { kMoeFlagStart = 0, kMoeFlagStaged = 1 };
 // Flags of one rank (symmetric memory, zeroed), written only by their source
-// and only growing: u64 [kind][MoeFlag][source rank] (start flags; the mid
-// ones unused), then the middle flags, one per send block: u64 [kind][source
-// rank][block].
+// and only growing: u64 [kind][MoeFlag][source rank] (start flags, and the
+// dispatch's staged flags; the combine's unused), then the middle flags,
+// one per send block: u64 [kind][source rank][block].
 constexpr int kMoeMidFlagBase = kMoeKinds * 2 * kMaxRanks;
 constexpr int kMoeFlagWords = kMoeMidFlagBase + kMoeKinds * kMaxRanks * kMoeSyncBlocks;
 
@@ -354,6 +359,7 @@ static_assert(sizeof(MoePostParams::peer_status) + sizeof(void*) + 8 * sizeof(in
 
 // p2pcomm:instantiate moe_post_status
 // p2pcomm:instantiate moe_stage_gate
+// p2pcomm:instantiate moe_stage_done
 // p2pcomm:instantiate moe_dispatch_count<bf16>
 // p2pcomm:instantiate moe_dispatch_count<half16>
 // p2pcomm:instantiate moe_dispatch_count<float>
@@ -706,8 +712,11 @@ DINLINE void sync_end(const MoeSync& s, int rank, int world) {
   const int t = (int)threadIdx.x;
   __syncthreads();
   if (t < world && t != rank) {
-    st_flag_release(moe_mid_flag(s.peer_flags[t], s.kind, rank, (int)blockIdx.x),
-                    s.state[s.kind].counter[blockIdx.x]);
+    const u64 e = s.state[s.kind].counter[blockIdx.x];
+    st_flag_release(moe_mid_flag(s.peer_flags[t], s.kind, rank, (int)blockIdx.x), e);
+    if ((s.mode & kSyncPostStaged) && blockIdx.x == 0) {
+      st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagStaged, rank), e);
+    }
   }
 }
 
@@ -715,7 +724,8 @@ DINLINE void sync_end(const MoeSync& s, int rank, int world) {
 // wrote (expand, reduce): with kSyncWait it returns once every block of
 // every peer's latest send kernel of the kind has posted this rank's epoch
 // (its latest send kernel's, which has finished: stream order) into its
-// middle flag here; with kSyncArriveFirst block 0 posts all of this rank's
+// middle flag here, and with kSyncStaged also every peer's staged flag
+// (moe_stage_done); with kSyncArriveFirst block 0 posts all of this rank's
 // flags first (the sources' rows were staged after the send kernel). False,
 // uniformly in the block, when a wait gave up: the block must then read
 // nothing.
@@ -732,6 +742,7 @@ DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
       const int d = i / G;
       if (d != rank) st_flag_release(moe_mid_flag(s.peer_flags[d], s.kind, rank, i % G), e);
     }
+    if (t < world && t != rank) st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagStaged, rank), e);
   }
   __syncthreads();
   for (int i = t; i < world * G; i += (int)blockDim.x) {
@@ -741,6 +752,11 @@ DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
                    s.kind)) {
       ok = 0;
     }
+  }
+  if ((s.mode & kSyncStaged) && t < world && t != rank &&
+      !wait_flag(waiter_of(s, rank), moe_flag(s.peer_flags[rank], s.kind, kMoeFlagStaged, t), e, t, kPhaseMoeMid,
+                 s.kind)) {
+    ok = 0;
   }
   __syncthreads();
   if (ok && blockIdx.x == 0 && t == 0) {
@@ -768,6 +784,23 @@ __global__ void moe_stage_gate(const MoeDispatchParams p) {
   const u64 e = st->stage_taken + 1;  // only this kernel, in side-stream order, touches it
   st->stage_taken = e;
   wait_flag(outer_waiter(p.sync, p.rank), &st->stage_posted, e, -1, kPhaseMoeStart, kMoeDispatch);
+}
+
+// moe_stage_done runs on one block on the side stream right after the copy
+// of x into xs that moe_stage_gate released: thread t posts the call's
+// epoch into rank t's staged flag, which the expand waits for with the
+// middle flags (kSyncStaged). The send kernel's blocks post their middle
+// flags themselves, so the copy, done long before them at 128 tokens, stays
+// off the expand's path (before, the expand's block 0 posted every flag
+// after the join: a kernel boundary and a round trip more). The epoch is
+// counter[0], which the send kernel's block 0 advanced before it released
+// the gate.
+__global__ void moe_stage_done(const MoeDispatchParams p) {
+  const int t = (int)threadIdx.x;
+  if (blockIdx.x != 0 || t >= p.world || t == p.rank) return;
+  __threadfence_system();  // the copy's writes (finished: stream order) before the flag
+  const u64 e = p.sync.state[kMoeDispatch].counter[0];
+  st_flag_release(moe_flag(p.sync.peer_flags[t], kMoeDispatch, kMoeFlagStaged, p.rank), e);
 }
 
 // ---------------------------------------------------------------- eager argument checks

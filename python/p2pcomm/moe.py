@@ -30,13 +30,18 @@ with the same barriers, buffers and results contract as below:
   reads ``hdr`` once (the host sync) to size the result exactly.
 - Barriers: in capturable calls they are steps inside the kernels (moe.cu
   MoeSync), not barrier kernels: the send kernel's block 0 trades start
-  flags with every peer before any block writes into them, its last block
-  to finish posts the middle flags, and the kernel that reads what peers
-  wrote (expand, reduce) waits for every peer's first. When x must be
-  copied into ``xs``, the copy runs on a side stream once the send
-  kernel's block 0 has passed the start barrier (``moe_stage_gate``; with
-  P2PCOMM_MOE_OVERLAP_STAGE=0 after the send kernel), and the expand
-  kernel, which follows the copy, posts the middle flags itself. Eager
+  flags with every peer before any block writes into them (not needed, and
+  skipped, when this rank has passed the other kind's middle barrier since
+  the previous call of this kind: a dispatch after a combine, a combine
+  after a dispatch), every block posts its middle flags when done, and the
+  kernel that reads what peers wrote (expand, reduce) waits for every
+  peer's first. When x must be copied into ``xs``, the copy runs on a side
+  stream once the send kernel's block 0 has passed the start barrier
+  (``moe_stage_gate``), and ``moe_stage_done`` then posts a staged flag that
+  the expands wait for too (a rank with nothing to copy posts it from its
+  send kernel; with P2PCOMM_MOE_OVERLAP_STAGE=0 the copy runs after the
+  send kernel, and the expand kernel, which follows it, posts both kinds of
+  flags itself). Eager
   calls keep their start barrier kernel (it carries the argument checks)
   and, in dispatch, the middle one (the host reads the counts after it);
   eager combine's middle barrier is in its kernels.
@@ -208,7 +213,7 @@ _COUNT_KERNEL_MIN_PAIRS = 8192
 _SEND_SHARED_MAX = 48 << 10  # moe_dispatch_send's dynamic shared memory with the ids copied in (ids_shared)
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
-_PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate")  # not templated
+_PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate", "moe_stage_done")  # not templated
 _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
 
 
@@ -231,7 +236,8 @@ def kernel_expressions() -> set:
 
 
 # In-kernel barriers (moe.cu MoeSync): mode bits, kinds, flag words per rank, local state bytes.
-_SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO = 1, 2, 4, 8, 16
+_SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO, _SYNC_STAGED, _SYNC_POST_STAGED = \
+    1, 2, 4, 8, 16, 32, 64
 _DISPATCH, _COMBINE = 0, 1
 _MAX_SYNC_BLOCKS = 256
 _SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS + 2 * _MAX_RANKS * _MAX_SYNC_BLOCKS  # start flags, then per-block mid flags
@@ -546,14 +552,14 @@ class ExpertParallel:
         self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts + 8), dtype=torch.int32,
                                       device=dev)
         self._comb_row_map = torch.full((W * Tm, K), -1, dtype=torch.int32, device=dev)  # (source, slot, k) -> row
-        # In-kernel barriers: local state (call counters per send block, go, done; zeroed once) and
+        # In-kernel barriers: local state (call counters per send block, go, free_epoch; zeroed once) and
         # the MoeSync of each (kind, mode), built once: eager calls are bound by host time.
         self._sync_state = torch.zeros(_SYNC_STATE_BYTES // 8, dtype=torch.int64, device=dev)
         signal, err, timeout_ns = self.comm.wait_info()
         flags = _Ptrs(*ptrs(self._sync_flags))
         self._syncs = {}
         for kind in (_DISPATCH, _COMBINE):
-            for mode in range(32):
+            for mode in range(128):
                 self._syncs[kind, mode] = _Sync(peer_flags=flags, state=self._sync_state.data_ptr(), signal=signal,
                                                 err=err, timeout_ns=timeout_ns,
                                                 mode=mode | self._blocks << _SYNC_GRID_SHIFT, kind=kind)
@@ -1020,9 +1026,11 @@ class ExpertParallel:
         (peers may read the previous rows until then): on a side stream, where
         moe_stage_gate waits for the send kernel's block 0 to pass it, so the
         copy overlaps the rest of the send kernel (or, with
-        P2PCOMM_MOE_OVERLAP_STAGE=0, after the send kernel); the expand kernel
-        posts the mid barrier itself when x was staged, else the send kernel's
-        last block has. Eager calls come after _post_status's start barrier
+        P2PCOMM_MOE_OVERLAP_STAGE=0, after the send kernel), and moe_stage_done
+        posts a staged flag after it that every expand waits for besides the
+        send blocks' middle flags (a rank with nothing to copy posts it from
+        its send kernel; without the overlap the expand kernel posts both
+        kinds itself). Eager calls come after _post_status's start barrier
         (their copy of x forks onto the side stream right away when x holds
         at least _EAGER_OVERLAP_BYTES, else runs before the send kernel) and pass
         status, every rank's posted argument check (the send kernel writes
@@ -1045,8 +1053,13 @@ class ExpertParallel:
         # read the previous rows.
         overlap = (staged and self._stage_overlap
                    and (in_kernel or (not capturable and x.numel() * x.element_size() >= _EAGER_OVERLAP_BYTES)))
-        send_mode = _SYNC_START | (0 if staged else _SYNC_ARRIVE) | (_SYNC_STAGE_GO if overlap else 0) \
-            if in_kernel else 0
+        # The send kernel's blocks post the middle flags unless x is copied after it (no overlap). Every
+        # rank posts a staged flag once per call, which every expand waits for, whether or not that rank
+        # copies x (ranks differ: x built in get_dispatch_buffer(), T = 0): moe_stage_done after the
+        # overlapped copy, the send kernel when there is no copy, the expand after a copy that follows
+        # the send kernel.
+        send_mode = _SYNC_START | (_SYNC_ARRIVE if overlap or not staged else 0) \
+            | (_SYNC_STAGE_GO if overlap else 0) | (0 if staged else _SYNC_POST_STAGED) if in_kernel else 0
         counted = problem is None and T > 0 and T * K >= self._count_min_pairs
         # Small batches without the count kernel: the send kernel copies the ids into shared memory
         # first (up to _SEND_SHARED_MAX bytes with its expert counters).
@@ -1073,6 +1086,8 @@ class ExpertParallel:
                 if capturable:
                     self.comm.launch_kernel(_KERNEL_FILE, "moe_stage_gate", p, 1, 32, 0)
                 self._stage(x)
+                if capturable:
+                    self.comm.launch_kernel(_KERNEL_FILE, "moe_stage_done", p, 1, 32, 0)
                 self._join.record(self._side)
             main.wait_event(self._join)  # the rows are staged before the mid barrier
         self._phase("send")
@@ -1084,7 +1099,8 @@ class ExpertParallel:
                 self.comm.stream_barrier()  # mid barrier
             self._phase("mid barrier")
             R = self.max_recv_rows
-            expand_mode = _SYNC_WAIT | (_SYNC_ARRIVE_FIRST if staged else 0) if in_kernel else 0
+            expand_mode = _SYNC_WAIT | _SYNC_STAGED | (_SYNC_ARRIVE_FIRST if staged and not overlap else 0) \
+                if in_kernel else 0
         else:
             self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready
             self._phase("mid barrier")

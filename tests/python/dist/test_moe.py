@@ -372,13 +372,17 @@ def test_int32_ids_and_all_to_one_expert(comms, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("staging", ["in_line", "side_stream"])
+@pytest.mark.parametrize("staging", ["in_line", "side_stream", "capturable"])
 def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
     """x built in ep.get_dispatch_buffer() (no staging copy), x a view at
     another offset inside that buffer (copied out first), and a plain x
-    again: each round matches the reference, rows and combine. Eager GPU
-    calls copy x into the staging buffer on the caller's stream below a
-    size and on a side stream from it: both, whatever the size here."""
+    again, each rank in its own order, so that in every round some ranks
+    copy x and others do not (and one has no tokens): each round matches
+    the reference, rows and combine. Eager GPU calls copy x into the
+    staging buffer on the caller's stream below a size and on a side stream
+    from it: both, whatever the size here; capturable ones on the side
+    stream, where the ranks that copy post their staged flags after it."""
+    capturable = staging == "capturable"
     monkeypatch.setattr(p2pcomm.moe, "_EAGER_OVERLAP_BYTES", 0 if staging == "side_stream" else 1 << 62)
     comm = comms(device)
     W, r = comm.world_size, comm.rank
@@ -397,7 +401,9 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
         ep.get_dispatch_buffer(Tm + 1)
     assert ep.get_dispatch_buffer().shape == (Tm, H) and ep.get_dispatch_buffer(0).shape == (0, H)
     sizes = [0 if q == W - 1 else Tm - 3 * q for q in range(W)]
-    for seed, where in ((31, "buffer"), (32, "inside"), (33, "plain"), (34, "buffer")):
+    wheres = ("buffer", "inside", "plain", "buffer")
+    for i, seed in enumerate((31, 32, 33, 34)):
+        where = wheres[(i + r) % len(wheres)]
         inputs = [make_inputs(seed, q, sizes[q], H, E, K, dtype, "random", 0.1) for q in range(W)]
         inp, T = inputs[r], sizes[r]
         if where == "buffer":
@@ -410,14 +416,14 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
             x.copy_(inp.x.to(device))
         else:
             x = inp.x.to(device)
-        recv = ep.dispatch(x, inp.idx.to(device), inp.w.to(device))
-        check_dispatch(recv, inputs, r, W, E, K, dtype)
+        recv = ep.dispatch(x, inp.idx.to(device), inp.w.to(device), capturable=capturable)
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=capturable)
         y = ep.combine(expert_fn(recv.x, recv.local_expert, recv.src_rank), recv)
         check_combine(y, inputs, r, W, E, K, dtype)
         if where == "buffer":
             assert torch.equal(x.cpu().view(torch.uint8), inp.x.view(torch.uint8)), "dispatch changed x"
     if ep.uses_kernels and sizes[r]:  # copies of "plain", and of "inside" unless x is the whole buffer
-        assert side_copies == [staging == "side_stream"] * (1 + (sizes[r] < Tm)), side_copies
+        assert side_copies == [staging != "in_line"] * (1 + (sizes[r] < Tm)), side_copies
 
 
 def capture_step(ep, static_x, first, rank):
@@ -1062,7 +1068,8 @@ def test_capturable_rank_that_never_arrives(group, monkeypatch, before, call, ba
             ep.combine(out, recv)
         torch.cuda.synchronize()  # the kernels give up after the timeout
         assert time.monotonic() - start < 20
-        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank 1 never arrived at the {barrier} barrier of an MoE {call}"):
+        want = f"rank 1 never arrived at the {barrier} barrier of an MoE {call}"
+        with pytest.raises(p2pcomm.PeerTimeoutError, match=want):
             comm.check()
     dist.barrier()
     comm.close()
