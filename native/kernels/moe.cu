@@ -101,13 +101,15 @@ static_assert(kMoeUnroll >= 1, "MOE_UNROLL");
 // ---------------------------------------------------------------- in-kernel barriers
 // Capturable calls need no barrier kernels: the kernel that writes into
 // peers (moe_dispatch_send, moe_combine_send) runs the start barrier itself
-// (kSyncStart) and, once its last block has finished, tells every peer
-// (kSyncArrive); the kernel that reads what peers wrote (expand, reduce)
-// first waits for every peer's word (kSyncWait). A barrier kernel cost
-// ~7-10 us of launch, fence and round trip; here the start barrier is one
-// round trip by block 0 and the middle one mostly overlaps the kernel
-// boundary. Eager calls keep their start barrier kernel (it also carries
-// the argument checks) and use kSyncArrive / kSyncWait for combine.
+// (kSyncStart; skipped after the other kind's middle barrier, see
+// free_epoch) and each of its blocks, once done, posts its middle flag
+// into every peer (kSyncArrive); the kernel that reads what peers wrote
+// (expand, reduce) first waits for every peer's flags (kSyncWait). A
+// barrier kernel cost ~7-10 us of launch, fence and round trip; here the
+// start barrier is at most one round trip by block 0 and the middle one
+// mostly overlaps the kernel boundary. Eager calls keep their start barrier
+// kernel (it also carries the argument checks) and use kSyncArrive /
+// kSyncWait for combine.
 constexpr int kSyncStart = 1;        // send kernels: barrier with every peer before writing into them
 constexpr int kSyncArrive = 2;       // send kernels: every block posts its middle flags when done
 constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
@@ -144,8 +146,9 @@ constexpr int kMoeFlagWords = kMoeMidFlagBase + kMoeKinds * kMaxRanks * kMoeSync
 // everything it ran before, so it has finished reading what this call's
 // send kernel overwrites: a combine's partials are read by the previous
 // combine's reduce, which precedes the peer's dispatch send kernel; a
-// dispatch's metadata and staged rows by the previous expand and combine
-// send, which precede the peer's combine send kernel. stage_posted counts the send kernels
+// dispatch's metadata, hdr and staged rows by the previous expand (which
+// precedes the peer's combine send kernel) and combine sends (each of whose
+// blocks posts its middle flag after its reads). stage_posted counts the send kernels
 // with kSyncStageGo that passed their start barrier, stage_taken the
 // moe_stage_gate launches (one per such call, on the side stream).
 struct MoeSyncState {
@@ -182,8 +185,8 @@ struct MoeSync {
 static_assert(sizeof(MoeSync) == 104, "MoeSync size");
 static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) == 104, "MoeSync fields");
 
-// MoeDispatchParams is the argument of moe_dispatch_count, moe_dispatch_send
-// and moe_stage_gate.
+// MoeDispatchParams is the argument of moe_dispatch_count, moe_dispatch_send,
+// moe_stage_gate and moe_stage_done.
 //
 //   offset size field
 //   0      64   peer_meta[8]    each rank's meta

@@ -240,7 +240,7 @@ _SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO, _SYNC
     1, 2, 4, 8, 16, 32, 64
 _DISPATCH, _COMBINE = 0, 1
 _MAX_SYNC_BLOCKS = 256
-_SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS + 2 * _MAX_RANKS * _MAX_SYNC_BLOCKS  # start flags, then per-block mid flags
+_SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS + 2 * _MAX_RANKS * _MAX_SYNC_BLOCKS  # start, staged, per-block mid flags
 _SYNC_STATE_BYTES = 2 * 2112
 _SYNC_GRID_SHIFT = 8  # mode >> it: the send kernels' grid, whose blocks' middle flags the waiters read
 
@@ -657,7 +657,10 @@ class ExpertParallel:
           in ``recv.num_rows``; expert ids outside [0, E) are treated as -1
           (not checked); shapes and dtypes are still checked, but a rank
           that fails them raises alone and its peers time out in the next
-          barrier. Every rank must pass the same mode.
+          barrier (the middle one when the call follows a combine, which
+          skips the start barrier: the peers' metadata then reaches the
+          failed rank, whose latest result is no longer valid). Every rank
+          must pass the same mode.
 
         Returns a :class:`DispatchResult`. Work is ordered on the current
         CUDA stream; inputs are not modified (except a view of x inside
@@ -812,10 +815,12 @@ class ExpertParallel:
         (a stale ``recv`` included) raises its error and every other rank
         raises MismatchError, all still usable.
         Capturable never syncs: a rank with bad arguments raises alone, before
-        any barrier, and its peers time out in the start barrier
-        (PeerTimeoutError after P2PCOMM_TIMEOUT_MS); the argument checks are
-        host-side and run when the call is made (or captured), not on graph
-        replays.
+        any barrier, and its peers time out (PeerTimeoutError after
+        P2PCOMM_TIMEOUT_MS): in the middle barrier when the call follows a
+        dispatch, which skips the start barrier (their partials reach the
+        failed rank, which has given up anyway), else in the start barrier;
+        the argument checks are host-side and run when the call is made (or
+        captured), not on graph replays.
 
         Under ``torch.compile`` the call is the custom op
         ``torch.ops.p2pcomm.moe_combine``: it names its dispatch by
@@ -1125,8 +1130,8 @@ class ExpertParallel:
     def _combine_kernels(self, expert_out: torch.Tensor, recv: DispatchResult, status: Optional[torch.Tensor] = None,
                          problem: Optional[P2PCommError] = None) -> torch.Tensor:
         """combine on the kernel path: moe_combine_send puts partials
-        (float32 or dtype: combine_dtype) into the sources' comb, its last
-        block posts the mid barrier's flags, and moe_combine_reduce waits for
+        (float32 or dtype: combine_dtype) into the sources' comb, each of its
+        blocks posts its mid barrier flags, and moe_combine_reduce waits for
         every peer's, then sums the partials here (moe.cu MoeSync). The start
         barrier is the send kernel's own in capturable calls; eager calls
         come after _post_status's start barrier kernel and pass status and
