@@ -657,10 +657,10 @@ class ExpertParallel:
           in ``recv.num_rows``; expert ids outside [0, E) are treated as -1
           (not checked); shapes and dtypes are still checked, but a rank
           that fails them raises alone and its peers time out in the next
-          barrier (the middle one when the call follows a combine, which
-          skips the start barrier: the peers' metadata then reaches the
-          failed rank, whose latest result is no longer valid). Every rank
-          must pass the same mode.
+          barrier (the middle one when the call follows a combine, since
+          the peers' calls then skip the start barrier: their metadata
+          reaches the failed rank, whose latest result is no longer valid).
+          Every rank must pass the same mode.
 
         Returns a :class:`DispatchResult`. Work is ordered on the current
         CUDA stream; inputs are not modified (except a view of x inside
