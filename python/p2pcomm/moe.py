@@ -238,6 +238,7 @@ def kernel_expressions() -> set:
 # In-kernel barriers (moe.cu MoeSync): mode bits, kinds, flag words per rank, local state bytes.
 _SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO, _SYNC_STAGED, _SYNC_POST_STAGED = \
     1, 2, 4, 8, 16, 32, 64
+_SYNC_MODES = 2 * _SYNC_POST_STAGED  # every combination of the bits above (a MoeSync built for each)
 _DISPATCH, _COMBINE = 0, 1
 _MAX_SYNC_BLOCKS = 256
 _SYNC_FLAG_WORDS = 2 * 2 * _MAX_RANKS + 2 * _MAX_RANKS * _MAX_SYNC_BLOCKS  # start, staged, per-block mid flags
@@ -559,7 +560,7 @@ class ExpertParallel:
         flags = _Ptrs(*ptrs(self._sync_flags))
         self._syncs = {}
         for kind in (_DISPATCH, _COMBINE):
-            for mode in range(128):
+            for mode in range(_SYNC_MODES):
                 self._syncs[kind, mode] = _Sync(peer_flags=flags, state=self._sync_state.data_ptr(), signal=signal,
                                                 err=err, timeout_ns=timeout_ns,
                                                 mode=mode | self._blocks << _SYNC_GRID_SHIFT, kind=kind)

@@ -64,8 +64,12 @@ def test_sync_constants_match():
     """The in-kernel barriers' constants moe.py allocates and passes by."""
     src = MOE_CU.read_text()
     const = lambda name: int(re.search(rf"constexpr int {name} = (\d+);", src).group(1))  # noqa: E731
-    assert [const(n) for n in ("kSyncStart", "kSyncArrive", "kSyncWait", "kSyncArriveFirst", "kSyncStageGo")] == [
-        moe._SYNC_START, moe._SYNC_ARRIVE, moe._SYNC_WAIT, moe._SYNC_ARRIVE_FIRST, moe._SYNC_STAGE_GO]
+    names = ("kSyncStart", "kSyncArrive", "kSyncWait", "kSyncArriveFirst", "kSyncStageGo", "kSyncStaged",
+             "kSyncPostStaged")
+    bits = [moe._SYNC_START, moe._SYNC_ARRIVE, moe._SYNC_WAIT, moe._SYNC_ARRIVE_FIRST, moe._SYNC_STAGE_GO,
+            moe._SYNC_STAGED, moe._SYNC_POST_STAGED]
+    assert [const(n) for n in names] == bits
+    assert moe._SYNC_MODES == 2 * max(bits) <= 1 << moe._SYNC_GRID_SHIFT  # every combination, under the grid
     assert const("kMoeKinds") == 2 and const("kMoeSyncBlocks") == moe._MAX_SYNC_BLOCKS
     state = int(re.search(r"static_assert\(sizeof\(MoeSyncState\) == (\d+)", src).group(1))
     assert const("kMoeKinds") * state == moe._SYNC_STATE_BYTES
