@@ -146,7 +146,9 @@ def compile_moe(nvrtc, arch: int) -> tuple:
 
 
 def ptxas_report(log: str, lowered: dict) -> dict:
-    """{expression: (registers, spill store bytes, spill load bytes, stack bytes)} from ptxas -v."""
+    """{expression: (registers, spill store bytes, spill load bytes, stack bytes)} from ptxas -v. Spills
+    and stack frames add up over the kernel and the functions it calls (__noinline__), whose
+    properties ptxas prints under the kernel's entry."""
     by_name = {v: k for k, v in lowered.items()}
     out, current = {}, None
     for line in log.splitlines():
@@ -156,7 +158,8 @@ def ptxas_report(log: str, lowered: dict) -> dict:
             continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m and current:
-            out.setdefault(current, [None, 0, 0, 0])[1:] = [int(m.group(2)), int(m.group(3)), int(m.group(1))]
+            r = out.setdefault(current, [None, 0, 0, 0])
+            r[1:] = [r[1] + int(m.group(2)), r[2] + int(m.group(3)), r[3] + int(m.group(1))]
         m = re.search(r"Used (\d+) registers", line)
         if m and current:
             out.setdefault(current, [None, 0, 0, 0])[0] = int(m.group(1))
