@@ -63,8 +63,10 @@ constexpr int kMoeWarps = kThreads / 32;
 #endif
 #ifndef MOE_PROFILE
 // 1: thread 0 of every count and send block stamps %globaltimer (low 32
-// bits) after each step into the stamp rows after pair_rank's scratch
-// (tools/moe_send_profile.py reads them); 0: no stamps (the default).
+// bits) after each step into the stamp rows after pair_rank's scratch, and
+// of every expand block into the last [G][8] words of out_info (unused
+// rows of a capturable call's; tools/moe_send_profile.py reads both); 0:
+// no stamps (the default).
 #define MOE_PROFILE 0
 #endif
 #ifndef MOE_COMB_INTERLEAVE
@@ -1129,6 +1131,18 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
 // cut into pieces, one warp each, when the grid has more warps than
 // received rows). Items go slot-major, sources rotated (see slot_major).
 // Block 0 writes expert_counts and R. Dynamic shared memory: 4 * (W + 1) * L bytes.
+// expand_stamp records step i of this expand block (MOE_PROFILE): 0 start,
+// 1 past sync_wait, 2 bases scanned, 3 every warp of the block done.
+DINLINE void expand_stamp(const MoeExpandParams& p, int i) {
+#if MOE_PROFILE
+  if (i == 3) __syncthreads();
+  if (threadIdx.x == 0) {
+    u32* row = (u32*)(p.out_info + 4 * p.row_cap) - (i64)gridDim.x * 8;
+    row[blockIdx.x * 8 + i] = (u32)global_timer_ns();
+  }
+#endif
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpandParams p) {
   extern __shared__ int sh[];  // tot[L] (then expert bases) | base[W][L]
@@ -1138,7 +1152,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   const int L = p.num_local, W = p.world, K = p.topk, Tm = p.max_tokens;
   int* tot = sh;
   int* base = sh + L;
+  expand_stamp(p, 0);
   if (!sync_wait(p.sync, p.rank, W)) return;
+  expand_stamp(p, 1);
   for (int e = tid; e < L; e += (int)blockDim.x) {
     int acc = 0;
     for (int s = 0; s < W; ++s) {
@@ -1153,6 +1169,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   if (blockIdx.x == 0 && tid == 0) p.expert_counts[L] = R;
   for (int i = tid; i < W * L; i += (int)blockDim.x) base[i] += tot[i % L];
   __syncthreads();
+  expand_stamp(p, 2);
 
   const int MW = 3 * K + 1;
   const i64 row_bytes = (i64)p.hidden * (i64)sizeof(T);
@@ -1211,6 +1228,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
       }
     }
   }
+  expand_stamp(p, 3);
 }
 
 // ---------------------------------------------------------------- combine
