@@ -61,6 +61,17 @@ constexpr int kMoeWarps = kThreads / 32;
 #ifndef MOE_NC_LOADS
 #define MOE_NC_LOADS 0  // 1: rows read through ld.global.nc (see ld_v16_stable); 0: ld.global.cg (measured faster: dispatch 1161 vs 1290 us in a graph, 4096 tokens)
 #endif
+#ifndef MOE_EXPAND_DYNAMIC
+// 1: the expand's warps take work units (row pieces) from a shared counter
+// as they finish the previous one; 0: unit u goes to warp u mod the grid's
+// warps, whatever the units cost (rows with more local experts take more
+// stores, rows from this rank no NVLink reads). 2 x H200, graph, x in the
+// buffer: dispatch 418 -> 386 us at 4096 tokens, 34.6 -> 32.5 at 128.
+#define MOE_EXPAND_DYNAMIC 1
+#endif
+#ifndef MOE_COMB_DYNAMIC
+#define MOE_COMB_DYNAMIC 1  // the same for the combine's send kernel (combine 580 -> 524 us, 4096)
+#endif
 #ifndef MOE_PROFILE
 // 1: thread 0 of every count and send block stamps %globaltimer (low 32
 // bits) after each step into the stamp rows after pair_rank's scratch, and
@@ -153,13 +164,19 @@ constexpr int kMoeFlagWords = kMoeMidFlagBase + kMoeKinds * kMaxRanks * kMoeSync
 // blocks posts its middle flag after its reads). stage_posted counts the send kernels
 // with kSyncStageGo that passed their start barrier, stage_taken the
 // moe_stage_gate launches (one per such call, on the side stream).
+// work[e & 1] is the next work unit of call e (epoch e) for the kernel that
+// hands its units out as warps free up (take_unit: the dispatch's expand,
+// the combine's send kernel); the send kernel of call e zeroes work[(e + 1)
+// & 1] at its start, after call e - 1 is done with it (stream order) and
+// before call e + 1 uses it.
 struct MoeSyncState {
   u64 counter[kMoeSyncBlocks];
   u64 go;
   u64 free_epoch;
   u64 stage_posted;
   u64 stage_taken;
-  u32 pad[8];
+  u32 work[2];
+  u32 pad[6];
 };
 static_assert(sizeof(MoeSyncState) == 2112, "MoeSyncState size (moe.py _SYNC_STATE_BYTES / kMoeKinds)");
 
@@ -656,6 +673,7 @@ DINLINE bool sync_enter(const MoeSync& s, int rank, int world, MoeBegin& sb) {
     // Written by an earlier kernel (stream order), the same for every block.
     sb.skip = MOE_START_SKIP && (s.mode & kSyncStart) && st->free_epoch == sb.epoch;
     sb.released = sb.skip;
+    if (blockIdx.x == 0) st->work[(sb.epoch + 1) & 1] = 0;  // for the next call (see MoeSyncState)
   }
   __syncthreads();
   if ((s.mode & kSyncStart) && blockIdx.x == 0 && t < world && t != rank) {
@@ -1120,17 +1138,14 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
   prof_stamp(p, 7);
 }
 
-// moe_dispatch_expand runs on the destination after the mid barrier (a
-// barrier kernel, or sync_wait here). Every
-// block computes, from hdr, each (source, local expert)'s first output row:
-// experts in order, then sources in order; the sender's pair ranks place
-// each pair within that run, so row order is (local expert, source, token,
-// k). One warp per received (source, slot) writes its rows' metadata and
-// reads the token row from the source's xs (over NVLink: a pull, so no
-// received copy lands here first) and stores it once per valid k (rows are
-// cut into pieces, one warp each, when the grid has more warps than
-// received rows). Items go slot-major, sources rotated (see slot_major).
-// Block 0 writes expert_counts and R. Dynamic shared memory: 4 * (W + 1) * L bytes.
+// take_unit: the next work unit for the calling warp, from the call's
+// shared counter (MoeSyncState.work; MOE_EXPAND_DYNAMIC, MOE_COMB_DYNAMIC).
+DINLINE i64 take_unit(u32* work) {
+  u32 u = 0;
+  if ((threadIdx.x & 31) == 0) u = atomicAdd(work, 1u);
+  return (i64)__shfl_sync(~0u, u, 0);
+}
+
 // expand_stamp records step i of this expand block (MOE_PROFILE): 0 start,
 // 1 past sync_wait, 2 bases scanned, 3 every warp of the block done.
 DINLINE void expand_stamp(const MoeExpandParams& p, int i) {
@@ -1143,6 +1158,18 @@ DINLINE void expand_stamp(const MoeExpandParams& p, int i) {
 #endif
 }
 
+// moe_dispatch_expand runs on the destination after the mid barrier (a
+// barrier kernel, or sync_wait here). Every
+// block computes, from hdr, each (source, local expert)'s first output row:
+// experts in order, then sources in order; the sender's pair ranks place
+// each pair within that run, so row order is (local expert, source, token,
+// k). One warp per received (source, slot) writes its rows' metadata and
+// reads the token row from the source's xs (over NVLink: a pull, so no
+// received copy lands here first) and stores it once per valid k (rows are
+// cut into pieces, one warp each, when the grid has more warps than
+// received rows). Items go slot-major, sources rotated (see slot_major),
+// each warp taking the next unit as it finishes one (take_unit).
+// Block 0 writes expert_counts and R. Dynamic shared memory: 4 * (W + 1) * L bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpandParams p) {
   extern __shared__ int sh[];  // tot[L] (then expert bases) | base[W][L]
@@ -1182,7 +1209,12 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   const i64 gwarps = (i64)gridDim.x * nw;
   const int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, packs, 32 * kMoeUnroll);
   char* out = (char*)p.out_x;
-  for (i64 unit = (i64)blockIdx.x * nw + warp; unit < orders * parts; unit += gwarps) {
+  MoeSyncState* const st = p.sync.state + kMoeDispatch;
+  u32* const work = &st->work[st->counter[0] & 1];  // this call's (its send kernel's epoch)
+  i64 next = MOE_EXPAND_DYNAMIC ? take_unit(work) : (i64)blockIdx.x * nw + warp;
+  for (i64 unit = next; unit < orders * parts; unit = next) {
+    // The following unit's atomic goes out now, under this unit's copy.
+    next = MOE_EXPAND_DYNAMIC ? take_unit(work) : unit + gwarps;
     const int part = (int)(unit % parts);
     int s, slot;
     slot_major(unit / parts, W, p.rank, s, slot);
@@ -1436,9 +1468,10 @@ DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_by
 // of it, when the grid has more warps than items). Items go slot-major with
 // sources rotated by rank (see slot_major): in source-major order every
 // expert rank wrote into the same source at once, and that one rank's
-// NVLink ingress bounded the whole exchange.
+// NVLink ingress bounded the whole exchange. Each warp takes the next unit
+// from work (this call's counter) as it finishes one.
 template <typename T, typename C>
-DINLINE void combine_send_body(const MoeCombineParams& p) {
+DINLINE void combine_send_body(const MoeCombineParams& p, u32* work) {
   static_assert(Transit<T, C>::kOk, "combine transit is float or T");
   constexpr int P = PackOf<T>::kElems;
   const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = (int)blockDim.x >> 5;
@@ -1457,7 +1490,9 @@ DINLINE void combine_send_body(const MoeCombineParams& p) {
 #if MOE_COMB_PULL
   C* const mine = (C*)pick(p.peer_comb, p.rank);
 #endif
-  for (int unit = (int)blockIdx.x * nw + warp; unit < orders * parts; unit += gwarps) {
+  int next = MOE_COMB_DYNAMIC ? (int)take_unit(work) : (int)blockIdx.x * nw + warp;
+  for (int unit = next; unit < orders * parts; unit = next) {
+    next = MOE_COMB_DYNAMIC ? (int)take_unit(work) : unit + gwarps;  // the atomic under this unit
     const int order = unit / parts;
     const int part = unit % parts;
 #if MOE_COMB_INTERLEAVE
@@ -1501,7 +1536,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   // under its round trip, but doing them first took the NVLink pushes' overlap
   // with local work away (combine 705-711 -> 768-775 us at 4096 tokens).
   if (!sync_enter(p.sync, p.rank, p.world, sb) || !sync_go(p.sync, p.rank, p.world, sb)) return;
-  if (!any_rejected(p.status, p.world)) combine_send_body<T, C>(p);  // uniform: else nothing reaches the sources
+  if (!any_rejected(p.status, p.world)) {  // uniform: else nothing reaches the sources
+    combine_send_body<T, C>(p, &p.sync.state[p.sync.kind].work[sb.epoch & 1]);
+  }
   sync_end(p.sync, p.rank, p.world);
 }
 
