@@ -1147,13 +1147,19 @@ DINLINE i64 take_unit(u32* work) {
 }
 
 // expand_stamp records step i of this expand block (MOE_PROFILE): 0 start,
-// 1 past sync_wait, 2 bases scanned, 3 every warp of the block done.
-DINLINE void expand_stamp(const MoeExpandParams& p, int i) {
+// 1 past sync_wait, 2 bases scanned, 3 every warp of the block done. Step 3
+// writes them, only where the rows leave the last 8 G weights unused
+// (capturable calls' row_cap; an eager call's info is exact).
+DINLINE void expand_stamp(const MoeExpandParams& p, int i, i64 rows = 0) {
 #if MOE_PROFILE
+  __shared__ u32 st[4];
   if (i == 3) __syncthreads();
   if (threadIdx.x == 0) {
-    u32* row = (u32*)(p.out_info + 4 * p.row_cap) - (i64)gridDim.x * 8;
-    row[blockIdx.x * 8 + i] = (u32)global_timer_ns();
+    st[i] = (u32)global_timer_ns();
+    if (i == 3 && rows + (i64)gridDim.x * 8 <= p.row_cap) {
+      u32* row = (u32*)(p.out_info + 4 * p.row_cap) - (i64)gridDim.x * 8;
+      for (int j = 0; j < 4; ++j) row[blockIdx.x * 8 + j] = st[j];
+    }
   }
 #endif
 }
@@ -1260,7 +1266,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
       }
     }
   }
-  expand_stamp(p, 3);
+  expand_stamp(p, 3, R);
 }
 
 // ---------------------------------------------------------------- combine
