@@ -94,7 +94,7 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration) (collecti
 		return nil, err
 	}
 	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks),
-		NVRTCOptions: strings.Fields(cfg.Env["P2PCOMM_NVRTC_OPTIONS"])}
+		NVRTCOptions: strings.Fields(cfg.Env["P2PCOMM_NVRTC_OPTIONS"]), ShareGPUs: cfg.Env["P2PCOMM_SHARE_GPUS"] == "1"}
 	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {
 		algo, ok := collective.ParseAlgorithm(name)
 		if !ok {

@@ -27,6 +27,7 @@ type Options struct {
 	ForceAlgo    collective.Algorithm
 	MaxBlocks    int      // grid limit, 1..128 (default 128)
 	NVRTCOptions []string // extra options for the kernels, e.g. -DP2P_UNROLL=4
+	ShareGPUs    bool     // several ranks on one GPU (tests only; see symm.Options)
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -79,7 +80,7 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 	if err = bootstrap.Agree(bs, err); err != nil {
 		return nil, err
 	}
-	space, err := symm.New(drv, bs, device)
+	space, err := symm.New(drv, bs, device, symm.Options{ShareGPUs: opts.ShareGPUs})
 	if err != nil {
 		return nil, err
 	}

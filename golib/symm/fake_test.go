@@ -229,11 +229,11 @@ func (d *fakeDriver) MemFreeHost(host unsafe.Pointer) error {
 // runRanks runs f on size goroutine ranks, each with its own fake driver,
 // and returns each rank's error.
 func runRanks(size int, setup func(*fakeDriver), f func(rank int, s *Space, d *fakeDriver) error) []error {
-	return runRanksOn(size, func(r int) int { return r }, setup, f)
+	return runRanksOn(size, func(r int) int { return r }, Options{}, setup, f)
 }
 
-// runRanksOn is runRanks with rank r on GPU device(r).
-func runRanksOn(size int, device func(int) int, setup func(*fakeDriver), f func(rank int, s *Space, d *fakeDriver) error) []error {
+// runRanksOn is runRanks with rank r on GPU device(r), and New's options.
+func runRanksOn(size int, device func(int) int, opts Options, setup func(*fakeDriver), f func(rank int, s *Space, d *fakeDriver) error) []error {
 	w := newWorld(size)
 	errs := make([]error, size)
 	var wg sync.WaitGroup
@@ -245,7 +245,7 @@ func runRanksOn(size int, device func(int) int, setup func(*fakeDriver), f func(
 			if setup != nil {
 				setup(d)
 			}
-			s, err := New(d, &fakeBootstrap{w: w, rank: r}, device(r))
+			s, err := New(d, &fakeBootstrap{w: w, rank: r}, device(r), opts)
 			if err != nil {
 				errs[r] = err
 				return

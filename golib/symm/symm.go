@@ -98,14 +98,24 @@ type Space struct {
 	closed  bool
 }
 
+// Options changes what New accepts.
+type Options struct {
+	// ShareGPUs lets several ranks use one GPU. It exists to test world
+	// sizes larger than the GPUs at hand, and needs MPS: without it the
+	// ranks' kernels take turns on the GPU, and a kernel that waits for a
+	// peer's can spin through its whole time slice.
+	ShareGPUs bool
+}
+
 // New creates the Space of this rank on the GPU with the given ordinal
 // (which must be the current context's device or have none current). It is
 // collective: ranks exchange GPU UUIDs and PCI ids, and every rank fails
-// with status.PeerUnavailable if two ranks share a GPU or any pair of GPUs
+// with status.PeerUnavailable if two ranks share a GPU (unless
+// opts.ShareGPUs) or any pair of GPUs
 // visible to one process cannot access each other. A peer whose GPU this
 // process cannot see is noted (LocalOrdinal -1); mapping its memory then
 // relies on IPC.
-func New(drv Driver, bs bootstrap.Bootstrap, device int) (*Space, error) {
+func New(drv Driver, bs bootstrap.Bootstrap, device int, opts Options) (*Space, error) {
 	s := &Space{drv: drv, bs: bs, device: device, rank: bs.Rank(), size: bs.Size(), opened: map[openKey]uintptr{}}
 	if s.size > MaxRanks {
 		return nil, status.Errorf(status.Unsupported, "symmetric memory spans at most %d ranks, got %d", MaxRanks, s.size)
@@ -118,7 +128,7 @@ func New(drv Driver, bs bootstrap.Bootstrap, device int) (*Space, error) {
 	if err != nil {
 		return nil, fmt.Errorf("exchange GPU ids: %w", err)
 	}
-	err = s.mapPeers(recs)
+	err = s.mapPeers(recs, opts.ShareGPUs)
 	if err = s.agree(err); err != nil {
 		return nil, err
 	}
@@ -145,7 +155,7 @@ func (s *Space) describeSelf() ([]byte, error) {
 }
 
 // mapPeers finds each peer's GPU among the visible ones and checks access.
-func (s *Space) mapPeers(recs [][]byte) error {
+func (s *Space) mapPeers(recs [][]byte, shareGPUs bool) error {
 	visible := map[[16]byte]int{}
 	n, err := s.drv.DeviceCount()
 	if err != nil {
@@ -178,10 +188,11 @@ func (s *Space) mapPeers(recs [][]byte) error {
 	// (8 ranks on 4 H200s), the MoE tests' barriers timed out and reported
 	// mismatches after P2PCOMM_TIMEOUT_MS instead of saying why.
 	for a := range s.peers {
-		for b := a + 1; b < len(s.peers); b++ {
+		for b := a + 1; b < len(s.peers) && !shareGPUs; b++ {
 			if s.peers[a].UUID == s.peers[b].UUID {
 				return status.Errorf(status.PeerUnavailable,
-					"ranks %d and %d are both on GPU %s: p2pcomm needs one GPU per rank", a, b, s.peers[a].BusID)
+					"ranks %d and %d are both on GPU %s: p2pcomm needs one GPU per rank "+
+						"(P2PCOMM_SHARE_GPUS=1 lets tests share one, under MPS)", a, b, s.peers[a].BusID)
 			}
 		}
 	}

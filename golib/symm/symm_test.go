@@ -49,7 +49,7 @@ func TestNewPeerUnavailable(t *testing.T) {
 // TestNewRanksSharingAGPU puts ranks r and r+2 on GPU r of 2: every rank
 // fails with PeerUnavailable naming the first pair.
 func TestNewRanksSharingAGPU(t *testing.T) {
-	errs := runRanksOn(4, func(r int) int { return r % 2 }, nil, func(int, *Space, *fakeDriver) error { return nil })
+	errs := runRanksOn(4, func(r int) int { return r % 2 }, Options{}, nil, func(int, *Space, *fakeDriver) error { return nil })
 	for r, err := range errs {
 		if status.CodeOf(err) != status.PeerUnavailable || !strings.Contains(err.Error(), "ranks 0 and 2 are both on GPU") {
 			t.Errorf("rank %d: New() = %v, want PeerUnavailable naming ranks 0 and 2", r, err)
@@ -57,9 +57,26 @@ func TestNewRanksSharingAGPU(t *testing.T) {
 	}
 }
 
+// TestNewRanksSharingAGPUWhenAllowed: with ShareGPUs the same layout maps
+// every peer, ranks r and r+2 on the same ordinal.
+func TestNewRanksSharingAGPUWhenAllowed(t *testing.T) {
+	errs := runRanksOn(4, func(r int) int { return r % 2 }, Options{ShareGPUs: true}, nil,
+		func(rank int, s *Space, d *fakeDriver) error {
+			for r, p := range s.Peers() {
+				if p.Rank != r || p.LocalOrdinal != r%2 {
+					return fmt.Errorf("Peers()[%d] = %+v, want rank %d on GPU %d", r, p, r, r%2)
+				}
+			}
+			return s.Close()
+		})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestNewTooManyRanks(t *testing.T) {
 	w := newWorld(MaxRanks + 1)
-	_, err := New(newFakeDriver(0), &fakeBootstrap{w: w, rank: 0}, 0)
+	_, err := New(newFakeDriver(0), &fakeBootstrap{w: w, rank: 0}, 0, Options{})
 	if status.CodeOf(err) != status.Unsupported {
 		t.Errorf("New with %d ranks = %v, want Unsupported", MaxRanks+1, err)
 	}

@@ -501,7 +501,9 @@ def plot(path: str, header: list[str], rows: list[Row]) -> Optional[str]:
 
 
 def bench_allreduce(args) -> int:
-    device = torch.device(args.device if args.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    from .communicator import local_cuda_index
+
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{local_cuda_index()}")
     init_distributed(device)
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = _DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .bench import _DTYPES, header_lines, init_distributed, md_table, say
+from .communicator import local_cuda_index
 
 
 @dataclasses.dataclass
@@ -436,7 +437,7 @@ def bench_moe(args) -> int:
 
 
 def _bench_moe(args) -> int:
-    device = torch.device(args.device if args.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{local_cuda_index()}")
     init_distributed(device)
     from .communicator import Communicator
 

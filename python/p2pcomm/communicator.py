@@ -74,11 +74,22 @@ def _parse_algorithm(algorithm) -> int:
     raise UnsupportedError(f"unknown algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
 
 
+def local_cuda_index() -> int:
+    """This process's GPU: LOCAL_RANK (the current device without it), taken
+    modulo the visible GPUs when P2PCOMM_SHARE_GPUS=1 lets ranks share them
+    (a test of a larger world than the GPUs at hand, under MPS)."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return torch.cuda.current_device()
+    if os.environ.get("P2PCOMM_SHARE_GPUS") == "1":
+        return int(local) % torch.cuda.device_count()
+    return int(local)
+
+
 def _parse_device(device) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
-            local = os.environ.get("LOCAL_RANK")
-            return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+            return torch.device("cuda", local_cuda_index())
         return torch.device("cpu")
     if isinstance(device, int):
         return torch.device("cuda", device)

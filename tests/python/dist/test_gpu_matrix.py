@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import GPU_ONLY
+from conftest import GPU_ONLY, local_cuda_index
 
 pytestmark = GPU_ONLY
 
@@ -22,7 +22,7 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfl
 
 @pytest.fixture(scope="module")
 def big_comm(group):
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(local_cuda_index())
     old = os.environ.get("P2PCOMM_STAGING_BYTES")
     os.environ["P2PCOMM_STAGING_BYTES"] = str(1100 << 20)
     try:

@@ -3,7 +3,6 @@ built from every rank's inputs (each rank regenerates them from seeds), and
 combine bit for bit against a torch emulation of its documented rounding."""
 
 import dataclasses
-import os
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import DEVICES, GPU_ONLY, same_on_all_ranks
+from conftest import DEVICES, GPU_ONLY, local_cuda_index, same_on_all_ranks
 
 
 @dataclasses.dataclass
@@ -1047,7 +1046,7 @@ def test_capturable_rank_that_never_arrives(group, monkeypatch, before, call, ba
     combine, a combine after a dispatch) skips its start barrier, so the
     ranks wait at its middle barrier instead."""
     monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(local_cuda_index())
     comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
     W, r = comm.world_size, comm.rank
     E, K, H, Tm = 2 * W, 2, 64, 8

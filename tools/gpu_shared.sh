@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# World sizes larger than the GPUs at hand: N ranks share the GPUs
+# (P2PCOMM_SHARE_GPUS=1) under MPS, so that their kernels run side by side
+# and can wait for each other. Correctness only: timings mean nothing here.
+# Needs the library built without MPI in .devbuild/ (see tools/gpu_session.sh).
+#   tools/gpu_shared.sh SECONDS NPROC PYTEST-ARGS...
+# Logs land under $OUT (shared<NPROC>.txt, mps/).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export P2PCOMM_TEST_GPU=1 P2PCOMM_SHARE_GPUS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python"
+export P2PCOMM_LIB="$PWD/.devbuild/libp2pcomm.so" P2PCOMM_CACHE_DIR=/tmp/p2pcomm-cache
+export P2PCOMM_TIMEOUT_MS=${P2PCOMM_TIMEOUT_MS:-20000}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mps"
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
+t=$1 n=$2; shift 2
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"
+if ! pgrep -x nvidia-cuda-mps-control > /dev/null; then
+    nvidia-cuda-mps-control -d || { echo "MPS did not start"; exit 3; }
+fi
+timeout "$t" python3 -m torch.distributed.run --nproc_per_node="$n" -m pytest -q -p no:cacheprovider -rf "$@" \
+    > "$OUT/shared$n.txt" 2>&1
+rc=$?
+echo "shared nproc=$n rc=$rc: $(grep -E '[0-9]+ (passed|failed|skipped)' "$OUT/shared$n.txt" | sort | uniq -c | tr '\n' ' ')"
+grep -E "^(FAILED|ERROR)|^E  " "$OUT/shared$n.txt" | sort | uniq -c | sort -rn | head -12
+exit $rc
