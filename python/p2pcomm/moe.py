@@ -394,7 +394,9 @@ class ExpertParallel:
       float32 or float64.
     - ``capturable``: default mode of :meth:`dispatch` (see there).
     - ``num_sms``: blocks (so at most that many SMs) of each GPU kernel;
-      default 24, clamped to the GPU's SM count. Ignored by the torch-op
+      default 24, clamped to the GPU's SM count. Ranks may pass different
+      values: all use the smallest (each rank's kernels count the blocks of
+      its peers' send kernels by their own grid). Ignored by the torch-op
       path (CPU, float64, or shapes the kernels do not take; see
       :attr:`uses_kernels`).
     - ``combine_dtype``: the type partials travel in during :meth:`combine`:
@@ -434,8 +436,8 @@ class ExpertParallel:
         combine_dtype = torch.float32 if combine_dtype is None else combine_dtype
         problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
                                              combine_dtype, num_sms)
-        self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
-                              combine_dtype)
+        self._blocks = self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype,
+                                             capturable, combine_dtype, self._wanted_blocks(num_sms))
         if problem is not None:
             raise problem
         if num_experts % self.world_size:
@@ -526,8 +528,6 @@ class ExpertParallel:
         W, K, Tm = self.world_size, self.topk, self.max_tokens_per_rank
         if not self._kernels:
             return
-        sms = self.comm.sm_count
-        self._blocks = max(1, min(self.num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS, _MAX_SYNC_BLOCKS))
         # Peer pointer tables, once: entry d is rank d's copy, mapped here.
         ptrs = lambda t: [t.data_ptr() if d == self.rank else self.comm.peer_tensor(t, d).data_ptr()  # noqa: E731
                           for d in range(W)] + [0] * (_MAX_RANKS - W)
@@ -588,8 +588,8 @@ class ExpertParallel:
                               num_sms) -> Optional[P2PCommError]:
         """This rank's first bad argument, or None (raised only after every
         rank has agreed, so that the others raise MismatchError instead of
-        waiting for it). num_sms is not compared across ranks: it sets only
-        this rank's grids."""
+        waiting for it). num_sms is not compared across ranks: they take
+        the smallest grid (_agree_on_config)."""
         for name, v in (("num_experts", E), ("hidden", H), ("max_tokens_per_rank", Tm), ("topk", K)):
             if isinstance(v, bool) or not isinstance(v, int):
                 return InvalidArgumentError(f"{name} must be an int, got {type(v).__name__}")
@@ -610,10 +610,20 @@ class ExpertParallel:
             return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         return None
 
-    def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable, combine_dtype) -> None:
+    def _wanted_blocks(self, num_sms) -> int:
+        """This rank's grid for the kernels: num_sms (default 24) within
+        the GPU's SMs and the barriers' block limit."""
+        sms = self.comm.sm_count if self.device.type == "cuda" else 0
+        want = num_sms if isinstance(num_sms, int) and not isinstance(num_sms, bool) and num_sms > 0 else _DEFAULT_SMS
+        return max(1, min(want, sms if sms > 0 else _DEFAULT_SMS, _MAX_SYNC_BLOCKS))
+
+    def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable, combine_dtype, blocks) -> int:
         """All ranks reduce (config, who failed) with MIN and MAX through the
         communicator itself, so a mismatch raises everywhere instead of
-        hanging in the first collective allocation."""
+        hanging in the first collective allocation. Returns the smallest
+        grid any rank wants: a kernel waits for the middle flags of as many
+        blocks of each peer's send kernel as it has itself, so the grids
+        must agree."""
         W = self.world_size
         ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
         fields = [ints(E), ints(H), ints(K), ints(Tm), _dtype_code(dtype), _dtype_code(combine_dtype),
@@ -622,19 +632,20 @@ class ExpertParallel:
         failed = [0] * W
         if problem is not None:
             failed[self.rank] = 1
-        vec = torch.tensor(fields + failed, dtype=torch.int64, device=self.device)
+        vec = torch.tensor(fields + failed + [blocks], dtype=torch.int64, device=self.device)
         lo = self.comm.all_reduce(vec, op=ReduceOp.MIN).cpu().tolist()
         hi = self.comm.all_reduce(vec, op=ReduceOp.MAX).cpu().tolist()
         bad_ranks = [r for r in range(W) if hi[len(fields) + r]]
         if bad_ranks and problem is None:
             raise MismatchError(f"ExpertParallel: rank {', '.join(map(str, bad_ranks))} rejected its arguments")
         if problem is not None:
-            return  # raised by the caller, with the specific message
+            return blocks  # the caller raises, with the specific message
         differ = [f"{_CONFIG_FIELDS[i]} (from {lo[i]} to {hi[i]})" for i in range(len(fields)) if lo[i] != hi[i]]
         if differ:
             raise InvalidArgumentError("ExpertParallel: ranks passed different " + ", ".join(differ)
                                        + "; every rank must pass the same configuration (dtypes and capturable "
                                          "are compared as codes)")
+        return lo[-1]
 
     # -- dispatch ------------------------------------------------------------------------------------
 

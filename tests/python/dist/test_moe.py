@@ -243,6 +243,27 @@ def test_slots_and_ranks_with_and_without_count_kernel(comms, monkeypatch, count
 
 
 @GPU_ONLY
+def test_ranks_passing_different_num_sms(comms):
+    """Ranks that pass different num_sms all run the smallest grid: a
+    rank's expand and reduce wait for the middle flags of as many blocks of
+    each peer's send kernel as its own grid has, so with unequal grids one
+    rank would wait for blocks that never run and another read rows before
+    they were all written."""
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 128, 300, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                num_sms=3 + 2 * r)
+    assert ep._blocks == 3
+    for seed, capturable in ((81, False), (82, True)):
+        inputs = [make_inputs(seed, q, Tm - 37 * q, H, E, K, dtype, "random", 0.1) for q in range(W)]
+        recv, out, y = run_round(ep, inputs, r, "cuda", capturable=capturable)
+        check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=capturable)
+        check_combine(y, inputs, r, W, E, K, dtype)
+    comm.check()
+
+
+@GPU_ONLY
 def test_send_kernel_shared_memory_near_48k(comms, monkeypatch):
     """A send kernel with just under 48 KiB of dynamic shared memory (4096
     expert counters and 1023 x 8 ids), which with its static shared memory
