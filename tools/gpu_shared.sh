@@ -14,9 +14,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mps"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
 t=$1 n=$2; shift 2
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"
-if ! pgrep -x nvidia-cuda-mps-control > /dev/null; then
-    nvidia-cuda-mps-control -d || { echo "MPS did not start"; exit 3; }
-fi
+nvidia-cuda-mps-control -d > /dev/null 2>&1 || pgrep -f nvidia-cuda-mps-control > /dev/null || { echo "MPS did not start"; exit 3; }
 timeout "$t" python3 -m torch.distributed.run --nproc_per_node="$n" -m pytest -q -p no:cacheprovider -rf "$@" \
     > "$OUT/shared$n.txt" 2>&1
 rc=$?

@@ -5,6 +5,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/symm"
 )
 
 func TestChooseResolvesEveryRequest(t *testing.T) {
@@ -108,5 +109,31 @@ func TestSignatureSeparatesCallsWithoutAllocating(t *testing.T) {
 	}
 	if n := testing.AllocsPerRun(100, func() { signature(1, reduce.Float32, reduce.Sum, collective.Auto) }); n != 0 {
 		t.Errorf("signature allocates %.0f times per call", n)
+	}
+}
+
+// TestSMsPerRank: ranks sharing GPUs split the SMs by the most ranks on
+// any one GPU, keeping one SM each to spare; one rank a GPU keeps them all.
+func TestSMsPerRank(t *testing.T) {
+	on := func(gpus ...byte) []symm.Peer {
+		peers := make([]symm.Peer, len(gpus))
+		for r, g := range gpus {
+			peers[r] = symm.Peer{Rank: r, UUID: [16]byte{g}}
+		}
+		return peers
+	}
+	for _, c := range []struct {
+		sms   int
+		peers []symm.Peer
+		want  int
+	}{
+		{132, on(0, 1, 2, 3), 132},
+		{132, on(0, 0, 0, 0, 0, 0, 0, 0), 15},
+		{132, on(0, 1, 0, 1, 0), 43},
+		{4, on(0, 0, 0, 0, 0, 0, 0, 0), 1},
+	} {
+		if got := smsPerRank(c.sms, c.peers); got != c.want {
+			t.Errorf("smsPerRank(%d, %d ranks) = %d, want %d", c.sms, len(c.peers), got, c.want)
+		}
 	}
 }

@@ -84,6 +84,10 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 	if err != nil {
 		return nil, err
 	}
+	if opts.ShareGPUs {
+		sms = smsPerRank(sms, space.Peers())
+		opts.MaxBlocks = min(opts.MaxBlocks, sms)
+	}
 	b := &Backend{drv: drv, space: space, bs: bs, rank: bs.Rank(), size: bs.Size(), device: device, arch: cc, sms: sms, opts: opts}
 	if err := b.allocWorkspace(); err != nil {
 		b.Close()
@@ -96,6 +100,24 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 		return nil, err
 	}
 	return b, nil
+}
+
+// smsPerRank is the SMs each rank may count on when ranks share GPUs: a
+// kernel waiting for a peer's spins on its SM, so the ranks on one GPU must
+// all fit at once, with one SM each to spare for a one-block helper (the
+// MoE stage gate). The most ranks on any GPU decides, so that every rank
+// derives the same grids.
+func smsPerRank(sms int, peers []symm.Peer) int {
+	on := map[[16]byte]int{}
+	most := 1
+	for _, p := range peers {
+		on[p.UUID]++
+		most = max(most, on[p.UUID])
+	}
+	if most == 1 {
+		return sms
+	}
+	return max(1, sms/most-1)
 }
 
 // probe loads the driver and reads what the backend needs of the device.
@@ -481,7 +503,8 @@ func (b *Backend) Launch(file, expr string, grid, block, sharedBytes uint32, str
 	return nil
 }
 
-// SMCount is the number of multiprocessors of this rank's GPU.
+// SMCount is the number of multiprocessors of this rank's GPU (its share of
+// them when ranks share GPUs).
 func (b *Backend) SMCount() int { return b.sms }
 
 // WaitInfo is what kernels launched through Launch need to bound their own
