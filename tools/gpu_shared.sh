@@ -4,7 +4,7 @@
 # and can wait for each other. Correctness only: timings mean nothing here.
 # Needs the library built without MPI in .devbuild/ (see tools/gpu_session.sh).
 #   tools/gpu_shared.sh SECONDS NPROC PYTEST-ARGS...
-# Logs land under $OUT (shared<NPROC>.txt, mps/).
+# Logs land under $OUT ($LOG.txt, default shared<NPROC>.txt; mps/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export P2PCOMM_TEST_GPU=1 P2PCOMM_SHARE_GPUS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python"
@@ -14,10 +14,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mps"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
 t=$1 n=$2; shift 2
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"
-nvidia-cuda-mps-control -d > /dev/null 2>&1 || pgrep -f nvidia-cuda-mps-control > /dev/null || { echo "MPS did not start"; exit 3; }
+# A fresh daemon each run: after a client fails, MPS may refuse new ones.
+echo quit | nvidia-cuda-mps-control > /dev/null 2>&1 && sleep 1
+nvidia-cuda-mps-control -d || { echo "MPS did not start"; exit 3; }
+trap 'echo quit | nvidia-cuda-mps-control > /dev/null 2>&1' EXIT
 timeout "$t" python3 -m torch.distributed.run --nproc_per_node="$n" -m pytest -q -p no:cacheprovider -rf "$@" \
-    > "$OUT/shared$n.txt" 2>&1
+    > "$OUT/${LOG:-shared$n}.txt" 2>&1
 rc=$?
-echo "shared nproc=$n rc=$rc: $(grep -E '[0-9]+ (passed|failed|skipped)' "$OUT/shared$n.txt" | sort | uniq -c | tr '\n' ' ')"
-grep -E "^(FAILED|ERROR)|^E  " "$OUT/shared$n.txt" | sort | uniq -c | sort -rn | head -12
+echo "shared nproc=$n rc=$rc: $(grep -E '[0-9]+ (passed|failed|skipped)' "$OUT/${LOG:-shared$n}.txt" | sed 's/ in .*//' | sort | uniq -c | tr '\n' ' ')"
+grep -E "^(FAILED|ERROR)|^E  " "$OUT/${LOG:-shared$n}.txt" | sort | uniq -c | sort -rn | head -12
 exit $rc

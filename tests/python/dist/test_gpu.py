@@ -1,6 +1,7 @@
 """GPU-only behaviour: CUDA graphs, torch.compile, subgroups, a rank that
 never arrives, bad GPU inputs. Skips without GPUs (see conftest)."""
 
+import os
 import time
 
 import pytest
@@ -51,6 +52,9 @@ def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     assert same_on_all_ranks(static_out)
 
 
+@pytest.mark.skipif(os.environ.get("P2PCOMM_SHARE_GPUS") == "1",
+                    reason="under MPS cuIpcGetMemHandle refused (CUDA_ERROR_INVALID_VALUE) the memory of the graphs "
+                           "earlier tests captured, on 1 x H100 with 8 ranks")
 def test_register_graph_buffers_then_replays_read_in_place(comms):
     """Two-shot calls captured on unregistered inputs (one of them allocated
     inside the graph) stage on replay until register_graph_buffers readies
@@ -122,9 +126,9 @@ def test_registered_buffer_from_caching_allocator(comms):
 
 def test_subgroups_run_side_by_side(group):
     w, r = dist.get_world_size(), dist.get_rank()
-    if w < 4:
-        pytest.skip("subgroups need 4 ranks")
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    if w < 4 or w % 2:
+        pytest.skip("subgroups of pairs need an even world of 4 ranks or more")
+    pairs = [dist.new_group([q, q + 1]) for q in range(0, w, 2)]  # every rank makes every group
     mine = pairs[r // 2]
     with p2pcomm.Communicator(mine, device=torch.cuda.current_device()) as pair:
         with p2pcomm.Communicator(group, device=torch.cuda.current_device()) as world:
