@@ -24,7 +24,7 @@ export NCCL_NVLS_ENABLE := 0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST := 1
 export NVSHMEM_DISABLE_NVLS := 1
 
-.PHONY: lib test test-go test-mpi test-python test-dist gpu-test demo bench fuzz vet clean
+.PHONY: lib test test-go test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
 
 lib: $(LIB)
 
@@ -59,6 +59,7 @@ test-python: lib
 test-dist: lib
 	$(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
 	$(TORCHRUN) --nproc_per_node=4 -m pytest -q -x tests/python/dist
+	$(TORCHRUN) --nproc_per_node=3 -m pytest -q -x tests/python/dist/test_moe.py
 	$(TORCHRUN) --nproc_per_node=8 -m pytest -q -x tests/python/dist/test_moe.py
 
 test: vet test-go fuzz test-mpi test-python test-dist
@@ -67,6 +68,12 @@ gpu-test: lib
 	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }
 	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=$(NPROC_GPU) -m pytest -q -x tests/python/dist
 	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
+
+# World sizes beyond the GPUs at hand: NPROC ranks share the GPUs under MPS
+# (correctness only; see tools/gpu_shared.sh).
+NPROC ?= 8
+gpu-test-shared: lib
+	tools/gpu_shared.sh 3600 $(NPROC) tests/python/dist -k "not cpu"
 
 demo: lib
 	$(TORCHRUN) --nproc_per_node=$(if $(filter-out 0 1,$(NPROC_GPU)),$(NPROC_GPU),2) -m p2pcomm.demo

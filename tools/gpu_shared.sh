@@ -2,13 +2,14 @@
 # World sizes larger than the GPUs at hand: N ranks share the GPUs
 # (P2PCOMM_SHARE_GPUS=1) under MPS, so that their kernels run side by side
 # and can wait for each other. Correctness only: timings mean nothing here.
-# Needs the library built without MPI in .devbuild/ (see tools/gpu_session.sh).
+# Uses $P2PCOMM_LIB, else the library built without MPI in .devbuild/
+# (see tools/gpu_session.sh); `make gpu-test-shared NPROC=8` runs the GPU suite.
 #   tools/gpu_shared.sh SECONDS NPROC PYTEST-ARGS...
 # Logs land under $OUT ($LOG.txt, default shared<NPROC>.txt; mps/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export P2PCOMM_TEST_GPU=1 P2PCOMM_SHARE_GPUS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python"
-export P2PCOMM_LIB="$PWD/.devbuild/libp2pcomm.so" P2PCOMM_CACHE_DIR=/tmp/p2pcomm-cache
+export P2PCOMM_LIB=${P2PCOMM_LIB:-$PWD/.devbuild/libp2pcomm.so} P2PCOMM_CACHE_DIR=${P2PCOMM_CACHE_DIR:-/tmp/p2pcomm-cache}
 export P2PCOMM_TIMEOUT_MS=${P2PCOMM_TIMEOUT_MS:-20000}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mps"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
