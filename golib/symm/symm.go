@@ -187,8 +187,8 @@ func (s *Space) mapPeers(recs [][]byte, shareGPUs bool) error {
 	// Two ranks on one GPU are refused up front, as NCCL does: run that way
 	// (8 ranks on 4 H200s), the MoE tests' barriers timed out and reported
 	// mismatches after P2PCOMM_TIMEOUT_MS instead of saying why.
-	for a := range s.peers {
-		for b := a + 1; b < len(s.peers) && !shareGPUs; b++ {
+	for a := 0; a < len(s.peers) && !shareGPUs; a++ {
+		for b := a + 1; b < len(s.peers); b++ {
 			if s.peers[a].UUID == s.peers[b].UUID {
 				return status.Errorf(status.PeerUnavailable,
 					"ranks %d and %d are both on GPU %s: p2pcomm needs one GPU per rank "+
