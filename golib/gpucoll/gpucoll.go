@@ -560,8 +560,9 @@ func (g *graphSlots) slotFor(drv *cuda.Driver, src uintptr, nbytes int64, stream
 // two-shot calls captured since the last time (every rank must have
 // captured the same calls) and readies their slots, so graph replays read
 // those inputs in place instead of staging them. Returns how many distinct
-// inputs it registered. Call it after capture and before replaying, on
-// every rank.
+// inputs it registered: an input freed since its capture on any rank is
+// skipped. Each call takes the pending inputs once, even if it fails.
+// Call it after capture and before replaying, on every rank.
 func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if err := b.usable(); err != nil {
 		return 0, err
@@ -569,7 +570,11 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if err := b.drv.EnsureContext(b.device); err != nil {
 		return 0, err
 	}
+	// Whatever happens next, these inputs are done with: one that fails to
+	// register keeps its slot not ready (its replays stage, which is always
+	// right) instead of failing every later registration too.
 	pending := b.graph.pending
+	b.graph.pending, b.graph.bySrc = nil, nil
 	counts, err := b.bs.AllGather(binary.LittleEndian.AppendUint64(nil, uint64(len(pending))))
 	if err != nil {
 		return 0, fmt.Errorf("register graph buffers: %w", err)
@@ -581,12 +586,30 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 				b.rank, len(pending), r, n)
 		}
 	}
-	slots := make([]byte, len(pending)*graphSlotBytes)
+	if len(pending) == 0 {
+		return 0, nil
+	}
+	// An input freed since its capture (its graph is gone too) cannot be
+	// registered: skipped, on every rank.
+	live := make([]bool, len(pending))
 	for i, in := range pending {
+		base, size, err := b.drv.MemAddressRange(in.src)
+		live[i] = err == nil && uint64(in.src-base)+uint64(in.nbytes) <= size
+	}
+	if live, err = liveOnEveryRank(b.bs, live); err != nil {
+		return 0, fmt.Errorf("register graph buffers: %w", err)
+	}
+	slots := make([]byte, len(pending)*graphSlotBytes) // consecutive slots; a zero one is not ready
+	registered := 0
+	for i, in := range pending {
+		if !live[i] {
+			continue
+		}
 		buf, err := b.space.Register(in.src, uint64(in.nbytes)) // collective
 		if err != nil {
 			return 0, fmt.Errorf("register graph buffer %d of %d: %w", i+1, len(pending), err)
 		}
+		registered++
 		rec := slots[i*graphSlotBytes:]
 		binary.LittleEndian.PutUint64(rec, 1)
 		off := in.src - buf.Local
@@ -594,19 +617,39 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 			binary.LittleEndian.PutUint64(rec[8+8*r:], uint64(buf.Peers[r]+off))
 		}
 	}
-	if len(pending) > 0 {
-		first := b.graph.table.Local + uintptr(pending[0].slot)*graphSlotBytes
-		err = b.drv.MemcpyAsync(first, uintptr(unsafe.Pointer(&slots[0])), uint64(len(slots)), 0)
-		if err == nil {
-			err = b.drv.StreamSynchronize(0)
-		}
-		runtime.KeepAlive(slots)
+	first := b.graph.table.Local + uintptr(pending[0].slot)*graphSlotBytes
+	err = b.drv.MemcpyAsync(first, uintptr(unsafe.Pointer(&slots[0])), uint64(len(slots)), 0)
+	if err == nil {
+		err = b.drv.StreamSynchronize(0)
 	}
+	runtime.KeepAlive(slots)
 	// No rank may replay before every rank's slots are ready: a ready rank
 	// stops staging what a peer that is not ready yet would read.
 	if err = bootstrap.Agree(b.bs, err); err != nil {
 		return 0, fmt.Errorf("register graph buffers: %w", err)
 	}
-	b.graph.pending, b.graph.bySrc = nil, nil
-	return len(pending), nil
+	return registered, nil
+}
+
+// liveOnEveryRank all-gathers which of the inputs each rank still has
+// allocated (every rank has as many) and keeps those that all have.
+func liveOnEveryRank(bs bootstrap.Bootstrap, live []bool) ([]bool, error) {
+	mine := make([]byte, len(live))
+	for i, ok := range live {
+		if ok {
+			mine[i] = 1
+		}
+	}
+	all, err := bs.AllGather(mine)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]bool, len(live))
+	for i := range out {
+		out[i] = true
+		for _, rec := range all {
+			out[i] = out[i] && len(rec) == len(live) && rec[i] == 1
+		}
+	}
+	return out, nil
 }

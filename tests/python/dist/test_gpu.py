@@ -96,6 +96,47 @@ def test_register_graph_buffers_then_replays_read_in_place(comms):
     comm.check()
 
 
+def test_register_graph_buffers_skips_inputs_freed_since_capture(comms):
+    """A captured input that one rank freed before register_graph_buffers
+    (graph deleted, memory back to CUDA) is skipped on every rank, without
+    an error; the next capture registers and replays as usual."""
+    comm = comms("cuda")
+    comm.register_graph_buffers()  # what earlier tests captured on this communicator
+    w, r = comm.world_size, comm.rank
+    n = 5 << 20  # 20 MiB: a segment of its own, which empty_cache gives back to CUDA
+
+    def capture():
+        x = torch.empty(n, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            comm.all_reduce(x, algorithm="twoshot")
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = comm.all_reduce(x, algorithm="twoshot")
+        return x, graph, out
+
+    x, graph, out = capture()
+    torch.cuda.synchronize()
+    if r == 0:
+        del x, graph, out
+        torch.cuda.empty_cache()
+    assert comm.register_graph_buffers() == 0
+    x, graph, out = capture()
+    assert comm.register_graph_buffers() == 1
+    for i in range(3):
+        parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(91 * i + q))
+                 for q in range(w)]
+        x.copy_(parts[r])
+        out.fill_(float("nan"))
+        graph.replay()
+        want = torch.stack(parts).double().sum(0)
+        scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+        assert ((out.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i} wrong"
+    comm.check()
+
+
 def test_torch_compile_fullgraph(comms):
     comm = comms("cuda")
 
