@@ -18,6 +18,21 @@ def expected_sum(fill, w, n, dtype=torch.float32):
     return sum(fill(q) for q in range(w)).to(dtype)
 
 
+def captured(step):
+    """Run step() once on a side stream (kernels compile outside capture),
+    then capture it into a CUDA graph; returns (graph, what it returned
+    during capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
                                        "oneshot_push", "twoshot_push"])
 def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
@@ -26,16 +41,13 @@ def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     n = 70_001
     static_in = torch.empty(n, device="cuda")
     registered = comm.empty(n)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up (compiles kernels) outside capture
-        comm.all_reduce(static_in, algorithm=algorithm)
+
+    def step():
+        out = comm.all_reduce(static_in, algorithm=algorithm)
         comm.all_reduce_(registered, algorithm=algorithm)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = comm.all_reduce(static_in, algorithm=algorithm)
-        comm.all_reduce_(registered, algorithm=algorithm)
+        return out
+
+    graph, static_out = captured(step)
     for i in range(100):
         g = torch.Generator(device="cuda").manual_seed(1000 * i + r)
         fresh = torch.randn(n, device="cuda", generator=g)
@@ -65,15 +77,12 @@ def test_register_graph_buffers_then_replays_read_in_place(comms):
     w, r = comm.world_size, comm.rank
     n = 1_000_003
     static_in = torch.empty(n, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        comm.all_reduce(static_in, algorithm="twoshot")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         first = comm.all_reduce(static_in, algorithm="twoshot")
-        second = comm.all_reduce(first * 0.5, algorithm="twoshot")
+        return first, comm.all_reduce(first * 0.5, algorithm="twoshot")
+
+    graph, (first, second) = captured(step)
 
     def replay_and_check(i):
         parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(77 * i + q))
@@ -107,14 +116,7 @@ def test_register_graph_buffers_skips_inputs_freed_since_capture(comms):
 
     def capture():
         x = torch.empty(n, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            comm.all_reduce(x, algorithm="twoshot")
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = comm.all_reduce(x, algorithm="twoshot")
+        graph, out = captured(lambda: comm.all_reduce(x, algorithm="twoshot"))
         return x, graph, out
 
     x, graph, out = capture()
