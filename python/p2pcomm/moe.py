@@ -437,7 +437,8 @@ class ExpertParallel:
         problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
                                              combine_dtype, num_sms)
         self._blocks = self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype,
-                                             capturable, combine_dtype, self._wanted_blocks(num_sms))
+                                             capturable, combine_dtype,
+                                             self._wanted_blocks(None if problem is not None else num_sms))
         if problem is not None:
             raise problem
         if num_experts % self.world_size:
@@ -610,12 +611,11 @@ class ExpertParallel:
             return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         return None
 
-    def _wanted_blocks(self, num_sms) -> int:
-        """This rank's grid for the kernels: num_sms (default 24) within
-        the GPU's SMs and the barriers' block limit."""
+    def _wanted_blocks(self, num_sms: Optional[int]) -> int:
+        """This rank's grid for the kernels: num_sms (checked; None: 24)
+        within the GPU's SMs and the barriers' block limit."""
         sms = self.comm.sm_count if self.device.type == "cuda" else 0
-        want = num_sms if isinstance(num_sms, int) and not isinstance(num_sms, bool) and num_sms > 0 else _DEFAULT_SMS
-        return max(1, min(want, sms if sms > 0 else _DEFAULT_SMS, _MAX_SYNC_BLOCKS))
+        return max(1, min(num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS, _MAX_SYNC_BLOCKS))
 
     def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable, combine_dtype, blocks) -> int:
         """All ranks reduce (config, who failed) with MIN and MAX through the
