@@ -5,67 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 	"unsafe"
 
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap/bootstraptest"
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 )
-
-// fakeWorld is an in-process job: a bootstrap shared by goroutine "ranks".
-type fakeWorld struct {
-	size   int
-	mu     sync.Mutex
-	cond   *sync.Cond
-	rounds map[int][][]byte
-	counts map[int]int
-}
-
-func newWorld(size int) *fakeWorld {
-	w := &fakeWorld{size: size, rounds: map[int][][]byte{}, counts: map[int]int{}}
-	w.cond = sync.NewCond(&w.mu)
-	return w
-}
-
-type fakeBootstrap struct {
-	w    *fakeWorld
-	rank int
-	seq  int
-}
-
-func (b *fakeBootstrap) Rank() int    { return b.rank }
-func (b *fakeBootstrap) Size() int    { return b.w.size }
-func (b *fakeBootstrap) Close() error { return nil }
-func (b *fakeBootstrap) Barrier() error {
-	_, err := b.AllGather(nil)
-	return err
-}
-
-func (b *fakeBootstrap) AllGather(data []byte) ([][]byte, error) {
-	w := b.w
-	b.seq++
-	seq := b.seq
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.rounds[seq] == nil {
-		w.rounds[seq] = make([][]byte, w.size)
-	}
-	w.rounds[seq][b.rank] = append([]byte{}, data...)
-	w.counts[seq]++
-	w.cond.Broadcast()
-	deadline := time.Now().Add(10 * time.Second)
-	for w.counts[seq] < w.size {
-		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("fake bootstrap: round %d timed out on rank %d", seq, b.rank)
-		}
-		go func() { time.Sleep(50 * time.Millisecond); w.cond.Broadcast() }()
-		w.cond.Wait()
-	}
-	out := make([][]byte, w.size)
-	for r, d := range w.rounds[seq] {
-		out[r] = append([]byte{}, d...)
-	}
-	return out, nil
-}
 
 // fakeDriver is one rank's CUDA driver. Rank r owns GPU r; all GPUs are
 // visible to every rank. Device memory is fake address ranges; IPC handles
@@ -234,7 +178,7 @@ func runRanks(size int, setup func(*fakeDriver), f func(rank int, s *Space, d *f
 
 // runRanksOn is runRanks with rank r on GPU device(r), and New's options.
 func runRanksOn(size int, device func(int) int, opts Options, setup func(*fakeDriver), f func(rank int, s *Space, d *fakeDriver) error) []error {
-	w := newWorld(size)
+	bs := bootstraptest.NewMem(size)
 	errs := make([]error, size)
 	var wg sync.WaitGroup
 	for r := 0; r < size; r++ {
@@ -245,7 +189,7 @@ func runRanksOn(size int, device func(int) int, opts Options, setup func(*fakeDr
 			if setup != nil {
 				setup(d)
 			}
-			s, err := New(d, &fakeBootstrap{w: w, rank: r}, device(r), opts)
+			s, err := New(d, bs[r], device(r), opts)
 			if err != nil {
 				errs[r] = err
 				return

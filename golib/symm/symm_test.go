@@ -7,6 +7,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap/bootstraptest"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -75,8 +76,7 @@ func TestNewRanksSharingAGPUWhenAllowed(t *testing.T) {
 }
 
 func TestNewTooManyRanks(t *testing.T) {
-	w := newWorld(MaxRanks + 1)
-	_, err := New(newFakeDriver(0), &fakeBootstrap{w: w, rank: 0}, 0, Options{})
+	_, err := New(newFakeDriver(0), bootstraptest.NewMem(MaxRanks + 1)[0], 0, Options{})
 	if status.CodeOf(err) != status.Unsupported {
 		t.Errorf("New with %d ranks = %v, want Unsupported", MaxRanks+1, err)
 	}
