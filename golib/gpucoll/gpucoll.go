@@ -556,10 +556,11 @@ func (g *graphSlots) slotFor(drv *cuda.Driver, src uintptr, nbytes int64, stream
 	return g.table.Local + uintptr(slot)*graphSlotBytes
 }
 
-// RegisterGraphBuffers is collective: it registers the inputs of the
-// two-shot calls captured since the last time (every rank must have
-// captured the same calls) and readies their slots, so graph replays read
-// those inputs in place instead of staging them. Returns how many distinct
+// RegisterGraphBuffers is collective: it maps the inputs of the two-shot
+// calls captured since the last time (every rank must have captured the
+// same calls) on every rank and readies their slots, so graph replays read
+// those inputs in place instead of staging them; calls outside the graphs
+// still stage them. Returns how many distinct
 // inputs it registered: an input freed since its capture on any rank is
 // skipped. Each call takes the pending inputs once, even if it fails.
 // Call it after capture and before replaying, on every rank.
@@ -605,7 +606,11 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 		if !live[i] {
 			continue
 		}
-		buf, err := b.space.Register(in.src, uint64(in.nbytes)) // collective
+		// Mapped, not registered: only this graph's replays may read it in
+		// place. Once the graph is gone its memory is the caching
+		// allocator's again, and an eager call on a tensor there must not
+		// read the peers' old counterparts (each rank's tensor is its own).
+		buf, err := b.space.Map(in.src, uint64(in.nbytes)) // collective
 		if err != nil {
 			return 0, fmt.Errorf("register graph buffer %d of %d: %w", i+1, len(pending), err)
 		}

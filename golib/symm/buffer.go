@@ -89,12 +89,34 @@ func (s *Space) Alloc(nbytes uint64) (*Buffer, error) {
 	return b, nil
 }
 
-// Register maps nbytes at ptr, device memory of this rank's GPU from any
-// allocator (torch's caching allocator included), on every rank. Collective:
-// every rank passes its own ptr and the same nbytes (status.Mismatch names
-// the rank that did not). Each peer allocation is opened once and cached:
-// the tensors of one torch segment share it.
+// Register maps nbytes at ptr on every rank (see Map) and lets Lookup find
+// the buffer: calls on memory inside it read the peers' counterparts in
+// place, so the caller promises to use it symmetrically until Deregister.
 func (s *Space) Register(ptr uintptr, nbytes uint64) (*Buffer, error) {
+	b, err := s.Map(ptr, nbytes)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, old := range s.buffers {
+		if !old.owned && old.Local == b.Local && old.Size == b.Size {
+			s.buffers[i] = b
+			return b, nil
+		}
+	}
+	s.buffers = append(s.buffers, b)
+	return b, nil
+}
+
+// Map maps nbytes at ptr, device memory of this rank's GPU from any
+// allocator (torch's caching allocator included), on every rank, without
+// registering it: Lookup does not find it, so only whoever keeps the
+// returned peer addresses reads them. Collective: every rank passes its own
+// ptr and the same nbytes (status.Mismatch names the rank that did not).
+// Each peer allocation is opened once and cached until Close: the tensors of
+// one torch segment share it.
+func (s *Space) Map(ptr uintptr, nbytes uint64) (*Buffer, error) {
 	if err := s.usable(); err != nil {
 		return nil, err
 	}
@@ -121,20 +143,7 @@ func (s *Space) Register(ptr uintptr, nbytes uint64) (*Buffer, error) {
 		h, err := s.drv.IPCGetMemHandle(base)
 		return exported{Handle: h, Base: uint64(base), Offset: off, Size: nbytes}, err
 	}
-	b, err := s.exchange(local, ptr)
-	if err != nil {
-		return nil, err
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for i, old := range s.buffers {
-		if !old.owned && old.Local == b.Local && old.Size == b.Size {
-			s.buffers[i] = b
-			return b, nil
-		}
-	}
-	s.buffers = append(s.buffers, b)
-	return b, nil
+	return s.exchange(local, ptr)
 }
 
 // exchange runs the collective part of Alloc and Register: each rank's

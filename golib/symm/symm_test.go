@@ -137,6 +137,38 @@ func TestRegisterSharesSegmentMappings(t *testing.T) {
 	}
 }
 
+// TestMapIsNotRegistered: a mapped buffer has its peer table but Lookup
+// does not find it (graph inputs: only their graphs read them in place).
+func TestMapIsNotRegistered(t *testing.T) {
+	errs := runRanks(2, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(4 << 20)
+		b, err := s.Map(seg+4096, 1<<20)
+		if err != nil {
+			return fmt.Errorf("Map = %v", err)
+		}
+		peer := 1 - rank
+		if want := uintptr(0x7f0000000000+peer<<36) + 0x100000000000 + 4096; b.Peers[peer] != want || b.Peers[rank] != seg+4096 {
+			return fmt.Errorf("Map peers = %#x, want %#x at %d and %#x at %d", b.Peers, want, peer, seg+4096, rank)
+		}
+		if got, ok := s.Lookup(seg+4096, 1); ok {
+			return fmt.Errorf("Lookup found mapped buffer %#x, want nothing", got.Local)
+		}
+		if _, err := s.Register(seg+4096, 1<<20); err != nil {
+			return err
+		}
+		if _, ok := s.Lookup(seg+4096, 1); !ok {
+			return fmt.Errorf("Lookup after Register found nothing")
+		}
+		if d.opens != 1 {
+			return fmt.Errorf("IPC opens after Map and Register of one segment = %d, want 1", d.opens)
+		}
+		return s.Close()
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestRegisterMismatch(t *testing.T) {
 	errs := runRanks(4, nil, func(rank int, s *Space, d *fakeDriver) error {
 		seg, _ := d.MemAlloc(4 << 20)

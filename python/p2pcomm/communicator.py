@@ -291,12 +291,15 @@ class Communicator:
 
     def register_graph_buffers(self) -> int:
         """Collective. Call after capturing CUDA graphs and before replaying
-        them, on every rank: registers the unregistered inputs of the
-        two-shot all-reduces captured since the last call, so that replays
-        read them in place instead of copying them into staging (replays are
-        correct either way). Every rank must have captured the same calls.
-        The buffers stay registered until :meth:`close`. Returns how many
-        inputs were registered (0 on CPU)."""
+        them, on every rank: maps the unregistered inputs of the two-shot
+        all-reduces captured since the last call on every rank, so that those
+        graphs' replays read them in place instead of copying them into
+        staging (replays are correct either way). Calls outside the graphs
+        still stage these tensors: unlike :meth:`register_buffer`, nothing
+        asks the memory to be used alike on every rank once the graph is
+        gone. Every rank must have captured the same calls; an input some
+        rank has freed since is skipped. The mappings stay until
+        :meth:`close`. Returns how many inputs were mapped (0 on CPU)."""
         n = ctypes.c_int64()
         self._check(_lib.lib().p2p_register_graph_buffers(self._h(), ctypes.byref(n)))
         return n.value

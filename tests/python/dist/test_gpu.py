@@ -1,7 +1,6 @@
 """GPU-only behaviour: CUDA graphs, torch.compile, subgroups, a rank that
 never arrives, bad GPU inputs. Skips without GPUs (see conftest)."""
 
-import os
 import time
 
 import pytest
@@ -64,9 +63,6 @@ def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     assert same_on_all_ranks(static_out)
 
 
-@pytest.mark.skipif(os.environ.get("P2PCOMM_SHARE_GPUS") == "1",
-                    reason="under MPS cuIpcGetMemHandle refused (CUDA_ERROR_INVALID_VALUE) the memory of the graphs "
-                           "earlier tests captured, on 1 x H100 with 8 ranks")
 def test_register_graph_buffers_then_replays_read_in_place(comms):
     """Two-shot calls captured on unregistered inputs (one of them allocated
     inside the graph) stage on replay until register_graph_buffers readies
@@ -136,6 +132,39 @@ def test_register_graph_buffers_skips_inputs_freed_since_capture(comms):
         want = torch.stack(parts).double().sum(0)
         scale = torch.stack(parts).double().abs().sum(0) + 1e-3
         assert ((out.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i} wrong"
+    comm.check()
+
+
+def test_graph_buffers_stay_private_to_their_graphs(comms):
+    """register_graph_buffers lets a graph's replays read its inputs in
+    place; calls outside the graph on that memory must still stage it, since
+    each rank's tensor there is its own (here: slices at offsets that differ
+    by rank, the rest of the input poisoned)."""
+    comm = comms("cuda")
+    comm.register_graph_buffers()  # what earlier tests captured on this communicator
+    w, r = comm.world_size, comm.rank
+    n = 1 << 20
+    x = torch.empty(n, device="cuda")
+    graph, out = captured(lambda: comm.all_reduce(x, algorithm="twoshot"))
+    assert comm.register_graph_buffers() == 1
+    m = n - 1000 * w
+    want = w * torch.arange(m, device="cuda", dtype=torch.float64) + sum(range(w))
+    for algorithm in ("twoshot", "oneshot"):
+        x.fill_(float("nan"))
+        mine = x[1000 * r: 1000 * r + m]
+        mine.copy_(torch.arange(m, device="cuda", dtype=torch.float32) + r)
+        got = comm.all_reduce(mine, algorithm=algorithm)
+        assert torch.equal(got.double(), want), f"{algorithm} on a slice of a graph's input read a peer's memory"
+        torch.cuda.synchronize()
+        dist.barrier()  # peers done with this x before it is poisoned again
+    parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5 + q))
+             for q in range(w)]
+    x.copy_(parts[r])
+    out.fill_(float("nan"))
+    graph.replay()
+    expect = torch.stack(parts).double().sum(0)
+    scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+    assert ((out.double() - expect).abs() <= 1e-5 * scale).all(), "replay after the eager calls wrong"
     comm.check()
 
 
