@@ -62,6 +62,7 @@ const (
 	pointerAttrContext       = 1
 	pointerAttrMemoryType    = 2
 	pointerAttrDeviceOrdinal = 9
+	pointerAttrIPCCapable    = 10 // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
 )
 
 // CaptureStatus is a CUstreamCaptureStatus.
@@ -219,6 +220,16 @@ func (d *Driver) PointerDeviceOrdinal(p uintptr) (int, error) {
 	err := d.check("cuPointerGetAttribute(DEVICE_ORDINAL)",
 		C.p2p_r_p_i_d(d.fn.pointerGetAttribute, unsafe.Pointer(&v), pointerAttrDeviceOrdinal, C.p2p_dptr(p)))
 	return int(v), err
+}
+
+// PointerIPCCapable says whether cuIpcGetMemHandle can export p's
+// allocation: not memory from cuMemCreate (torch's expandable segments) or
+// from a stream-ordered memory pool.
+func (d *Driver) PointerIPCCapable(p uintptr) (bool, error) {
+	var v C.int
+	err := d.check("cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+		C.p2p_r_p_i_d(d.fn.pointerGetAttribute, unsafe.Pointer(&v), pointerAttrIPCCapable, C.p2p_dptr(p)))
+	return v != 0, err
 }
 
 // PointerMemoryType says whether p is host, device or managed memory.

@@ -561,9 +561,10 @@ func (g *graphSlots) slotFor(drv *cuda.Driver, src uintptr, nbytes int64, stream
 // same calls) on every rank and readies their slots, so graph replays read
 // those inputs in place instead of staging them; calls outside the graphs
 // still stage them. Returns how many distinct
-// inputs it registered: an input freed since its capture on any rank is
-// skipped. Each call takes the pending inputs once, even if it fails.
-// Call it after capture and before replaying, on every rank.
+// inputs it mapped: an input freed since its capture, or that CUDA IPC
+// cannot export, on any rank is skipped. Each call takes the pending
+// inputs once, even if it fails. Call it after capture and before
+// replaying, on every rank.
 func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if err := b.usable(); err != nil {
 		return 0, err
@@ -590,12 +591,12 @@ func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if len(pending) == 0 {
 		return 0, nil
 	}
-	// An input freed since its capture (its graph is gone too) cannot be
-	// registered: skipped, on every rank.
+	// An input freed since its capture (its graph is gone too), or one that
+	// CUDA IPC cannot export (torch's expandable segments), cannot be
+	// mapped: skipped on every rank, so its replays keep staging it.
 	live := make([]bool, len(pending))
 	for i, in := range pending {
-		base, size, err := b.drv.MemAddressRange(in.src)
-		live[i] = err == nil && uint64(in.src-base)+uint64(in.nbytes) <= size
+		live[i] = b.space.Shareable(in.src, uint64(in.nbytes))
 	}
 	if live, err = liveOnEveryRank(b.bs, live); err != nil {
 		return 0, fmt.Errorf("register graph buffers: %w", err)

@@ -140,10 +140,30 @@ func (s *Space) Map(ptr uintptr, nbytes uint64) (*Buffer, error) {
 			return exported{}, status.Errorf(status.InvalidArgument,
 				"register %#x: %d bytes run past the end of its %d-byte allocation", ptr, nbytes, size)
 		}
+		if ok, err := s.drv.PointerIPCCapable(ptr); err != nil {
+			return exported{}, err
+		} else if !ok {
+			return exported{}, status.Errorf(status.InvalidArgument,
+				"register %#x: CUDA IPC cannot share this memory (it comes from cuMemCreate or a memory pool, "+
+					"e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): allocate it with comm.empty(), "+
+					"or turn expandable_segments off", ptr)
+		}
 		h, err := s.drv.IPCGetMemHandle(base)
 		return exported{Handle: h, Base: uint64(base), Offset: off, Size: nbytes}, err
 	}
 	return s.exchange(local, ptr)
+}
+
+// Shareable says whether Map would accept [ptr, ptr+nbytes) on this rank:
+// memory still allocated, in one allocation, that CUDA IPC can export.
+// Local, not collective.
+func (s *Space) Shareable(ptr uintptr, nbytes uint64) bool {
+	base, size, err := s.drv.MemAddressRange(ptr)
+	if err != nil || uint64(ptr-base)+nbytes > size {
+		return false
+	}
+	ok, err := s.drv.PointerIPCCapable(ptr)
+	return err == nil && ok
 }
 
 // exchange runs the collective part of Alloc and Register: each rank's

@@ -21,6 +21,7 @@ type fakeDriver struct {
 	mu      sync.Mutex
 	next    uintptr
 	allocs  map[uintptr]uint64 // base -> size
+	noIPC   map[uintptr]bool   // bases CUDA IPC cannot export (cuMemCreate memory)
 	opened  map[cuda.IPCHandle]uintptr
 	opens   int
 	closes  int
@@ -93,6 +94,16 @@ func (d *fakeDriver) PointerDeviceOrdinal(p uintptr) (int, error) {
 		return 0, err
 	}
 	return d.rank, nil
+}
+
+func (d *fakeDriver) PointerIPCCapable(p uintptr) (bool, error) {
+	base, _, err := d.MemAddressRange(p)
+	if err != nil {
+		return false, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return !d.noIPC[base], nil
 }
 
 func (d *fakeDriver) IPCGetMemHandle(p uintptr) (cuda.IPCHandle, error) {

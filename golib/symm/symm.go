@@ -32,6 +32,7 @@ type Driver interface {
 	StreamSynchronize(stream uintptr) error
 	MemAddressRange(p uintptr) (base uintptr, size uint64, err error)
 	PointerDeviceOrdinal(p uintptr) (int, error)
+	PointerIPCCapable(p uintptr) (bool, error)
 	IPCGetMemHandle(p uintptr) (cuda.IPCHandle, error)
 	IPCOpenMemHandle(h cuda.IPCHandle) (uintptr, error)
 	IPCCloseMemHandle(p uintptr) error

@@ -169,6 +169,37 @@ func TestMapIsNotRegistered(t *testing.T) {
 	}
 }
 
+// TestMapRefusesMemoryIPCCannotExport: one rank's tensor comes from
+// cuMemCreate (torch's expandable segments): every rank gets
+// InvalidArgument, that rank's saying why, and Shareable says no there.
+func TestMapRefusesMemoryIPCCannotExport(t *testing.T) {
+	errs := runRanks(3, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(4 << 20)
+		if !s.Shareable(seg, 1<<20) || s.Shareable(seg+4096, 4<<20) || s.Shareable(0xdead0000, 1) {
+			return fmt.Errorf("Shareable: want true inside a fresh allocation only")
+		}
+		if rank == 1 {
+			d.noIPC = map[uintptr]bool{seg: true}
+			if s.Shareable(seg, 1<<20) {
+				return fmt.Errorf("Shareable(cuMemCreate memory) = true")
+			}
+		}
+		_, err := s.Map(seg, 1<<20)
+		return err
+	})
+	for r, err := range errs {
+		if status.CodeOf(err) != status.InvalidArgument {
+			t.Errorf("rank %d: Map = %v, want InvalidArgument", r, err)
+		}
+		if r == 1 && !strings.Contains(fmt.Sprint(err), "expandable_segments") {
+			t.Errorf("rank 1: Map = %v, want it to say why (expandable_segments)", err)
+		}
+		if r != 1 && !strings.Contains(fmt.Sprint(err), "rank 1 failed") {
+			t.Errorf("rank %d: Map = %v, want it to name rank 1", r, err)
+		}
+	}
+}
+
 func TestRegisterMismatch(t *testing.T) {
 	errs := runRanks(4, nil, func(rank int, s *Space, d *fakeDriver) error {
 		seg, _ := d.MemAlloc(4 << 20)

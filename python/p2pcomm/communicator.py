@@ -298,7 +298,8 @@ class Communicator:
         still stage these tensors: unlike :meth:`register_buffer`, nothing
         asks the memory to be used alike on every rank once the graph is
         gone. Every rank must have captured the same calls; an input some
-        rank has freed since is skipped. The mappings stay until
+        rank has freed since, or one in memory CUDA IPC cannot export
+        (torch's expandable segments), is skipped. The mappings stay until
         :meth:`close`. Returns how many inputs were mapped (0 on CPU)."""
         n = ctypes.c_int64()
         self._check(_lib.lib().p2p_register_graph_buffers(self._h(), ctypes.byref(n)))

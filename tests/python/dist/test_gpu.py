@@ -290,3 +290,48 @@ def test_rank_that_never_arrives(group, monkeypatch):
             comm.all_reduce(torch.ones(8, device="cuda"))
     dist.barrier()
     comm.close()
+
+
+def test_memory_cuda_ipc_cannot_export(comms):
+    """torch's expandable segments come from cuMemCreate, which CUDA IPC
+    cannot export: register_buffer says so on every rank, register_graph_buffers
+    skips such inputs (their replays stage), and every call stays right."""
+    comm = comms("cuda")
+    comm.register_graph_buffers()  # what earlier tests captured on this communicator
+    w, r = comm.world_size, comm.rank
+    n = 1 << 20
+
+    def check():  # its tensors and graph are gone when it returns
+        # Larger than any cached segment, so that the allocator makes a new
+        # (expandable) one rather than reuse a free block of an old one.
+        big = max((s["total_size"] for s in torch.cuda.memory_snapshot()), default=0) + 4 * n
+        x = torch.empty(big, dtype=torch.uint8, device="cuda")[: 4 * n].view(torch.float32)
+        seg = [s for s in torch.cuda.memory_snapshot()
+               if s["address"] <= x.data_ptr() < s["address"] + s["total_size"]]
+        assert seg and seg[0].get("is_expandable"), "x is not in an expandable segment"
+        with pytest.raises(p2pcomm.InvalidArgumentError, match="expandable_segments"):
+            comm.register_buffer(x)
+        graph, out = captured(lambda: comm.all_reduce(x, algorithm="twoshot"))
+        assert comm.register_graph_buffers() == 0
+        for i in range(3):
+            parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(13 * i + q))
+                     for q in range(w)]
+            x.copy_(parts[r])
+            out.fill_(float("nan"))
+            graph.replay()
+            want = torch.stack(parts).double().sum(0)
+            scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+            assert ((out.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i} wrong"
+            eager = comm.all_reduce(x, algorithm="twoshot")
+            assert ((eager.double() - want).abs() <= 1e-5 * scale).all(), f"eager call {i} wrong"
+        comm.check()
+        torch.cuda.synchronize()
+
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        check()
+    finally:
+        # Later tests register tensors: none may land in an expandable segment.
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        torch.cuda.empty_cache()
