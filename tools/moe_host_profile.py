@@ -11,7 +11,6 @@ host (median us on rank 0): a ctypes call into Go, a kernel launch through
 Go, a stream barrier, events, allocations, a host sync on an idle GPU.
 """
 import cProfile
-import os
 import pstats
 import statistics
 import sys
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 import p2pcomm
 from p2pcomm.bench import init_distributed
+from p2pcomm.communicator import local_cuda_index
 from p2pcomm.bench_moe import routing
 
 E, H, K, ITERS = 256, 7168, 8, 60
@@ -117,7 +117,7 @@ def main() -> None:
     args = sys.argv[1:]
     costs = "--costs" in args
     tokens = [int(a) for a in args if a != "--costs"] or [4096, 128]
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda", local_cuda_index())
     init_distributed(dev)
     rank = dist.get_rank()
     comm = p2pcomm.Communicator(group=dist.group.WORLD, device=dev)

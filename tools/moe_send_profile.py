@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import p2pcomm
 from p2pcomm.bench import init_distributed
+from p2pcomm.communicator import local_cuda_index
 from p2pcomm.bench_moe import aligned_start, routing
 
 E, H, K, REPS = 256, 7168, 8, 40
@@ -68,7 +69,7 @@ def main() -> None:
     if "MOE_PROFILE=1" not in os.environ.get("P2PCOMM_NVRTC_OPTIONS", ""):
         sys.exit("set P2PCOMM_NVRTC_OPTIONS=-DMOE_PROFILE=1 (the stamps are compiled in only then)")
     tokens = [int(a) for a in sys.argv[1:]] or [4096, 128]
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    dev = torch.device("cuda", local_cuda_index())
     init_distributed(dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     comm = p2pcomm.Communicator(group=dist.group.WORLD, device=dev)

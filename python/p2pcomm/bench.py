@@ -547,17 +547,24 @@ def bench_allreduce(args) -> int:
     return 0
 
 
+def gpus_shared() -> bool:
+    """Ranks share GPUs (P2PCOMM_SHARE_GPUS=1, tools/gpu_shared.sh): NCCL
+    refuses that, so there is no NCCL baseline."""
+    return os.environ.get("P2PCOMM_SHARE_GPUS") == "1"
+
+
 def init_distributed(device: torch.device) -> None:
     """Initialize torch.distributed from torchrun's environment when the
-    caller has not: gloo for CPU, NCCL for GPU."""
+    caller has not: NCCL for GPU, else (CPU, shared GPUs) gloo."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **kw)
+        nccl = device.type == "cuda" and not gpus_shared()
+        kw = {"device_id": device} if nccl else {}
+        dist.init_process_group(backend="nccl" if nccl else "gloo", **kw)
 
 
 # -- command line ----------------------------------------------------------------------------------

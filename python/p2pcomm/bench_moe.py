@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .bench import _DTYPES, header_lines, init_distributed, md_table, say
+from .bench import _DTYPES, gpus_shared, header_lines, init_distributed, md_table, say
 from .communicator import local_cuda_index
 
 
@@ -456,7 +456,12 @@ def _bench_moe(args) -> int:
         return 2
     default_backend = str(dist.get_backend()).lower()
     ctl = dist.group.WORLD if default_backend == "gloo" else dist.new_group(backend="gloo")
-    base_group = (dist.group.WORLD if "nccl" in default_backend else dist.new_group(backend="nccl")) if cuda else ctl
+    if not cuda:
+        base_group = ctl
+    elif gpus_shared():
+        base_group = None
+    else:
+        base_group = dist.group.WORLD if "nccl" in default_backend else dist.new_group(backend="nccl")
     base_name = "nccl a2a" if cuda else "gloo a2a"
     header = header_lines(args, device, dtype, world) + [
         f"experts: {E} ({E // world} per rank), hidden: {hidden}, topk: {K}, random routing (distinct experts)",
@@ -486,6 +491,8 @@ def _bench_moe(args) -> int:
         new = []
         ref = None
         try:
+            if base_group is None:
+                raise RuntimeError("ranks share GPUs, which NCCL refuses")
             st = baseline.dispatch(x, idx, w)
             ref = baseline.combine(st["x"], st)
             td, tc = time_pair(lambda: baseline.dispatch(x, idx, w), lambda s: baseline.combine(s["x"], s),
