@@ -154,18 +154,32 @@ func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int
 // FNV-1a over the fields' bytes, by hand: this is on every call's path and
 // must not allocate.
 func signature(count int64, dt reduce.DType, op reduce.Op, algo collective.Algorithm) int32 {
-	h := uint32(2166136261)
-	mix := func(v uint64, n int) {
-		for range n {
-			h = (h ^ uint32(v&0xff)) * 16777619
-			v >>= 8
-		}
-	}
-	mix(uint64(count), 8)
-	mix(uint64(uint32(dt)), 4)
-	mix(uint64(uint32(op)), 4)
-	mix(uint64(uint32(algo)), 4)
+	h := fnv1a(2166136261, uint64(count), 8)
+	h = fnv1a(h, uint64(uint32(dt)), 4)
+	h = fnv1a(h, uint64(uint32(op)), 4)
+	h = fnv1a(h, uint64(uint32(algo)), 4)
 	return int32(h & 0x7fffffff)
+}
+
+// withSource folds into a call's signature the registered buffer it reads
+// in place (its collective Seq) and the input's offset there. Peers read
+// this rank's input at that offset of their mapping of the same buffer, so
+// ranks that disagree (one in place, another staged; other buffers or
+// offsets) would read the wrong bytes: their signatures now differ and
+// every rank raises a mismatch instead. Staged calls keep the plain one.
+func withSource(sig int32, seq, off uint64) int32 {
+	h := fnv1a(uint32(sig), seq, 8)
+	h = fnv1a(h, off, 8)
+	return int32(h & 0x7fffffff)
+}
+
+// fnv1a mixes the low n bytes of v into h.
+func fnv1a(h uint32, v uint64, n int) uint32 {
+	for range n {
+		h = (h ^ uint32(v&0xff)) * 16777619
+		v >>= 8
+	}
+	return h
 }
 
 // rejectSignature marks a rank that rejected its own arguments: it matches

@@ -1,6 +1,7 @@
 package gpucoll
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
@@ -109,6 +110,31 @@ func TestSignatureSeparatesCallsWithoutAllocating(t *testing.T) {
 	}
 	if n := testing.AllocsPerRun(100, func() { signature(1, reduce.Float32, reduce.Sum, collective.Auto) }); n != 0 {
 		t.Errorf("signature allocates %.0f times per call", n)
+	}
+}
+
+// TestWithSourceSeparatesInPlaceReads: staged calls and in-place calls on
+// other buffers or offsets never share a signature, and none is the reject
+// signature.
+func TestWithSourceSeparatesInPlaceReads(t *testing.T) {
+	base := signature(1<<20, reduce.Float32, reduce.Sum, collective.TwoShot)
+	seen := map[int32]string{base: "staged"}
+	for _, c := range []struct{ seq, off uint64 }{{1, 0}, {2, 0}, {1, 4096}, {2, 4096}, {7, 1 << 30}} {
+		got := withSource(base, c.seq, c.off)
+		name := fmt.Sprintf("buffer %d offset %d", c.seq, c.off)
+		if prev, dup := seen[got]; dup {
+			t.Errorf("%s and %s share signature %d", name, prev, got)
+		}
+		seen[got] = name
+		if got < 0 || got == rejectSignature {
+			t.Errorf("%s: signature %d collides with the reject signature", name, got)
+		}
+		if again := withSource(base, c.seq, c.off); again != got {
+			t.Errorf("%s: signature not deterministic (%d, %d)", name, got, again)
+		}
+	}
+	if n := testing.AllocsPerRun(100, func() { withSource(base, 3, 64) }); n != 0 {
+		t.Errorf("withSource allocates %.0f times per call", n)
 	}
 }
 

@@ -313,6 +313,7 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 			p.PeerIn[r] = uint64(buf.Peers[r] + off)
 		}
 		p.LocalSrc = 0
+		p.Signature = withSource(sig, buf.Seq, uint64(off))
 	} else if nbytes > b.opts.StagingBytes {
 		return status.Errorf(status.Capacity,
 			"tensor of %d bytes exceeds the staging capacity of %d bytes: register it (comm.register_buffer) or raise P2PCOMM_STAGING_BYTES",

@@ -210,6 +210,11 @@ func (s *Space) exchange(local func() (exported, error), self uintptr) (*Buffer,
 	if err = s.agree(err); err != nil {
 		return nil, err
 	}
+	// Every rank gets here or none does (agree), so the count stays in step.
+	s.mu.Lock()
+	s.made++
+	b.Seq = s.made
+	s.mu.Unlock()
 	return b, nil
 }
 

@@ -57,6 +57,7 @@ type Buffer struct {
 	Local uintptr           // this rank's address
 	Peers [MaxRanks]uintptr // Peers[r]: rank r's buffer in this address space; Peers[rank] == Local
 	Size  uint64            // bytes, the same on every rank
+	Seq   uint64            // which collective Alloc, Map or Register made it: the same on every rank
 	owned bool              // allocated by Alloc, freed by Close
 }
 
@@ -95,6 +96,7 @@ type Space struct {
 	mu      sync.Mutex
 	opened  map[openKey]uintptr // peer allocation -> its base mapped here
 	buffers []*Buffer           // Alloc'd and registered, newest last
+	made    uint64              // buffers made so far (Buffer.Seq)
 	hosts   []*HostBuffer
 	closed  bool
 }

@@ -153,11 +153,15 @@ func TestMapIsNotRegistered(t *testing.T) {
 		if got, ok := s.Lookup(seg+4096, 1); ok {
 			return fmt.Errorf("Lookup found mapped buffer %#x, want nothing", got.Local)
 		}
-		if _, err := s.Register(seg+4096, 1<<20); err != nil {
+		reg, err := s.Register(seg+4096, 1<<20)
+		if err != nil {
 			return err
 		}
 		if _, ok := s.Lookup(seg+4096, 1); !ok {
 			return fmt.Errorf("Lookup after Register found nothing")
+		}
+		if b.Seq != 1 || reg.Seq != 2 {
+			return fmt.Errorf("Seq of the first and second buffers = %d, %d; want 1, 2 on every rank", b.Seq, reg.Seq)
 		}
 		if d.opens != 1 {
 			return fmt.Errorf("IPC opens after Map and Register of one segment = %d, want 1", d.opens)

@@ -196,6 +196,35 @@ def test_registered_buffer_from_caching_allocator(comms):
         comm.deregister_buffer(v)
 
 
+def test_in_place_reads_that_disagree_raise(comms):
+    """Peers read a registered input in place, at its offset in their own
+    counterpart of the buffer: ranks whose inputs sit at other offsets, or
+    of which one passes a registered tensor and another an unregistered one,
+    raise MismatchError on every rank instead of reading the wrong bytes, and
+    the communicator stays usable."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    k = 100_000
+    buf = comm.empty(k + 1024 * w)
+    cases = {"offsets differ": lambda: buf[1024 * r: 1024 * r + k],
+             "registered on rank 0 only": lambda: buf[:k] if r == 0 else torch.empty(k, device="cuda")}
+    for name, make in cases.items():
+        x = make()
+        x.fill_(1.0)
+        with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+            comm.all_reduce(x, algorithm="twoshot")
+            torch.cuda.synchronize()
+            comm.check()
+        torch.cuda.synchronize()
+        comm.check()
+        out = comm.all_reduce(torch.ones(300_000, device="cuda"))
+        assert torch.equal(out, torch.full_like(out, float(w))), f"after {name}"
+    x = buf[1024: 1024 + k]  # the same offset on every rank: read in place, right
+    x.copy_(torch.arange(k, device="cuda", dtype=torch.float32) + r)
+    got = comm.all_reduce(x, algorithm="twoshot")
+    assert torch.equal(got.double(), w * torch.arange(k, device="cuda", dtype=torch.float64) + sum(range(w)))
+
+
 def test_subgroups_run_side_by_side(group):
     w, r = dist.get_world_size(), dist.get_rank()
     if w < 4 or w % 2:
