@@ -32,6 +32,22 @@ def captured(step):
     return graph, out
 
 
+def replay_checked(comm, graph, x, out, seed):
+    """Fill x with this rank's part of fresh random data, replay graph (an
+    all-reduce of x into out) and check out against the float64 sum of every
+    rank's part; returns that sum and the error scale."""
+    n, w = x.numel(), comm.world_size
+    parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + q))
+             for q in range(w)]
+    x.copy_(parts[comm.rank])
+    out.fill_(float("nan"))
+    graph.replay()
+    want = torch.stack(parts).double().sum(0)
+    scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+    assert ((out.double() - want).abs() <= 1e-5 * scale).all(), f"replay (seed {seed}) wrong"
+    return want, scale
+
+
 @pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
                                        "oneshot_push", "twoshot_push"])
 def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
@@ -107,7 +123,7 @@ def test_register_graph_buffers_skips_inputs_freed_since_capture(comms):
     an error; the next capture registers and replays as usual."""
     comm = comms("cuda")
     comm.register_graph_buffers()  # what earlier tests captured on this communicator
-    w, r = comm.world_size, comm.rank
+    r = comm.rank
     n = 5 << 20  # 20 MiB: a segment of its own, which empty_cache gives back to CUDA
 
     def capture():
@@ -124,14 +140,7 @@ def test_register_graph_buffers_skips_inputs_freed_since_capture(comms):
     x, graph, out = capture()
     assert comm.register_graph_buffers() == 1
     for i in range(3):
-        parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(91 * i + q))
-                 for q in range(w)]
-        x.copy_(parts[r])
-        out.fill_(float("nan"))
-        graph.replay()
-        want = torch.stack(parts).double().sum(0)
-        scale = torch.stack(parts).double().abs().sum(0) + 1e-3
-        assert ((out.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i} wrong"
+        replay_checked(comm, graph, x, out, 91 * i)
     comm.check()
 
 
@@ -157,14 +166,7 @@ def test_graph_buffers_stay_private_to_their_graphs(comms):
         assert torch.equal(got.double(), want), f"{algorithm} on a slice of a graph's input read a peer's memory"
         torch.cuda.synchronize()
         dist.barrier()  # peers done with this x before it is poisoned again
-    parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5 + q))
-             for q in range(w)]
-    x.copy_(parts[r])
-    out.fill_(float("nan"))
-    graph.replay()
-    expect = torch.stack(parts).double().sum(0)
-    scale = torch.stack(parts).double().abs().sum(0) + 1e-3
-    assert ((out.double() - expect).abs() <= 1e-5 * scale).all(), "replay after the eager calls wrong"
+    replay_checked(comm, graph, x, out, 5)  # after the eager calls
     comm.check()
 
 
@@ -327,7 +329,6 @@ def test_memory_cuda_ipc_cannot_export(comms):
     skips such inputs (their replays stage), and every call stays right."""
     comm = comms("cuda")
     comm.register_graph_buffers()  # what earlier tests captured on this communicator
-    w, r = comm.world_size, comm.rank
     n = 1 << 20
 
     def check():  # its tensors and graph are gone when it returns
@@ -343,14 +344,7 @@ def test_memory_cuda_ipc_cannot_export(comms):
         graph, out = captured(lambda: comm.all_reduce(x, algorithm="twoshot"))
         assert comm.register_graph_buffers() == 0
         for i in range(3):
-            parts = [torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(13 * i + q))
-                     for q in range(w)]
-            x.copy_(parts[r])
-            out.fill_(float("nan"))
-            graph.replay()
-            want = torch.stack(parts).double().sum(0)
-            scale = torch.stack(parts).double().abs().sum(0) + 1e-3
-            assert ((out.double() - want).abs() <= 1e-5 * scale).all(), f"replay {i} wrong"
+            want, scale = replay_checked(comm, graph, x, out, 13 * i)
             eager = comm.all_reduce(x, algorithm="twoshot")
             assert ((eager.double() - want).abs() <= 1e-5 * scale).all(), f"eager call {i} wrong"
         comm.check()
