@@ -561,11 +561,10 @@ func (g *graphSlots) slotFor(drv *cuda.Driver, src uintptr, nbytes int64, stream
 // calls captured since the last time (every rank must have captured the
 // same calls) on every rank and readies their slots, so graph replays read
 // those inputs in place instead of staging them; calls outside the graphs
-// still stage them. Returns how many distinct
-// inputs it mapped: an input freed since its capture, or that CUDA IPC
-// cannot export, on any rank is skipped. Each call takes the pending
-// inputs once, even if it fails. Call it after capture and before
-// replaying, on every rank.
+// still stage them. Returns how many distinct inputs it mapped: an input
+// freed since its capture, or that CUDA IPC cannot export, on any rank is
+// skipped. Each call takes the pending inputs once, even if it fails. Call
+// it after capture and before replaying, on every rank.
 func (b *Backend) RegisterGraphBuffers() (int, error) {
 	if err := b.usable(); err != nil {
 		return 0, err

@@ -166,7 +166,7 @@ func (s *Space) Shareable(ptr uintptr, nbytes uint64) bool {
 	return err == nil && ok
 }
 
-// exchange runs the collective part of Alloc and Register: each rank's
+// exchange runs the collective part of Alloc and Map: each rank's
 // local step, the all-gather, the size check and the opening of peers.
 func (s *Space) exchange(local func() (exported, error), self uintptr) (*Buffer, error) {
 	mine, err := local()
