@@ -99,10 +99,12 @@ func (s *Space) Register(ptr uintptr, nbytes uint64) (*Buffer, error) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	// A registration of the same range replaces the old one and becomes the
+	// newest, as on every rank, so Lookup finds the same buffer everywhere.
 	for i, old := range s.buffers {
 		if !old.owned && old.Local == b.Local && old.Size == b.Size {
-			s.buffers[i] = b
-			return b, nil
+			s.buffers = append(s.buffers[:i], s.buffers[i+1:]...)
+			break
 		}
 	}
 	s.buffers = append(s.buffers, b)

@@ -204,6 +204,39 @@ func TestMapRefusesMemoryIPCCannotExport(t *testing.T) {
 	}
 }
 
+// TestRegisterAgainBecomesNewest: registering a range again replaces its
+// old entry and makes it the newest, so Lookup in an overlap finds it (on
+// every rank alike, whatever the order of earlier registrations).
+func TestRegisterAgainBecomesNewest(t *testing.T) {
+	errs := runRanks(2, nil, func(rank int, s *Space, d *fakeDriver) error {
+		seg, _ := d.MemAlloc(4 << 20)
+		a, err := s.Register(seg, 2<<20)
+		if err != nil {
+			return err
+		}
+		if _, err := s.Register(seg+4096, 1<<20); err != nil {
+			return err
+		}
+		again, err := s.Register(seg, 2<<20)
+		if err != nil {
+			return err
+		}
+		if got, ok := s.Lookup(seg+8192, 64); !ok || got != again || again == a {
+			return fmt.Errorf("Lookup in the overlap = %v, %v; want the newest registration (Seq %d)", got, ok, again.Seq)
+		}
+		if err := s.Deregister(seg); err != nil {
+			return err
+		}
+		if got, ok := s.Lookup(seg+8192, 64); !ok || got.Local != seg+4096 {
+			return fmt.Errorf("after Deregister of the first range, Lookup = %v, %v; want the second", got, ok)
+		}
+		return s.Close()
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestRegisterMismatch(t *testing.T) {
 	errs := runRanks(4, nil, func(rank int, s *Space, d *fakeDriver) error {
 		seg, _ := d.MemAlloc(4 << 20)
