@@ -59,7 +59,7 @@ func describe(e errorWord) error {
 			e.Peer, phaseName(e.Phase), callName(e), where, e.Expected, e.Seen)
 	case errMismatch:
 		return status.Errorf(status.Mismatch,
-			"ranks disagree: rank %d called all-reduce with different arguments (size, dtype, op or algorithm) or rejected its own; nothing was reduced",
+			"ranks disagree: rank %d called all-reduce with different arguments (size, dtype, op, algorithm, or a registered input read in place at another offset or on some ranks only) or rejected its own; nothing was reduced",
 			e.Peer)
 	case errBadParams:
 		return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d)", e.Rank, e.Block)

@@ -315,14 +315,14 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 		p.LocalSrc = 0
 		p.Signature = withSource(sig, buf.Seq, uint64(off))
 	} else if nbytes > b.opts.StagingBytes {
-		return status.Errorf(status.Capacity,
+		return b.refuse(algo, req.DType, g, req.Stream, status.Errorf(status.Capacity,
 			"tensor of %d bytes exceeds the staging capacity of %d bytes: register it (comm.register_buffer) or raise P2PCOMM_STAGING_BYTES",
-			nbytes, b.opts.StagingBytes)
+			nbytes, b.opts.StagingBytes))
 	}
 	if need := scratchBytes(algo, nbytes, b.size); need > b.opts.StagingBytes {
-		return status.Errorf(status.Capacity,
+		return b.refuse(algo, req.DType, g, req.Stream, status.Errorf(status.Capacity,
 			"%s all-reduce of %d bytes needs %d bytes of scratch, more than the %d available: use algorithm='twoshot' or raise P2PCOMM_STAGING_BYTES",
-			algo, nbytes, need, b.opts.StagingBytes)
+			algo, nbytes, need, b.opts.StagingBytes))
 	}
 	if algo == collective.TwoShot && nbytes >= pullMinBytes {
 		p.Flags |= flagPull
@@ -375,10 +375,18 @@ func (b *Backend) reject(req collective.AllReduce) error {
 		dt = reduce.Float32
 	}
 	algo := b.choose(req.Algo, req.Count, dt)
-	if err := b.launchEmpty(algo, dt, b.geometry(algo, dt, req.Count), rejectSignature, req.Stream); err != nil {
+	return b.refuse(algo, dt, b.geometry(algo, dt, req.Count), req.Stream, req.Reject)
+}
+
+// refuse takes part in a call this rank cannot make, as reject does, and
+// returns why: a rank whose tensor is too big to stage while its peers read
+// theirs in place (registered on some ranks only) must not leave them
+// waiting. When every rank refuses, none reports a mismatch.
+func (b *Backend) refuse(algo collective.Algorithm, dt reduce.DType, g geometry, stream uintptr, why error) error {
+	if err := b.launchEmpty(algo, dt, g, rejectSignature, stream); err != nil {
 		return err
 	}
-	return req.Reject
+	return why
 }
 
 // launchEmpty runs algo's kernel with no elements on the grid a call of

@@ -317,8 +317,9 @@ class Communicator:
         torch.compile it is the custom op ``torch.ops.p2pcomm.all_reduce``.
 
         Errors that only the GPU can see (ranks that disagree on the size,
-        dtype or op; a peer that never arrives) are raised asynchronously: by
-        the next call or :meth:`check` once the stream has reached them."""
+        dtype or op, or on where a registered input sits; a peer that never
+        arrives) are raised asynchronously: by the next call or :meth:`check`
+        once the stream has reached them."""
         if torch.compiler.is_compiling():  # traced: no host checks here, the op's eager body does them
             return torch.ops.p2pcomm.all_reduce(tensor, self._handle, _parse_op(op).name.lower(), algorithm)
         return self._eager_all_reduce(tensor, op, algorithm)

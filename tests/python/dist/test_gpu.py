@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import p2pcomm
 from conftest import GPU_ONLY, same_on_all_ranks
+from p2pcomm.communicator import local_cuda_index
 
 pytestmark = GPU_ONLY
 
@@ -207,9 +208,10 @@ def test_in_place_reads_that_disagree_raise(comms):
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
     k = 100_000
-    buf = comm.empty(k + 1024 * w)
+    buf, other = comm.empty(k + 1024 * w), comm.empty(k)
     cases = {"offsets differ": lambda: buf[1024 * r: 1024 * r + k],
-             "registered on rank 0 only": lambda: buf[:k] if r == 0 else torch.empty(k, device="cuda")}
+             "registered on rank 0 only": lambda: buf[:k] if r == 0 else torch.empty(k, device="cuda"),
+             "buffers differ": lambda: buf[:k] if r == 0 else other}
     for name, make in cases.items():
         x = make()
         x.fill_(1.0)
@@ -225,6 +227,33 @@ def test_in_place_reads_that_disagree_raise(comms):
     x.copy_(torch.arange(k, device="cuda", dtype=torch.float32) + r)
     got = comm.all_reduce(x, algorithm="twoshot")
     assert torch.equal(got.double(), w * torch.arange(k, device="cuda", dtype=torch.float64) + sum(range(w)))
+    torch.cuda.synchronize()
+    comm.check()
+
+
+def test_too_big_to_stage_on_some_ranks_fails_together(group, monkeypatch):
+    """A tensor larger than the staging buffer can only be read in place:
+    when rank 0 registered it and the others did not, they raise
+    CapacityError and rank 0 MismatchError, no rank waits for a peer, and
+    all stay usable; when no rank can stage it, each raises CapacityError."""
+    monkeypatch.setenv("P2PCOMM_STAGING_BYTES", str(1 << 20))
+    torch.cuda.set_device(local_cuda_index())
+    with p2pcomm.Communicator(group, device=torch.cuda.current_device()) as comm:
+        w, r = comm.world_size, comm.rank
+        n = 1 << 19  # 2 MiB of float32, twice the staging capacity
+        x = comm.empty(n) if r == 0 else torch.empty(n, device="cuda")
+        x.fill_(1.0)
+        with pytest.raises(p2pcomm.MismatchError if r == 0 else p2pcomm.CapacityError):
+            comm.all_reduce(x, algorithm="twoshot")
+            torch.cuda.synchronize()
+            comm.check()
+        for _ in range(2):
+            torch.cuda.synchronize()
+            comm.check()
+            out = comm.all_reduce(torch.ones(1000, device="cuda"))
+            assert torch.equal(out, torch.full_like(out, float(w)))
+            with pytest.raises(p2pcomm.CapacityError, match="staging capacity"):
+                comm.all_reduce(torch.ones(n, device="cuda"), algorithm="twoshot")
 
 
 def test_subgroups_run_side_by_side(group):
