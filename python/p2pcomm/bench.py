@@ -231,17 +231,6 @@ class Impl:
     unavailable: str = ""
     graph_ok: bool = True
     after_capture: Optional[Callable[[], object]] = None
-    cleanup: Optional[Callable[[torch.Tensor], object]] = None  # after the last mode, with buf
-
-
-def _forget_registration(comm, buf: torch.Tensor) -> None:
-    """Collective: deregister buf if graph capture registered it."""
-    from .errors import InvalidArgumentError
-
-    try:
-        comm.deregister_buffer(buf)
-    except InvalidArgumentError:  # nothing was registered (not a two-shot capture)
-        pass
 
 
 def build_impls(args, device: torch.device, dtype: torch.dtype, max_numel: int, base_group, world: int):
@@ -277,11 +266,10 @@ def build_impls(args, device: torch.device, dtype: torch.dtype, max_numel: int, 
             return buf, lambda: comm.all_reduce_(buf, algorithm=algo)
 
         impls.append(Impl("p2pcomm", algo, sym_setup, unavailable=why if sym is None else ""))
-        # Graph mode registers the captured input (register_graph_buffers), as an application
-        # would; deregistering it afterwards keeps later rows' eager calls staged.
+        # Graph mode maps the captured input for its replays (register_graph_buffers), as an
+        # application would; eager calls on it keep staging.
         impls.append(Impl("p2pcomm-staged", algo, staged_setup, unavailable=why if comm is None else "",
-                          after_capture=comm.register_graph_buffers if comm is not None else None,
-                          cleanup=(lambda buf: _forget_registration(comm, buf)) if comm is not None else None))
+                          after_capture=comm.register_graph_buffers if comm is not None else None))
 
     if device.type == "cuda":
         impls += torch_symm_mem_impls(device, dtype, max_numel, base_group)
@@ -370,8 +358,6 @@ def bench_size(args, timer: Timer, impls: list[Impl], size: int, dtype, device, 
                     if mode == "eager":
                         raise
                     rows.append(Row(size, impl.name, impl.algorithm, mode=mode, status=_na(e)))
-            if impl.cleanup is not None and "graph" in modes:
-                impl.cleanup(buf)
         except Exception as e:  # noqa: BLE001 - one failing impl should not end the run
             rows.append(Row(size, impl.name, impl.algorithm, status=_na(e)))
             if device.type == "cuda":
