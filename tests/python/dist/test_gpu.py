@@ -241,7 +241,8 @@ def test_too_big_to_stage_on_some_ranks_fails_together(group, monkeypatch):
     with p2pcomm.Communicator(group, device=torch.cuda.current_device()) as comm:
         w, r = comm.world_size, comm.rank
         n = 1 << 19  # 2 MiB of float32, twice the staging capacity
-        x = comm.empty(n) if r == 0 else torch.empty(n, device="cuda")
+        big = comm.empty(n)  # collective: every rank allocates it, rank 0 alone uses it
+        x = big if r == 0 else torch.empty(n, device="cuda")
         x.fill_(1.0)
         with pytest.raises(p2pcomm.MismatchError if r == 0 else p2pcomm.CapacityError):
             comm.all_reduce(x, algorithm="twoshot")
