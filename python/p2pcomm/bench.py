@@ -32,6 +32,8 @@ from typing import Callable, Optional  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from .communicator import gpus_shared  # noqa: E402
+
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -533,12 +535,6 @@ def bench_allreduce(args) -> int:
     return 0
 
 
-def gpus_shared() -> bool:
-    """Ranks share GPUs (P2PCOMM_SHARE_GPUS=1, tools/gpu_shared.sh): NCCL
-    refuses that, so there is no NCCL baseline."""
-    return os.environ.get("P2PCOMM_SHARE_GPUS") == "1"
-
-
 def init_distributed(device: torch.device) -> None:
     """Initialize torch.distributed from torchrun's environment when the
     caller has not: NCCL for GPU, else (CPU, shared GPUs) gloo."""
@@ -548,7 +544,7 @@ def init_distributed(device: torch.device) -> None:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-        nccl = device.type == "cuda" and not gpus_shared()
+        nccl = device.type == "cuda" and not gpus_shared()  # NCCL refuses ranks sharing a GPU
         kw = {"device_id": device} if nccl else {}
         dist.init_process_group(backend="nccl" if nccl else "gloo", **kw)
 

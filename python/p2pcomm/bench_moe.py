@@ -51,8 +51,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .bench import _DTYPES, gpus_shared, header_lines, init_distributed, md_table, say
-from .communicator import local_cuda_index
+from .bench import _DTYPES, header_lines, init_distributed, md_table, say
+from .communicator import gpus_shared, local_cuda_index
 
 
 @dataclasses.dataclass

@@ -74,6 +74,12 @@ def _parse_algorithm(algorithm) -> int:
     raise UnsupportedError(f"unknown algorithm {algorithm!r}: use one of {', '.join(ALGORITHMS)}")
 
 
+def gpus_shared() -> bool:
+    """Whether P2PCOMM_SHARE_GPUS=1 lets ranks share GPUs (under MPS; tests
+    of a larger world than the GPUs at hand, tools/gpu_shared.sh)."""
+    return os.environ.get("P2PCOMM_SHARE_GPUS") == "1"
+
+
 def local_cuda_index() -> int:
     """This process's GPU: LOCAL_RANK (the current device without it), taken
     modulo the visible GPUs when P2PCOMM_SHARE_GPUS=1 lets ranks share them
@@ -81,7 +87,7 @@ def local_cuda_index() -> int:
     local = os.environ.get("LOCAL_RANK")
     if local is None:
         return torch.cuda.current_device()
-    if os.environ.get("P2PCOMM_SHARE_GPUS") == "1":
+    if gpus_shared():
         return int(local) % torch.cuda.device_count()
     return int(local)
 

@@ -16,7 +16,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import p2pcomm  # noqa: E402
-from p2pcomm.communicator import local_cuda_index  # noqa: E402
+from p2pcomm.communicator import gpus_shared, local_cuda_index  # noqa: E402
 
 WANT_GPU = os.environ.get("P2PCOMM_TEST_GPU") == "1"
 
@@ -33,8 +33,7 @@ def gpu_skip_reason():
         return "GPU tests run only with P2PCOMM_TEST_GPU=1 (make gpu-test on a GPU machine)"
     if not torch.cuda.is_available():
         return "no CUDA device on this machine"
-    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and \
-            os.environ.get("P2PCOMM_SHARE_GPUS") != "1":
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", "1")) and not gpus_shared():
         return "fewer GPUs than local ranks (P2PCOMM_SHARE_GPUS=1 shares them, under MPS)"
     return None
 

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import GPU_ONLY, local_cuda_index
+from conftest import GPU_ONLY, gpus_shared, local_cuda_index
 
-pytestmark = [GPU_ONLY, pytest.mark.skipif(os.environ.get("P2PCOMM_SHARE_GPUS") == "1",
+pytestmark = [GPU_ONLY, pytest.mark.skipif(gpus_shared(),
                                            reason="the reference gathers through NCCL, which refuses ranks sharing a GPU")]
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
