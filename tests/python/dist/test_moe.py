@@ -484,14 +484,22 @@ def capture_step(ep, static_x, first, rank):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transit", TRANSITS)
-def test_capturable_mode(comms, device, transit):
+@pytest.mark.parametrize("tokens", ["full", "uneven"])
+def test_capturable_mode(comms, device, transit, tokens):
+    """Capturable dispatch + expert + combine against the reference and the
+    combine emulation's bits; on GPU captured once and replayed with new
+    routing and data, recv.x poisoned before each replay. "uneven": ranks
+    dispatch different numbers of tokens, one of them none (on GPU fixed by
+    the captured shapes)."""
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 8 * W, 4, 64, 16, torch.bfloat16
+    sizes = [Tm if tokens == "full" else (Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
     combine_dtype = transit_dtype(transit, dtype)
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
                                 capturable=True, combine_dtype=combine_dtype)
-    rounds = [[make_inputs(100 + i, q, Tm, H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    rounds = [[make_inputs(100 + i, q, sizes[q], H, E, K, dtype, "random", 0.25) for q in range(W)]
+              for i in range(3)]
 
     def check_round(recv, y, inputs):
         check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
@@ -505,10 +513,11 @@ def test_capturable_mode(comms, device, transit):
             check_round(recv, y, inputs)
         return
     # CUDA: capture dispatch + expert + combine once, replay with new routing copied in.
-    static_x = torch.zeros(Tm, H, dtype=dtype, device=device)
+    static_x = torch.zeros(sizes[r], H, dtype=dtype, device=device)
     graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
     for inputs in rounds[1:] + rounds[:1]:
         load(inputs)
+        recv.x.fill_(float("nan"))  # rows this replay's dispatch does not write show up
         graph.replay()
         torch.cuda.synchronize()
         assert recv.x.shape == (W * Tm * K, H)
