@@ -38,7 +38,7 @@ import (
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 3
+const abiVersion = 4
 
 var loadPid = os.Getpid()
 
@@ -261,6 +261,21 @@ func p2p_launch(h C.uint64_t, file, expr *C.char, params unsafe.Pointer, nbytes 
 	})
 }
 
+// p2p_prepare_kernel compiles and loads native/kernels/<file> (which
+// declares expr) and the stream barrier's kernel (GPU backend only; see
+// gpucoll.Backend.Prepare).
+//
+//export p2p_prepare_kernel
+func p2p_prepare_kernel(h C.uint64_t, file, expr *C.char) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		g, ok := b.(*gpucoll.Backend)
+		if !ok {
+			return status.Errorf(status.Unsupported, "kernels need the GPU backend")
+		}
+		return g.Prepare(C.GoString(file), C.GoString(expr))
+	})
+}
+
 // p2p_device_info reports the GPU's multiprocessor count (0 on CPU).
 //
 //export p2p_device_info
@@ -295,6 +310,24 @@ func p2p_wait_info(h C.uint64_t, signal, errWord, timeoutNs *C.uint64_t) C.int {
 //export p2p_barrier
 func p2p_barrier(h C.uint64_t) C.int {
 	return withComm(h, func(c *comm.Comm) error { return c.Barrier() })
+}
+
+//export p2p_host_allgather
+func p2p_host_allgather(h C.uint64_t, send unsafe.Pointer, nbytes C.int64_t, recv unsafe.Pointer) C.int {
+	return withComm(h, func(c *comm.Comm) error {
+		if nbytes < 0 || (nbytes > 0 && (send == nil || recv == nil)) {
+			return status.Errorf(status.InvalidArgument, "host all-gather: %d bytes at %p into %p", int64(nbytes), send, recv)
+		}
+		got, err := c.AllGather(C.GoBytes(send, C.int(nbytes)))
+		if err != nil {
+			return err
+		}
+		out := unsafe.Slice((*byte)(recv), int(nbytes)*len(got))
+		for r, b := range got {
+			copy(out[r*int(nbytes):], b)
+		}
+		return nil
+	})
 }
 
 //export p2p_check

@@ -174,6 +174,29 @@ func (c *Comm) Barrier() error {
 	})
 }
 
+// AllGather exchanges data of every rank (the same length on all) through
+// the bootstrap, on the host: bounded by the bootstrap's own timeout (a
+// torch.distributed group's, for example), never by a kernel's. For setup
+// agreements that must not desynchronize: a GPU collective whose peer comes
+// late can time out on one rank and succeed on the other.
+func (c *Comm) AllGather(data []byte) ([][]byte, error) {
+	var out [][]byte
+	err := c.Do(func(collective.Backend) error {
+		got, err := c.bs.AllGather(data)
+		if err != nil {
+			return fmt.Errorf("host all-gather: %w", err)
+		}
+		for r, b := range got {
+			if len(b) != len(data) {
+				return status.Errorf(status.Mismatch, "host all-gather: rank %d sent %d bytes, this rank %d", r, len(b), len(data))
+			}
+		}
+		out = got
+		return nil
+	})
+	return out, err
+}
+
 // Close releases everything. Not collective; idempotent.
 func (c *Comm) Close() error {
 	c.mu.Lock()

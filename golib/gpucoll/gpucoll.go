@@ -512,6 +512,25 @@ func (b *Backend) Launch(file, expr string, grid, block, sharedBytes uint32, str
 	return nil
 }
 
+// Prepare compiles and loads the file holding kernel expr (every kernel
+// it declares) and the stream barrier's kernel, so that the first launches
+// do not compile: a rank compiling there made peers already waiting in a
+// kernel time out. Callers run it before a host-side exchange that lines
+// the ranks up. Not collective.
+func (b *Backend) Prepare(file, expr string) error {
+	if err := b.Check(); err != nil {
+		return err
+	}
+	if err := b.drv.EnsureContext(b.device); err != nil {
+		return err
+	}
+	if _, err := b.kernels.named(file, expr); err != nil {
+		return err
+	}
+	_, err := b.kernels.function(collective.OneShot, reduce.Float32) // launchGrid's barrier kernel
+	return err
+}
+
 // SMCount is the number of multiprocessors of this rank's GPU (its share of
 // them when ranks share GPUs).
 func (b *Backend) SMCount() int { return b.sms }

@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _LOAD_PID = os.getpid()
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -33,6 +33,8 @@ _SIGNATURES = {
     "p2p_all_reduce_reject": ([_u64, _i32, ctypes.c_char_p, _i64, _i32, _i32, _u64], ctypes.c_int),
     "p2p_barrier": ([_u64], ctypes.c_int),
     "p2p_check": ([_u64], ctypes.c_int),
+    "p2p_prepare_kernel": ([_u64, ctypes.c_char_p, ctypes.c_char_p], ctypes.c_int),
+    "p2p_host_allgather": ([_u64, ctypes.c_void_p, _i64, ctypes.c_void_p], ctypes.c_int),
     "p2p_shutdown": ([], ctypes.c_int),
     "p2p_peer_ptr": ([_u64, _u64, _i64, _i32, ctypes.POINTER(_u64)], ctypes.c_int),
     "p2p_stream_barrier": ([_u64, _u64], ctypes.c_int),

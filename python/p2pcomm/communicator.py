@@ -14,8 +14,8 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _lib
-from .errors import (BootstrapError, InvalidArgumentError, P2PCommError, PeerUnavailableError, StateError,
-                     UnsupportedError)
+from .errors import (BootstrapError, InvalidArgumentError, MismatchError, P2PCommError, PeerUnavailableError,
+                     StateError, UnsupportedError)
 
 
 class ReduceOp(enum.IntEnum):
@@ -420,6 +420,14 @@ class Communicator:
             self._h(), file.encode(), expr.encode(), ctypes.addressof(params), ctypes.sizeof(params),
             grid, block, shared_bytes, _raw_stream(self._device_index)))
 
+    def prepare_kernel(self, file: str, expr: str) -> None:
+        """GPU only, not collective: compile and load ``native/kernels/<file>``
+        (which declares ``expr``) and the stream barrier's kernel now, so
+        that no later launch compiles. Run it before a host-side exchange
+        that lines the ranks up (a rank compiling inside a collective call
+        keeps its peers waiting in their kernels)."""
+        _lib.check(_lib.lib().p2p_prepare_kernel(self._h(), file.encode(), expr.encode()))
+
     @property
     def sm_count(self) -> int:
         """Multiprocessors of this rank's GPU (0 on the CPU backend)."""
@@ -440,6 +448,19 @@ class Communicator:
     def barrier(self) -> None:
         """Collective. Return once every rank has called it."""
         self._check(_lib.lib().p2p_barrier(self._h()))
+
+    def host_allgather(self, data: bytes) -> list:
+        """Collective. Every rank's ``data`` (the same length on all), as a
+        list indexed by rank, exchanged on the host through the bootstrap
+        (the ``torch.distributed`` group, MPI or TCP): bounded by that
+        timeout, never by ``P2PCOMM_TIMEOUT_MS``. For setup steps whose
+        outcome every rank must share: a GPU collective can time out on a
+        rank whose peer came late and succeed on that peer."""
+        n = len(data)
+        out = ctypes.create_string_buffer(n * self.world_size)
+        self._check(_lib.lib().p2p_host_allgather(self._h(), data, n, out))
+        raw = out.raw
+        return [raw[r * n:(r + 1) * n] for r in range(self.world_size)]
 
     def check(self) -> None:
         """Raise an error recorded asynchronously (e.g. a GPU kernel whose
@@ -542,6 +563,14 @@ class TorchFallbackCommunicator(Communicator):
     def stream_barrier(self) -> None:
         self.barrier()
 
+    def host_allgather(self, data: bytes) -> list:
+        self._h()
+        got = [None] * self.world_size
+        self._dist.all_gather_object(got, bytes(data), group=self._group)
+        if any(len(g) != len(data) for g in got):
+            raise MismatchError(f"host_allgather: ranks sent {[len(g) for g in got]} bytes")
+        return got
+
     def check(self) -> None:
         self._h()
 
@@ -549,6 +578,9 @@ class TorchFallbackCommunicator(Communicator):
         raise UnsupportedError("peer memory is unavailable: this communicator fell back to torch.distributed")
 
     def launch_kernel(self, *args, **kwargs):
+        raise UnsupportedError("kernels need peer memory: this communicator fell back to torch.distributed")
+
+    def prepare_kernel(self, *args, **kwargs):
         raise UnsupportedError("kernels need peer memory: this communicator fell back to torch.distributed")
 
     @property

@@ -125,6 +125,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import struct
 import warnings
 import weakref
 from typing import Optional
@@ -132,7 +133,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .communicator import Communicator, ReduceOp
+from .communicator import Communicator, TorchFallbackCommunicator
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -436,6 +437,8 @@ class ExpertParallel:
         combine_dtype = torch.float32 if combine_dtype is None else combine_dtype
         problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
                                              combine_dtype, num_sms)
+        if problem is None:
+            problem = self._prepare_kernels(dtype)
         self._blocks = self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                              capturable, combine_dtype,
                                              self._wanted_blocks(None if problem is not None else num_sms))
@@ -611,6 +614,21 @@ class ExpertParallel:
             return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         return None
 
+    def _prepare_kernels(self, dtype) -> Optional[P2PCommError]:
+        """Compiles the MoE kernels (and the stream barrier's) before the
+        ranks line up in _agree_on_config, so that no rank compiles inside
+        a call while its peers wait in their kernels (a cold compile takes
+        seconds; P2PCOMM_TIMEOUT_MS bounds those waits). A failure becomes
+        this rank's problem, which every rank learns in the agreement."""
+        if self.device.type != "cuda" or dtype not in _KERNEL_TYPES or _torch_path_forced() \
+                or isinstance(self.comm, TorchFallbackCommunicator):
+            return None
+        try:
+            self.comm.prepare_kernel(_KERNEL_FILE, "moe_post_status")
+        except P2PCommError as e:
+            return e
+        return None
+
     def _wanted_blocks(self, num_sms: Optional[int]) -> int:
         """This rank's grid for the kernels: num_sms (checked; None: 24)
         within the GPU's SMs and the barriers' block limit."""
@@ -618,9 +636,13 @@ class ExpertParallel:
         return max(1, min(num_sms or _DEFAULT_SMS, sms if sms > 0 else _DEFAULT_SMS, _MAX_SYNC_BLOCKS))
 
     def _agree_on_config(self, problem, E, H, Tm, K, dtype, capturable, combine_dtype, blocks) -> int:
-        """All ranks reduce (config, who failed) with MIN and MAX through the
-        communicator itself, so a mismatch raises everywhere instead of
-        hanging in the first collective allocation. Returns the smallest
+        """All ranks exchange (config, who failed) before the first
+        collective allocation, so a mismatch raises everywhere instead of
+        hanging there. The exchange is on the host (comm.host_allgather,
+        bounded by the bootstrap's timeout): as a GPU all-reduce, a rank
+        that came late (still compiling kernels, say) made its peers time
+        out while it went on alone into the allocations and waited there
+        for the group's timeout (2 x H100, 2026-11-25). Returns the smallest
         grid any rank wants: a kernel waits for the middle flags of as many
         blocks of each peer's send kernel as it has itself, so the grids
         must agree."""
@@ -632,12 +654,14 @@ class ExpertParallel:
         failed = [0] * W
         if problem is not None:
             failed[self.rank] = 1
-        vec = torch.tensor(fields + failed + [blocks], dtype=torch.int64, device=self.device)
-        lo = self.comm.all_reduce(vec, op=ReduceOp.MIN).cpu().tolist()
-        hi = self.comm.all_reduce(vec, op=ReduceOp.MAX).cpu().tolist()
+        vec = [max(-2 ** 62, min(v, 2 ** 62)) for v in fields + failed + [blocks]]  # any int packs
+        packed = self.comm.host_allgather(struct.pack(f"<{len(vec)}q", *vec))
+        rows = [struct.unpack(f"<{len(vec)}q", b) for b in packed]
+        lo, hi = [min(c) for c in zip(*rows)], [max(c) for c in zip(*rows)]
         bad_ranks = [r for r in range(W) if hi[len(fields) + r]]
         if bad_ranks and problem is None:
-            raise MismatchError(f"ExpertParallel: rank {', '.join(map(str, bad_ranks))} rejected its arguments")
+            raise MismatchError(f"ExpertParallel: rank {', '.join(map(str, bad_ranks))} rejected its arguments "
+                                "or could not build its kernels (its own exception says which)")
         if problem is not None:
             return blocks  # the caller raises, with the specific message
         differ = [f"{_CONFIG_FIELDS[i]} (from {lo[i]} to {hi[i]})" for i in range(len(fields)) if lo[i] != hi[i]]

@@ -157,3 +157,20 @@ def test_non_tensor_on_one_rank_fails_everyone(comms):
     with pytest.raises(expected):
         comm.all_reduce(x)
     still_works(comm, "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_allgather_gives_every_rank_every_ranks_bytes(comms, device):
+    """host_allgather: each rank's random bytes on every rank, in rank
+    order; lengths that differ raise MismatchError on every rank, and the
+    communicator works after it."""
+    comm = comms(device)
+    W, r = comm.world_size, comm.rank
+    sent = [bytes(torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(70 + q),
+                                dtype=torch.uint8).tolist()) for q in range(W)]
+    assert comm.host_allgather(sent[r]) == sent
+    assert comm.host_allgather(b"") == [b""] * W
+    with pytest.raises(p2pcomm.MismatchError, match="host all-gather"):
+        comm.host_allgather(bytes(8 + (r == 1)))
+    assert comm.host_allgather(sent[r][::-1]) == [s[::-1] for s in sent]
+    still_works(comm, device)

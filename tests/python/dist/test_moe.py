@@ -855,6 +855,32 @@ def still_works(ep, comm, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rank_late_to_construction(group, monkeypatch, device):
+    """A rank that constructs its ExpertParallel after its peers' bound
+    (P2PCOMM_TIMEOUT_MS; here still compiling kernels, say) only delays
+    them: the construction agrees on the host, so no rank times out, and
+    the ep works on every rank. (Agreeing by a GPU all-reduce, the early
+    ranks raised PeerTimeoutError while the late one went on and waited in
+    the first allocation for the group's timeout.)"""
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "1000")
+    if device == "cuda":
+        torch.cuda.set_device(local_cuda_index())
+    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device() if device == "cuda" else "cpu")
+    W, r = comm.world_size, comm.rank
+    comm.all_reduce(torch.ones(4, dtype=torch.int64, device=device))  # kernels built on every rank
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    if r == 1:
+        time.sleep(2.5)
+    ep = p2pcomm.ExpertParallel(comm, num_experts=2 * W, hidden=64, max_tokens_per_rank=8, topk=2)
+    still_works(ep, comm, device)
+    comm.check()
+    dist.barrier()
+    comm.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bad_inputs_raise_on_every_rank(comms, device):
     comm = comms(device)
     W, r = comm.world_size, comm.rank
