@@ -136,6 +136,11 @@ def test_fallback_to_torch_when_peers_are_unreachable(group, monkeypatch):
         comm.all_reduce(torch.zeros(4, dtype=torch.uint8))
     with pytest.raises(p2pcomm.UnsupportedError):
         comm.peer_tensor(x, 0)
+    with pytest.raises(p2pcomm.UnsupportedError):
+        comm.prepare_kernel("moe.cu", "moe_post_status")
+    assert comm.host_allgather(bytes([r, 7 * r])) == [bytes([q, 7 * q]) for q in range(w)]
+    with pytest.raises(p2pcomm.MismatchError, match="host_allgather"):
+        comm.host_allgather(bytes(2 + (r == 1)))
     comm.barrier()
     comm.close()
     with pytest.raises(p2pcomm.StateError):
