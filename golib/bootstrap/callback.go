@@ -59,7 +59,6 @@ func (b *callbackBootstrap) allGatherVar(data []byte) ([][]byte, error) {
 	if err := b.call(binary.LittleEndian.AppendUint64(nil, uint64(len(data))), lens); err != nil {
 		return nil, err
 	}
-	longest := 0
 	sizes := make([]int, b.size)
 	for r := range sizes {
 		n := binary.LittleEndian.Uint64(lens[8*r:])
@@ -68,29 +67,12 @@ func (b *callbackBootstrap) allGatherVar(data []byte) ([][]byte, error) {
 				b.seq, r, n, MaxPayload)
 		}
 		sizes[r] = int(n)
-		longest = max(longest, int(n))
 	}
 	if sizes[b.rank] != len(data) {
 		return nil, status.Errorf(status.Bootstrap, "bootstrap: all-gather #%d: callback put length %d in my slot, want %d (not rank-major?)",
 			b.seq, sizes[b.rank], len(data))
 	}
-	out := make([][]byte, b.size)
-	if longest == 0 {
-		for r := range out {
-			out[r] = []byte{}
-		}
-		return out, nil
-	}
-	send := make([]byte, longest)
-	copy(send, data)
-	recv := make([]byte, longest*b.size)
-	if err := b.call(send, recv); err != nil {
-		return nil, err
-	}
-	for r := range out {
-		out[r] = recv[r*longest : r*longest+sizes[r] : r*longest+sizes[r]]
-	}
-	return out, nil
+	return gatherPadded(data, sizes, b.call)
 }
 
 func (b *callbackBootstrap) call(send, recv []byte) error {

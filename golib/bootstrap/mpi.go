@@ -176,33 +176,16 @@ func (b *mpiBootstrap) allGatherVar(data []byte) ([][]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	longest := 0
+	sizes := make([]int, b.size)
 	for r, n := range lens {
 		if n < 0 || n > MaxPayload {
 			return nil, status.Errorf(status.Bootstrap, "bootstrap: all-gather #%d: rank %d sends %d bytes", b.seq, r, n)
 		}
-		longest = max(longest, int(n))
+		sizes[r] = int(n)
 	}
-	out := make([][]byte, b.size)
-	if longest == 0 {
-		for r := range out {
-			out[r] = []byte{}
-		}
-		return out, nil
-	}
-	send := make([]byte, longest)
-	copy(send, data)
-	recv := make([]byte, longest*b.size)
-	err = b.run(b.opName("all-gather", "data"), func() error {
-		return b.comm.AllGatherU8(recv, send)
+	return gatherPadded(data, sizes, func(send, recv []byte) error {
+		return b.run(b.opName("all-gather", "data"), func() error { return b.comm.AllGatherU8(recv, send) })
 	})
-	if err != nil {
-		return nil, err
-	}
-	for r, n := range lens {
-		out[r] = recv[r*longest : r*longest+int(n) : r*longest+int(n)]
-	}
-	return out, nil
 }
 
 func (b *mpiBootstrap) opName(kind, part string) string {
