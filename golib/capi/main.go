@@ -318,6 +318,9 @@ func p2p_host_allgather(h C.uint64_t, send unsafe.Pointer, nbytes C.int64_t, rec
 		if nbytes < 0 || (nbytes > 0 && (send == nil || recv == nil)) {
 			return status.Errorf(status.InvalidArgument, "host all-gather: %d bytes at %p into %p", int64(nbytes), send, recv)
 		}
+		if nbytes > bootstrap.MaxPayload {
+			return status.Errorf(status.Capacity, "host all-gather: %d bytes exceeds the limit of %d", int64(nbytes), bootstrap.MaxPayload)
+		}
 		got, err := c.AllGather(C.GoBytes(send, C.int(nbytes)))
 		if err != nil {
 			return err

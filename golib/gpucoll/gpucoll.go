@@ -468,7 +468,8 @@ func (b *Backend) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, err
 // order), and flags only grow with the epoch, so no end barrier is needed
 // before the slots are reused (the non-deferred one-shot's second round trip
 // cost ~3 us per barrier, four per MoE dispatch and combine).
-// Capturable in CUDA graphs; bounded like every wait.
+// Capturable in CUDA graphs; bounded like every wait. Its kernel is the
+// one-shot's of barrierDType (Prepare builds it ahead).
 func (b *Backend) StreamBarrier(stream uintptr) error {
 	if err := b.Check(); err != nil {
 		return err
@@ -482,8 +483,12 @@ func (b *Backend) StreamBarrier(stream uintptr) error {
 	p.Out = uint64(b.scratch.Local)
 	p.Flags = flagFence
 	b.useHalves(p) // deferred: no end barrier; with no elements nothing is staged or read
-	return b.launchGrid(collective.OneShot, reduce.Float32, 1, stream)
+	return b.launchGrid(collective.OneShot, barrierDType, 1, stream)
 }
+
+// barrierDType is the element type of StreamBarrier's one-shot kernel (it
+// reduces no element).
+const barrierDType = reduce.Float32
 
 // Launch runs a kernel of native/kernels by file and name expression with
 // a caller-packed parameter struct (the kernel's one by-value argument), for
@@ -527,7 +532,7 @@ func (b *Backend) Prepare(file, expr string) error {
 	if _, err := b.kernels.named(file, expr); err != nil {
 		return err
 	}
-	_, err := b.kernels.function(collective.OneShot, reduce.Float32) // launchGrid's barrier kernel
+	_, err := b.kernels.function(collective.OneShot, barrierDType) // StreamBarrier's kernel
 	return err
 }
 

@@ -167,8 +167,9 @@ def test_non_tensor_on_one_rank_fails_everyone(comms):
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_allgather_gives_every_rank_every_ranks_bytes(comms, device):
     """host_allgather: each rank's random bytes on every rank, in rank
-    order; lengths that differ raise MismatchError on every rank, and the
-    communicator works after it."""
+    order; lengths that differ raise MismatchError on every rank, more than
+    the bootstrap's 64 MiB CapacityError, and the communicator works after
+    them."""
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     sent = [bytes(torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(70 + q),
@@ -177,5 +178,8 @@ def test_host_allgather_gives_every_rank_every_ranks_bytes(comms, device):
     assert comm.host_allgather(b"") == [b""] * W
     with pytest.raises(p2pcomm.MismatchError, match="host all-gather"):
         comm.host_allgather(bytes(8 + (r == 1)))
+    if device == "cpu":  # the check is the host's, the same on either backend
+        with pytest.raises(p2pcomm.CapacityError, match="exceeds the limit"):
+            comm.host_allgather(bytes((64 << 20) + 1))
     assert comm.host_allgather(sent[r][::-1]) == [s[::-1] for s in sent]
     still_works(comm, device)
