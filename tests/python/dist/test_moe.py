@@ -862,12 +862,22 @@ def test_rank_late_to_construction(group, monkeypatch, device):
     the ep works on every rank. (Agreeing by a GPU all-reduce, the early
     ranks raised PeerTimeoutError while the late one went on and waited in
     the first allocation for the group's timeout.)"""
-    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "1000")
     if device == "cuda":
         torch.cuda.set_device(local_cuda_index())
-    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device() if device == "cuda" else "cpu")
+    where = torch.cuda.current_device() if device == "cuda" else "cpu"
+    # The all-reduce's kernels built first under the run's bound: ranks compiling at once (8 sharing
+    # two GPUs) came more than the 1 s below apart to that first all-reduce.
+    warm = p2pcomm.Communicator(group, device=where)
+    warm.all_reduce(torch.ones(4, dtype=torch.int64, device=device))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    warm.check()
+    dist.barrier()  # no peer still reads its buffers
+    warm.close()
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "1000")
+    comm = p2pcomm.Communicator(group, device=where)
     W, r = comm.world_size, comm.rank
-    comm.all_reduce(torch.ones(4, dtype=torch.int64, device=device))  # kernels built on every rank
+    comm.all_reduce(torch.ones(4, dtype=torch.int64, device=device))  # loaded from the cache
     if device == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
