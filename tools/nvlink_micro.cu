@@ -20,6 +20,7 @@
 // for push/pull), the slowest GPU's median over repetitions. Every mode's
 // result is checked against the source bytes once.
 #include "cuda_check.h"
+#include "micro_pack.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -38,19 +39,6 @@ struct Job {
   int rot;        // rotation so that GPUs start on different peers
   long long per;  // bytes per region
 };
-
-struct V16 {
-  unsigned x, y, z, w;
-};
-
-__device__ __forceinline__ V16 ld16(const void* p) {
-  V16 v;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void st16(void* p, V16 v) {
-  asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
 
 // Chunk c -> region (c + rot) % n, offset (c / n) * kChunk.
 __device__ __forceinline__ void chunk_at(const Job& j, long long c, const char*& s, char*& d) {

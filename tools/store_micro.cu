@@ -15,6 +15,7 @@
 // Prints µs per call (globaltimer, first block in to last out; median of
 // 30) and GB/s of bytes stored; the expand's output is checked once.
 #include "cuda_check.h"
+#include "micro_pack.cuh"
 
 #include <algorithm>
 #include <cstdio>
@@ -26,19 +27,12 @@ constexpr int kUnroll = 8;            // packs per lane in flight
 constexpr int kPass = 32 * kUnroll;   // packs per warp pass
 constexpr int kMaxCopies = 8;
 
-struct V4 {
-  unsigned x, y, z, w;
-};
-
-__device__ __forceinline__ V4 ld16(const char* p) {
-  V4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
+// st16m: st16 with cache operator M: 0 default (.wb), 1 .cs (streaming),
+// 2 L1::no_allocate.
 template <int M>
-__device__ __forceinline__ void st16(char* p, V4 v) {
+__device__ __forceinline__ void st16m(char* p, V16 v) {
   if (M == 0) {
-    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+    st16(p, v);
   } else if (M == 1) {
     asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -71,14 +65,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int c0 = min(kPacks, part * per), c1 = min(kPacks, c0 + per);
     const char* s = src + (long long)r * kRow;
     for (int pass = c0; pass < c1; pass += kPass) {
-      V4 v[kUnroll];
+      V16 v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int i = pass + lane + 32 * k;
         if (LOADS) {
           if (i < c1) v[k] = ld16(s + (long long)i * 16);
         } else {
-          v[k] = V4{(unsigned)r, (unsigned)i, 0u, 0u};
+          v[k] = V16{(unsigned)r, (unsigned)i, 0u, 0u};
         }
       }
       for (int c = 0; c < copies; ++c) {
@@ -86,7 +80,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
           const int i = pass + lane + 32 * k;
-          if (i < c1) st16<M>(o + (long long)i * 16, v[k]);
+          if (i < c1) st16m<M>(o + (long long)i * 16, v[k]);
         }
       }
     }
@@ -113,10 +107,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int r = u / parts, part = u % parts;
     const int c0 = min(kPacks, part * per), c1 = min(kPacks, c0 + per);
     for (int pass = c0; pass < c1; pass += kPass) {
-      V4 acc[kUnroll] = {};
+      V16 acc[kUnroll] = {};
       for (int c = 0; c < copies; ++c) {
         const char* s = in + (long long)map[r * copies + c] * kRow;
-        V4 v[kUnroll];
+        V16 v[kUnroll];
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
           const int i = pass + lane + 32 * k;
@@ -133,7 +127,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int i = pass + lane + 32 * k;
-        if (i < c1) st16<0>(out + (long long)r * kRow + (long long)i * 16, acc[k]);
+        if (i < c1) st16(out + (long long)r * kRow + (long long)i * 16, acc[k]);
       }
     }
   }
@@ -191,6 +185,25 @@ int main() {
       {"store 1024 thr .wb", expand<1024, 0, false>, 1024},
   };
   std::vector<unsigned long long> h(2 * 1024);
+  // median_us runs launch (g blocks) reps times and returns the median span,
+  // first block in to last out, of all runs but the first (a warm-up).
+  auto median_us = [&](int reps, int g, auto launch) {
+    std::vector<double> us;
+    for (int rep = 0; rep < reps; ++rep) {
+      launch();
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy(h.data(), stamps, 2 * g * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+      unsigned long long a = ~0ull, b = 0;
+      for (int i = 0; i < g; ++i) {
+        a = std::min(a, h[2 * i]);
+        b = std::max(b, h[2 * i + 1]);
+      }
+      if (rep > 0) us.push_back((b - a) / 1e3);
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  };
   printf("| case | copies | SMs | pieces | us | GB/s stored |\n|---|---:|---:|---:|---:|---:|\n");
   for (int cp : {4, 1}) {
     set_map(cp);
@@ -198,21 +211,7 @@ int main() {
       if (cp == 1 && c.k != cases[0].k && c.k != cases[3].k) continue;
       for (int g : {24, 48, sms}) {
         for (int parts : {1, 4}) {
-          std::vector<double> us;
-          for (int rep = 0; rep < 31; ++rep) {
-            c.k<<<g, c.threads>>>(src, out, map, rows, cp, parts, stamps);
-            CK(cudaGetLastError());
-            CK(cudaDeviceSynchronize());
-            CK(cudaMemcpy(h.data(), stamps, 2 * g * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-            unsigned long long a = ~0ull, b = 0;
-            for (int i = 0; i < g; ++i) {
-              a = std::min(a, h[2 * i]);
-              b = std::max(b, h[2 * i + 1]);
-            }
-            if (rep > 0) us.push_back((b - a) / 1e3);
-          }
-          std::sort(us.begin(), us.end());
-          const double m = us[us.size() / 2];
+          const double m = median_us(31, g, [&] { c.k<<<g, c.threads>>>(src, out, map, rows, cp, parts, stamps); });
           printf("| %s | %d | %d | %d | %.1f | %.0f |\n", c.name, cp, g, parts, m,
                  (double)rows * cp * kRow / (m * 1e3));
         }
@@ -227,23 +226,12 @@ int main() {
     for (int g : {24, 48, sms}) {
       for (int which = 0; which < 3; ++which) {
         const int parts = n >= 4096 ? 1 : 4;
-        std::vector<double> us;
-        for (int rep = 0; rep < 11; ++rep) {
+        const double m = median_us(11, g, [&] {
           if (which == 0) gather<512><<<g, 512>>>(out, src, map, rows, copies, parts, stamps);
           if (which == 1) expand<512, 0, false><<<g, 512>>>(src, out, map, rows, copies, parts, stamps);
           if (which == 2) expand<512, 0, true><<<g, 512>>>(src, out, map, rows, copies, parts, stamps);
-          CK(cudaGetLastError());
-          CK(cudaDeviceSynchronize());
-          CK(cudaMemcpy(h.data(), stamps, 2 * g * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-          unsigned long long a = ~0ull, b = 0;
-          for (int i = 0; i < g; ++i) {
-            a = std::min(a, h[2 * i]);
-            b = std::max(b, h[2 * i + 1]);
-          }
-          if (rep > 0) us.push_back((b - a) / 1e3);
-        }
-        std::sort(us.begin(), us.end());
-        const double m = us[us.size() / 2], many = (double)rows * copies * kRow, one = (double)rows * kRow;
+        });
+        const double many = (double)rows * copies * kRow, one = (double)rows * kRow;
         const char* name[] = {"gather 4 -> 1", "store 4", "expand 1 -> 4"};
         const double rd[] = {many, 0, one}, wr[] = {one, many, many};
         printf("| %s | %d | %d | %d | %.1f | %.0f | %.0f |\n", name[which], rows, g, parts, m, rd[which] / (m * 1e3),

@@ -312,6 +312,9 @@ func p2p_barrier(h C.uint64_t) C.int {
 	return withComm(h, func(c *comm.Comm) error { return c.Barrier() })
 }
 
+// p2p_host_allgather gathers nbytes from every rank into recv (rank r's at
+// r*nbytes) on the host, through the bootstrap (comm.Comm.AllGather).
+//
 //export p2p_host_allgather
 func p2p_host_allgather(h C.uint64_t, send unsafe.Pointer, nbytes C.int64_t, recv unsafe.Pointer) C.int {
 	return withComm(h, func(c *comm.Comm) error {

@@ -438,7 +438,7 @@ class ExpertParallel:
         problem = self._local_config_problem(num_experts, hidden, max_tokens_per_rank, topk, dtype, capturable,
                                              combine_dtype, num_sms)
         if problem is None:
-            problem = self._prepare_kernels(dtype)
+            problem = self._prepare_kernels(num_experts, hidden, max_tokens_per_rank, topk, dtype)
         self._blocks = self._agree_on_config(problem, num_experts, hidden, max_tokens_per_rank, topk, dtype,
                                              capturable, combine_dtype,
                                              self._wanted_blocks(None if problem is not None else num_sms))
@@ -462,7 +462,8 @@ class ExpertParallel:
         self._latest, self._op_recv, self._op_rows = None, None, None
         self._on_phase = None  # benchmarks: called with each phase's name as it ends (see _phase)
         Tm, dev = max_tokens_per_rank, self.device
-        self._kernels = self._kernels_usable()  # the same on every rank: it decides the allocations below
+        # The same on every rank: it decides the allocations below.
+        self._kernels = self._kernels_usable(num_experts, hidden, max_tokens_per_rank, topk, dtype)
         self._in_kernel = self._kernels and not _barrier_kernels_forced()  # barriers inside the kernels
         # Symmetric buffers, all collective allocations in the same order on every rank.
         # Token rows: kernels stage each source's own rows ([T_max, H], read by the destinations);
@@ -521,10 +522,12 @@ class ExpertParallel:
         every rank)."""
         return self._kernels
 
-    def _kernels_usable(self) -> bool:
-        W, K, Tm, H, E = self.world_size, self.topk, self.max_tokens_per_rank, self.hidden, self.num_experts
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return (self.device.type == "cuda" and self.dtype in _KERNEL_TYPES and (H * itemsize) % 16 == 0
+    def _kernels_usable(self, E: int, H: int, Tm: int, K: int, dtype: torch.dtype) -> bool:
+        """Whether a config (checked by _local_config_problem) takes the
+        kernels (see uses_kernels)."""
+        W = self.world_size
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return (self.device.type == "cuda" and dtype in _KERNEL_TYPES and (H * itemsize) % 16 == 0
                 and W <= _MAX_RANKS and K <= _MAX_TOPK and E <= _MAX_EXPERTS
                 and W * Tm * K < 2 ** 31 and not _torch_path_forced())
 
@@ -614,14 +617,14 @@ class ExpertParallel:
             return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         return None
 
-    def _prepare_kernels(self, dtype) -> Optional[P2PCommError]:
-        """Compiles the MoE kernels (and the stream barrier's) before the
-        ranks line up in _agree_on_config, so that no rank compiles inside
-        a call while its peers wait in their kernels (a cold compile takes
-        seconds; P2PCOMM_TIMEOUT_MS bounds those waits). A failure becomes
-        this rank's problem, which every rank learns in the agreement."""
-        if self.device.type != "cuda" or dtype not in _KERNEL_TYPES or _torch_path_forced() \
-                or isinstance(self.comm, TorchFallbackCommunicator):
+    def _prepare_kernels(self, E: int, H: int, Tm: int, K: int, dtype: torch.dtype) -> Optional[P2PCommError]:
+        """Compiles the MoE kernels (and the stream barrier's), when this
+        config takes them, before the ranks line up in _agree_on_config, so
+        that no rank compiles inside a call while its peers wait in their
+        kernels (a cold compile takes seconds; P2PCOMM_TIMEOUT_MS bounds
+        those waits). A failure becomes this rank's problem, which every
+        rank learns in the agreement."""
+        if isinstance(self.comm, TorchFallbackCommunicator) or not self._kernels_usable(E, H, Tm, K, dtype):
             return None
         try:
             self.comm.prepare_kernel(_KERNEL_FILE, "moe_post_status")
