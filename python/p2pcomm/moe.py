@@ -218,11 +218,20 @@ _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate", "moe_stage_done")  # not 
 _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
 
 
-def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype) -> str:
-    """The name expression of ``kernel`` as moe.cu instantiates it."""
+# World sizes whose combine reduce sums every rank's partials in one group (moe.cu's
+# moe_combine_reduce<T, C, G> with G = the world size); others take groups of 4 (G = 0).
+_REDUCE_ONE_GROUP_WORLDS = (2,)
+
+
+def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype, world: int = 0) -> str:
+    """The name expression of ``kernel`` as moe.cu instantiates it for a
+    world of ``world`` ranks."""
     t = _KERNEL_TYPES[dtype]
     if kernel in _PLAIN_KERNELS:
         return kernel
+    if kernel == "moe_combine_reduce":
+        group = world if world in _REDUCE_ONE_GROUP_WORLDS else 0
+        return f"{kernel}<{t}, {_KERNEL_TYPES[combine_dtype]}, {group}>"
     return f"{kernel}<{t}, {_KERNEL_TYPES[combine_dtype]}>" if kernel in _COMBINE_KERNELS else f"{kernel}<{t}>"
 
 
@@ -232,7 +241,9 @@ def kernel_expressions() -> set:
     exprs = set()
     for dtype in _KERNEL_TYPES:
         for transit in {torch.float32, dtype}:
-            exprs.update(_kernel_expr(k, dtype, transit) for k in _PLAIN_KERNELS + _DISPATCH_KERNELS + _COMBINE_KERNELS)
+            for world in range(2, _MAX_RANKS + 1):
+                exprs.update(_kernel_expr(k, dtype, transit, world)
+                             for k in _PLAIN_KERNELS + _DISPATCH_KERNELS + _COMBINE_KERNELS)
     return exprs
 
 
@@ -1011,7 +1022,7 @@ class ExpertParallel:
     # -- GPU kernels -----------------------------------------------------------------------------------
 
     def _launch(self, kernel: str, params: ctypes.Structure, grid: int, shared_bytes: int = 0) -> None:
-        expr = _kernel_expr(kernel, self.dtype, self.combine_dtype)
+        expr = _kernel_expr(kernel, self.dtype, self.combine_dtype, self.world_size)
         self.comm.launch_kernel(_KERNEL_FILE, expr, params, grid, _THREADS, shared_bytes)
 
     @staticmethod
