@@ -1372,7 +1372,10 @@ DINLINE int take_group(const ItemRows& it, u32& rest, int (&row)[kCombGroup], fl
 // kCombWideUnroll; they took a one-pack loop before: 4x the passes, and at
 // 128 tokens the few such items set the kernel's time). Tried and not kept:
 // items of 1-2 pairs at twice the packs (2 x 8: c.send 834 against 668 us,
-// 4096 tokens, bf16 partials).
+// 4096 tokens, bf16 partials), and items of 1-3 pairs as 1 x 16, 2 x 8 or
+// 3 x 5 in whole passes (2 x H200: c.send 406 against 368 us;
+// docs/experiments/moe-combine-fit.patch): more loads in flight is not
+// what this kernel lacks.
 constexpr int kCombRegs = kCombGroup * kCombUnroll;
 static_assert(kCombWide * kCombWideUnroll <= kCombRegs && kCombWide <= 32, "the wide layout fits the registers");
 
