@@ -1285,10 +1285,7 @@ constexpr int kCombUnroll = MOE_COMB_UNROLL;
 // The combine reduce keeps kReduceLoads 16-byte partial loads in flight per
 // lane: kReduceRanks ranks at a time, times the passes' packs.
 constexpr int kReduceLoads = MOE_REDUCE_LOADS;
-#ifndef MOE_REDUCE_RANKS
-#define MOE_REDUCE_RANKS 4  // ranks per group (other values: A/B runs; they may spill)
-#endif
-constexpr int kReduceRanks = MOE_REDUCE_RANKS;
+constexpr int kReduceRanks = 4;
 // moe_combine_reduce<T, C, G> with G > 0 (G == world size) reduces all G
 // ranks' partials in one group with kReduceOneLoads loads in flight per
 // lane, each pass summed and stored as soon as its loads are in. 2 x H200,
@@ -1569,6 +1566,20 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   sync_end(p.sync, p.rank, p.world);
 }
 
+// add_partial: acc += the T pack of partials held in Q packs of C, each
+// widened to float and added in element order (rounded to float32).
+template <typename T, typename C>
+DINLINE void add_partial(float (&acc)[PackOf<T>::kElems], const V16 (&raw)[Transit<T, C>::kIn]) {
+  constexpr int PC = PackOf<C>::kElems;
+#pragma unroll
+  for (int q = 0; q < Transit<T, C>::kIn; ++q) {
+    float in[PC];
+    widen<C>(raw[q], in);
+#pragma unroll
+    for (int e = 0; e < PC; ++e) acc[q * PC + e] = __fadd_rn(acc[q * PC + e], in[e]);
+  }
+}
+
 // reduce_units runs this warp's units of moe_combine_reduce: one unit per
 // (token, run of 32 * U packs); the token's slots are loaded once per lane,
 // then the partials of R ranks at a time for all U packs. kOne: the world
@@ -1622,21 +1633,11 @@ DINLINE void reduce_units(const MoeCombineParams& p) {
         for (int u = 0; u < U; ++u) {
           const i64 c = c0 + 32 * u;
           if (c >= ppr) continue;
-          float sum[P];
-#pragma unroll
-          for (int e = 0; e < P; ++e) sum[e] = 0.0f;
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            if (slot[r] < 0) continue;
-#pragma unroll
-            for (int q = 0; q < Q; ++q) {
-              float in[PC];
-              widen<C>(raw[r][u][q], in);
-#pragma unroll
-              for (int e = 0; e < PC; ++e) sum[q * PC + e] = __fadd_rn(sum[q * PC + e], in[e]);
-            }
+            if (slot[r] >= 0) add_partial<T, C>(acc[u], raw[r][u]);
           }
-          st_v16((char*)p.y + (t * ppr + c) * kPackBytes, narrow<T>(sum));
+          st_v16((char*)p.y + (t * ppr + c) * kPackBytes, narrow<T>(acc[u]));
         }
         continue;
       }
@@ -1645,14 +1646,7 @@ DINLINE void reduce_units(const MoeCombineParams& p) {
         if (slot[r] < 0) continue;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          if (c0 + 32 * u >= ppr) continue;  // nothing loaded there
-#pragma unroll
-          for (int q = 0; q < Q; ++q) {
-            float in[PC];
-            widen<C>(raw[r][u][q], in);
-#pragma unroll
-            for (int e = 0; e < PC; ++e) acc[u][q * PC + e] = __fadd_rn(acc[u][q * PC + e], in[e]);
-          }
+          if (c0 + 32 * u < ppr) add_partial<T, C>(acc[u], raw[r][u]);  // else nothing loaded there
         }
       }
     }

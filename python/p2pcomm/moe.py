@@ -223,7 +223,7 @@ _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T
 _REDUCE_ONE_GROUP_WORLDS = (2,)
 
 
-def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype, world: int = 0) -> str:
+def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype, world: int) -> str:
     """The name expression of ``kernel`` as moe.cu instantiates it for a
     world of ``world`` ranks."""
     t = _KERNEL_TYPES[dtype]
