@@ -166,9 +166,10 @@ constexpr int kMoeFlagWords = kMoeMidFlagBase + kMoeKinds * kMaxRanks * kMoeSync
 // moe_stage_gate launches (one per such call, on the side stream).
 // work[e & 1] is the next work unit of call e (epoch e) for the kernel that
 // hands its units out as warps free up (take_unit: the dispatch's expand,
-// the combine's send kernel); the send kernel of call e zeroes work[(e + 1)
-// & 1] at its start, after call e - 1 is done with it (stream order) and
-// before call e + 1 uses it.
+// the combine's send kernel), and reduce_work[e & 1] the same for the
+// kernel after that (moe_combine_reduce_self); the send kernel of call e
+// zeroes both at (e + 1) & 1 at its start, after call e - 1 is done with
+// them (stream order) and before call e + 1 uses them.
 struct MoeSyncState {
   u64 counter[kMoeSyncBlocks];
   u64 go;
@@ -176,7 +177,8 @@ struct MoeSyncState {
   u64 stage_posted;
   u64 stage_taken;
   u32 work[2];
-  u32 pad[6];
+  u32 reduce_work[2];
+  u32 pad[4];
 };
 static_assert(sizeof(MoeSyncState) == 2112, "MoeSyncState size (moe.py _SYNC_STATE_BYTES / kMoeKinds)");
 
@@ -320,7 +322,10 @@ static_assert(sizeof(MoeExpandParams::peer_xs) + 6 * sizeof(void*) + sizeof(MoeE
 //   136    4    rank
 //   140    4    world          W
 //   144    4    num_local      L (send)
-//   148    4    pad
+//   148    4    self_local     1: a world of 2 whose send kernel leaves this
+//                               rank's own items to moe_combine_reduce_self,
+//                               which sums them from expert_out (topk <=
+//                               kCombWide); 0: every item's partial is sent
 //   152    8    status         as in MoeDispatchParams (send)
 //   160    104  sync           MoeSync
 //   total  264, aligned to 8
@@ -340,7 +345,7 @@ struct MoeCombineParams {
   int rank;
   int world;
   int num_local;
-  int pad;
+  int self_local;
   const int* status;
   MoeSync sync;
 };
@@ -408,6 +413,11 @@ static_assert(sizeof(MoePostParams::peer_status) + sizeof(void*) + 8 * sizeof(in
 // p2pcomm:instantiate moe_combine_reduce<half16, float, 2>
 // p2pcomm:instantiate moe_combine_reduce<half16, half16, 2>
 // p2pcomm:instantiate moe_combine_reduce<float, float, 2>
+// p2pcomm:instantiate moe_combine_reduce_self<bf16, float>
+// p2pcomm:instantiate moe_combine_reduce_self<bf16, bf16>
+// p2pcomm:instantiate moe_combine_reduce_self<half16, float>
+// p2pcomm:instantiate moe_combine_reduce_self<half16, half16>
+// p2pcomm:instantiate moe_combine_reduce_self<float, float>
 
 // ---------------------------------------------------------------- helpers
 
@@ -493,10 +503,13 @@ DINLINE int most_sent(const int* hdr, int W, int L) {
 // rank, so that consecutive warps talk to different peers (in source-major
 // order every rank would read from, or write to, the same peer at once, and
 // that one peer's NVLink port would bound the whole exchange).
-DINLINE void slot_major(i64 o, int W, int rank, int& s, int& slot) {
-  slot = (int)(o / W);
-  s = (int)((o % W + rank + 1) % W);
+// With n = W - 1 the rotation leaves this rank out (its own items are
+// another kernel's).
+DINLINE void slot_major(i64 o, int W, int rank, int& s, int& slot, int n) {
+  slot = (int)(o / n);
+  s = (int)((o % n + rank + 1) % W);
 }
+DINLINE void slot_major(i64 o, int W, int rank, int& s, int& slot) { slot_major(o, W, rank, s, slot, W); }
 
 // expert_at is global expert id q (flat [T, K] index) of topk_idx, or -1
 // when it is -1 or outside [0, E) (capturable mode treats those as -1;
@@ -679,7 +692,10 @@ DINLINE bool sync_enter(const MoeSync& s, int rank, int world, MoeBegin& sb) {
     // Written by an earlier kernel (stream order), the same for every block.
     sb.skip = MOE_START_SKIP && (s.mode & kSyncStart) && st->free_epoch == sb.epoch;
     sb.released = sb.skip;
-    if (blockIdx.x == 0) st->work[(sb.epoch + 1) & 1] = 0;  // for the next call (see MoeSyncState)
+    if (blockIdx.x == 0) {  // for the next call (see MoeSyncState)
+      st->work[(sb.epoch + 1) & 1] = 0;
+      st->reduce_work[(sb.epoch + 1) & 1] = 0;
+    }
   }
   __syncthreads();
   if ((s.mode & kSyncStart) && blockIdx.x == 0 && t < world && t != rank) {
@@ -1488,7 +1504,8 @@ DINLINE void combine_pieces_many(const ItemRows& it, const char* out, i64 row_by
 // of weight_k * expert_out[row_k], each product and sum rounded to float32
 // from +0, rounded once to C (exact for float) and stored into the source's
 // comb[this rank, slot] (MOE_COMB_PULL=1: into this rank's comb[source,
-// slot], where the source reads it). One warp per item (or per piece
+// slot], where the source reads it); with self_local, only the items of
+// the other sources. One warp per item (or per piece
 // of it, when the grid has more warps than items). Items go slot-major with
 // sources rotated by rank (see slot_major): in source-major order every
 // expert rank wrote into the same source at once, and that one rank's
@@ -1508,8 +1525,11 @@ DINLINE void combine_send_body(const MoeCombineParams& p, u32* work) {
   // Units in 32 bits (a 64-bit division per item cost spilled registers):
   // orders = W * Tm < 2^31 / K (moe.py checks), and parts is capped so that
   // no unit index passes 2^31.
-  const int orders = W * Tm;  // not most_sent's bound: sm_80 would spill registers
-  int parts = row_parts(received_tokens(p.hdr, W, L), gwarps, ppr, 32 * kCombUnroll);
+  // With self_local this rank's own items are moe_combine_reduce_self's.
+  const int srcs = p.self_local ? W - 1 : W;
+  const int orders = srcs * Tm;  // not most_sent's bound: sm_80 would spill registers
+  const i64 items = received_tokens(p.hdr, W, L) - (p.self_local ? p.hdr[p.rank * (L + 1)] : 0);
+  int parts = row_parts(items, gwarps, ppr, 32 * kCombUnroll);
   if ((i64)orders * parts > (i64)(0x7fffffff - gwarps)) parts = max(1, (0x7fffffff - gwarps) / orders);
 #if MOE_COMB_PULL
   C* const mine = (C*)pick(p.peer_comb, p.rank);
@@ -1521,9 +1541,9 @@ DINLINE void combine_send_body(const MoeCombineParams& p, u32* work) {
     const int part = unit % parts;
 #if MOE_COMB_INTERLEAVE
     int s, slot;
-    slot_major(order, W, p.rank, s, slot);
+    slot_major(order, W, p.rank, s, slot, srcs);
 #else
-    const int s = (int)(order / Tm), slot = (int)(order % Tm);
+    const int s = (int)(order / Tm + (p.self_local && order / Tm >= p.rank)), slot = (int)(order % Tm);
 #endif
     if (slot >= p.hdr[s * (L + 1)]) continue;  // warp-uniform
     const i64 item = (i64)s * Tm + slot;
@@ -1676,4 +1696,160 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombi
   } else {
     reduce_units<T, C, kReduceRanks, kReduceLoads / (kReduceRanks * Q), false>(p);
   }
+}
+
+// round_transit: the float32 sums s of one pack of T as the send kernel's
+// partial carries them: rounded once to C (exact for float).
+template <typename T, typename C>
+DINLINE void round_transit(float (&s)[PackOf<T>::kElems]) {
+  if constexpr (sizeof(C) != sizeof(float)) {
+    static_assert(sizeof(C) == sizeof(T), "16-bit partials are T");
+    widen<C>(narrow<C>(s), s);
+  }
+}
+
+// self_sum_store: for each of the UL packs of this pass, this rank's own
+// term (the rows of the item in k order from +0, weighted, rounded to C:
+// the partial the send kernel would have sent here) and the peer's partial
+// pp (when has_peer), added from +0 in rank order, rounded to T and stored
+// at y. has_self is false for a token that sent this rank nothing (no
+// term). Weights as in sum_store (float partials shuffle them per use: the
+// registers; so lanes past c1 sum what they did not load and store nothing).
+template <typename T, typename C, int GL, int UL>
+DINLINE void self_sum_store(const V16 (&raw)[kCombRegs], float cw, int n, bool has_self,
+                            const V16 (&pp)[kCombUnroll][Transit<T, C>::kIn], bool has_peer, bool self_first, T* y,
+                            int pass, int c1) {
+  constexpr int P = PackOf<T>::kElems;
+  constexpr bool hoist = MOE_COMB_HOIST && sizeof(C) == sizeof(T) && sizeof(T) == 2;
+  const int lane = (int)(threadIdx.x & 31);
+  float wt[GL];
+#pragma unroll
+  for (int j = 0; j < GL; ++j) wt[j] = hoist ? __shfl_sync(~0u, cw, j) : 0.0f;
+#pragma unroll
+  for (int u = 0; u < UL; ++u) {
+    const int c = pass + lane + 32 * u;
+    float mine[P], acc[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) mine[e] = acc[e] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < GL; ++j) {
+      if (j >= n) break;
+      add_weighted<T>(mine, hoist ? wt[j] : __shfl_sync(~0u, cw, j), raw[j * UL + u]);
+    }
+    if (c >= c1) continue;
+    round_transit<T, C>(mine);
+    if (has_self && self_first) {
+#pragma unroll
+      for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], mine[e]);
+    }
+    if (has_peer) add_partial<T, C>(acc, pp[u]);
+    if (has_self && !self_first) {
+#pragma unroll
+      for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], mine[e]);
+    }
+    st_v16((char*)y + (i64)c * kPackBytes, narrow<T>(acc));
+  }
+}
+
+// load_peer_partial loads UL packs per lane of the peer's partial from pass
+// on (packs below c1) into pp; nothing when part is null.
+template <typename T, typename C, int UL>
+DINLINE void load_peer_partial(V16 (&pp)[kCombUnroll][Transit<T, C>::kIn], const C* part, int pass, int c1) {
+  constexpr int P = PackOf<T>::kElems, PC = PackOf<C>::kElems;
+  if (part == nullptr) return;  // warp-uniform
+  const int lane = (int)(threadIdx.x & 31);
+#pragma unroll
+  for (int u = 0; u < UL; ++u) {
+    const int c = pass + lane + 32 * u;
+    if (c < c1) {
+#pragma unroll
+      for (int q = 0; q < Transit<T, C>::kIn; ++q) pp[u][q] = ld_v16_stable(part + (i64)c * P + q * PC);
+    }
+  }
+}
+
+// reduce_self_body: moe_combine_reduce_self's units, one per (token, piece
+// of its row), handed out as warps free up (reduce_work). Per pass every
+// lane loads its packs of the token's own rows here (the combine send's
+// layouts) and of the peer's partial before any math.
+template <typename T, typename C>
+DINLINE void reduce_self_body(const MoeCombineParams& p) {
+  constexpr int P = PackOf<T>::kElems;
+  const int lane = (int)(threadIdx.x & 31), nw = (int)blockDim.x >> 5;
+  const int rank = p.rank, peer = 1 - rank, K = p.topk, Tm = p.max_tokens, H = p.hidden, MW = 3 * K + 1;
+  const i64 row_bytes = (i64)H * (i64)sizeof(T);
+  const int ppr = H / P;
+  const char* out = (const char*)p.expert_out;
+  const int gwarps = (int)gridDim.x * nw;
+  int parts = row_parts(p.num_tokens, gwarps, ppr, 32 * kCombUnroll);
+  if ((i64)p.num_tokens * parts > (i64)(0x7fffffff - gwarps)) parts = max(1, (0x7fffffff - gwarps) / p.num_tokens);
+#if MOE_COMB_PULL
+  const C* const peer_base = (const C*)pick(p.peer_comb, peer) + (i64)rank * (Tm + 1) * H;
+#else
+  const C* const peer_base = (const C*)pick(p.peer_comb, rank) + (i64)peer * (Tm + 1) * H;
+#endif
+  MoeSyncState* const st = p.sync.state + p.sync.kind;
+  u32* const work = &st->reduce_work[st->counter[0] & 1];  // this call's (its send kernel's epoch)
+  const int units = p.num_tokens * parts;
+  for (int unit = (int)take_unit(work), next; unit < units; unit = next) {
+    next = (int)take_unit(work);  // the atomic under this unit
+    const int t = unit / parts, part = unit % parts;
+    const int sl = lane < 2 ? p.send_slot[(i64)t * 2 + lane] : -1;
+    const int slot_self = __shfl_sync(~0u, sl, rank), slot_peer = __shfl_sync(~0u, sl, peer);
+    int row = -1;
+    float weight = 0.0f;
+    if (slot_self >= 0 && lane < K) {
+      const i64 item = (i64)rank * Tm + slot_self;
+      row = p.comb_rows[item * K + lane];
+      weight = __int_as_float(p.meta[item * MW + K + lane]);
+      if (row >= p.row_cap) row = -1;
+    }
+    const u32 valid = __ballot_sync(~0u, row >= 0);
+    // Lane j takes valid pair j's row and weight (pairs in k order).
+    const int from = (int)(__fns(valid, 0, lane + 1) & 31);
+    const int crow = __shfl_sync(~0u, row, from);
+    const float cw = __shfl_sync(~0u, weight, from);
+    const int n = __popc(valid);  // <= K <= kCombWide
+    const bool wide = n > kCombGroup;
+    // Float partials of a 16-bit T take two registers of the peer's per pack: one pack per lane
+    // less in the narrow layout (sm_80 spilled with kCombUnroll).
+    constexpr int UN = Transit<T, C>::kIn == 1 ? kCombUnroll : kCombUnroll - 1;
+    const C* const pp_src = slot_peer >= 0 ? peer_base + (i64)slot_peer * H : nullptr;
+    T* const y = (T*)p.y + (i64)t * H;
+    const int c0 = (int)piece_begin(ppr, part, parts), c1 = (int)piece_begin(ppr, part + 1, parts);
+    for (int pass = c0; pass < c1; pass += 32 * (wide ? kCombWideUnroll : UN)) {
+      V16 raw[kCombRegs];  // one array for both layouts (see combine_pieces_group)
+      V16 pp[kCombUnroll][Transit<T, C>::kIn];
+      if (!wide) {
+        load_rows<kCombGroup, UN>(raw, crow, n, out, row_bytes, pass, c1);
+        load_peer_partial<T, C, UN>(pp, pp_src, pass, c1);
+        self_sum_store<T, C, kCombGroup, UN>(raw, cw, n, slot_self >= 0, pp, pp_src != nullptr, rank == 0, y,
+                                             pass, c1);
+      } else {
+        load_rows<kCombWide, kCombWideUnroll>(raw, crow, n, out, row_bytes, pass, c1);
+        load_peer_partial<T, C, kCombWideUnroll>(pp, pp_src, pass, c1);
+        self_sum_store<T, C, kCombWide, kCombWideUnroll>(raw, cw, n, slot_self >= 0, pp, pp_src != nullptr,
+                                                         rank == 0, y, pass, c1);
+      }
+    }
+  }
+}
+
+// moe_combine_reduce_self runs on the source after the mid barrier, in
+// place of moe_combine_reduce, for a world of 2 with topk <= kCombWide
+// when the send kernel left this rank's own items out (self_local): y[t]
+// is the same sum in the same order, rounded the same way, but this
+// rank's term is summed here from expert_out instead of being written
+// into comb by the send kernel and read back. That takes this rank's own
+// rows out of the send kernel, which then only reads what it pushes over
+// NVLink, and saves writing and reading one partial row per token.
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce_self(const MoeCombineParams p) {
+  static_assert(Transit<T, C>::kOk, "combine transit is float or T");
+  if (!sync_wait(p.sync, p.rank, p.world)) return;
+  if (p.world != 2 || p.topk > kCombWide || !p.self_local) {  // uniform; moe.py never launches it so
+    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(waiter_of(p.sync, p.rank), kErrBadParams, -1, -1, -1, 0, 0);
+    return;
+  }
+  reduce_self_body<T, C>(p);
 }

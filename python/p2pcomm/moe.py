@@ -165,6 +165,18 @@ def _stage_overlap_disabled() -> bool:
     return os.environ.get("P2PCOMM_MOE_OVERLAP_STAGE", "") == "0"
 
 
+def _self_local_mode() -> str:
+    """P2PCOMM_MOE_SELF_LOCAL (for A/B runs; local to each rank): unset ->
+    "auto" (see _SELF_LOCAL_MIN_TOKENS), 0 -> "never", 1 -> "always" (any
+    batch, any transit: same bits either way); anything else -> a warning
+    and "auto", never silently."""
+    v = os.environ.get("P2PCOMM_MOE_SELF_LOCAL", "").strip()
+    modes = {"": "auto", "0": "never", "1": "always"}
+    if v not in modes:
+        warnings.warn(f"P2PCOMM_MOE_SELF_LOCAL={v!r} is not 0 or 1; using the default", stacklevel=3)
+    return modes.get(v, "auto")
+
+
 def _count_kernel_min_pairs() -> int:
     """Routed (token, k) pairs from which dispatch runs moe_dispatch_count
     before the send kernel; below, each send block counts the tokens before
@@ -215,7 +227,16 @@ _SEND_SHARED_MAX = 48 << 10  # moe_dispatch_send's dynamic shared memory with th
 _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate", "moe_stage_done")  # not templated
-_COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce")  # templated on <T, transit type>
+_COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce", "moe_combine_reduce_self")  # on <T, transit type>
+# A world of 2 with topk up to _SELF_LOCAL_MAX_TOPK (moe.cu's kCombWide) may combine "self-local": the
+# send kernel pushes only the peer's partials and moe_combine_reduce_self sums this rank's own rows
+# itself. It does so when the partials travel in the ep's dtype and the batch has at least
+# _SELF_LOCAL_MIN_TOKENS tokens. 2 x H200, E=256, H=7168, K=8, 4096 tokens, graph: bf16 partials
+# 444-446 us against 474-477 (the send no longer reads this rank's rows: 196 against 367 us); float32
+# partials fill NVLink, so the send stayed where it was and the longer reduce made it slower (620
+# against 557); at 128 tokens the reduce's chains of loads cost more than the send saves.
+_SELF_LOCAL_MAX_TOPK = 8
+_SELF_LOCAL_MIN_TOKENS = 1024
 
 
 # World sizes whose combine reduce sums every rank's partials in one group (moe.cu's
@@ -287,7 +308,7 @@ class _CombineParams(ctypes.Structure):
                 ("y", ctypes.c_uint64), ("row_cap", ctypes.c_int64), ("num_tokens", ctypes.c_int32),
                 ("max_tokens", ctypes.c_int32), ("hidden", ctypes.c_int32), ("topk", ctypes.c_int32),
                 ("rank", ctypes.c_int32), ("world", ctypes.c_int32), ("num_local", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("status", ctypes.c_uint64), ("sync", _Sync)]
+                ("self_local", ctypes.c_int32), ("status", ctypes.c_uint64), ("sync", _Sync)]
 
 
 class _PostParams(ctypes.Structure):
@@ -561,6 +582,7 @@ class ExpertParallel:
         # _dispatch_kernels): the stream, and the events that fork it from the caller's and join it back.
         self._stage_overlap = not _stage_overlap_disabled()
         self._count_min_pairs = _count_kernel_min_pairs()
+        self._self_local = _self_local_mode() if W == 2 and K <= _SELF_LOCAL_MAX_TOPK else "never"
         self._side = torch.cuda.Stream(self.device) if self._stage_overlap else None
         self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         dev = self.device
@@ -1195,6 +1217,8 @@ class ExpertParallel:
         out = self._aligned(expert_out) if problem is None else None
         y = torch.empty(T, H, dtype=self.dtype, device=self.device) if problem is None else None
         in_kernel = self._in_kernel
+        self_local = self._self_local == "always" or (self._self_local == "auto" and self.combine_dtype == self.dtype
+                                                      and T >= _SELF_LOCAL_MIN_TOKENS)
         send_mode = _SYNC_ARRIVE | (_SYNC_START if status is None else 0) if in_kernel else 0
         p = _CombineParams(peer_comb=self._ptr_comb, expert_out=0 if out is None else out.data_ptr(),
                            meta=self._meta.data_ptr(), hdr=self._hdr.data_ptr(),
@@ -1202,7 +1226,8 @@ class ExpertParallel:
                            y=0 if y is None else y.data_ptr(), row_cap=0 if out is None else out.shape[0],
                            num_tokens=T, max_tokens=self.max_tokens_per_rank, hidden=H, topk=self.topk,
                            rank=self.rank, world=self.world_size, num_local=self.num_local_experts,
-                           status=0 if status is None else status.data_ptr(), sync=self._syncs[_COMBINE, send_mode])
+                           self_local=int(self_local), status=0 if status is None else status.data_ptr(),
+                           sync=self._syncs[_COMBINE, send_mode])
         self._launch("moe_combine_send", p, self._blocks)
         self._phase("send")
         if not in_kernel:
@@ -1211,7 +1236,8 @@ class ExpertParallel:
         if problem is None and T:
             p.sync = self._syncs[_COMBINE, _SYNC_WAIT if in_kernel else 0]
             packs = T * H * out.element_size() // 16
-            self._launch("moe_combine_reduce", p, max(1, min(self._blocks, -(-packs // _THREADS))))
+            reduce = "moe_combine_reduce_self" if self_local else "moe_combine_reduce"
+            self._launch(reduce, p, max(1, min(self._blocks, -(-packs // _THREADS))))
         self._phase("reduce")
         if status is not None:
             # Waits only for the start barrier's copy: the GPU goes on with this call's kernels.

@@ -93,6 +93,16 @@ def test_every_kernel_instantiated_for_each_type():
         "moe_combine_send<half16, half16>", "moe_combine_send<float, float>"}
 
 
+def test_self_local_topk_bound():
+    """moe.py sends a world of 2 down the self-local combine only for topk up
+    to moe.cu's kCombWide (twice MOE_COMB_GROUP's default), the layouts
+    moe_combine_reduce_self loads a token's own rows in."""
+    src = MOE_CU.read_text()
+    group = int(re.search(r"#define MOE_COMB_GROUP (\d+)", src).group(1))
+    assert re.search(r"constexpr int kCombWide = 2 \* kCombGroup <= 32 \? 2 \* kCombGroup : 32;", src)
+    assert moe._SELF_LOCAL_MAX_TOPK == min(2 * group, 32)
+
+
 def load_nvrtc():
     """libnvrtc from torch's nvidia wheels (or P2PCOMM_NVRTC), with its
     builtins library loaded first so that NVRTC finds it; None if absent."""

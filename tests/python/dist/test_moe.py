@@ -336,6 +336,57 @@ def test_combine_transit_matches_emulation(comms, device, transit, case):
         assert not torch.equal(want, exact), "a rounded transit should change some token split across ranks"
 
 
+@GPU_ONLY
+@pytest.mark.parametrize("knob", ["auto", "1", "0"])
+@pytest.mark.parametrize("transit", TRANSITS)
+def test_self_local_combine(comms, monkeypatch, knob, transit):
+    """A world of 2 with topk <= 8 may combine self-local: the send kernel
+    pushes only the peer's partials and moe_combine_reduce_self sums this
+    rank's own rows itself; by default for partials in the ep's dtype and
+    batches from _SELF_LOCAL_MIN_TOKENS, with P2PCOMM_MOE_SELF_LOCAL=1
+    always, =0 never; topk > 8 and other worlds never. Either way the
+    emulation's bits, eager and capturable: a token's own pairs from 0 to 8
+    (both register layouts), tokens with no expert, a rank with no tokens,
+    batches split into row pieces (few tokens) and not, rows that are not
+    whole passes."""
+    if knob == "auto":
+        monkeypatch.delenv("P2PCOMM_MOE_SELF_LOCAL", raising=False)
+    else:
+        monkeypatch.setenv("P2PCOMM_MOE_SELF_LOCAL", knob)
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    dtype = torch.bfloat16
+    combine_dtype = transit_dtype(transit, dtype)
+    big = p2pcomm.moe._SELF_LOCAL_MIN_TOKENS
+    # (num_sms 2: 32 warps, so 300 tokens take one warp per row; 40 tokens on the full grid are cut.)
+    for K, E, H, Tm, routing, sms in ((8, 4 * W, 200, 40, "duplicates", None), (3, 16 * W, 7168, 300, "random", 2),
+                                      (3, 16 * W, 7168, 300, "random", None), (8, 16 * W, 64, big, "random", None),
+                                      (12, 4 * W, 64, 16, "duplicates", None)):
+        ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                    combine_dtype=combine_dtype, num_sms=sms)
+        launched = []
+        launch = ep._launch
+
+        def spy(name, *args, launch=launch, launched=launched):
+            launched.append(name)
+            launch(name, *args)
+
+        monkeypatch.setattr(ep, "_launch", spy)
+        sizes = [Tm if q == 0 else (0 if q == 1 else 1 + (7 * q) % Tm) for q in range(W)]
+        for seed, capturable in ((71, False), (72, True)):
+            inputs = [make_inputs(seed + K, q, sizes[q], H, E, K, dtype, routing, 0.15) for q in range(W)]
+            _, _, y = run_round(ep, inputs, r, "cuda", capturable=capturable)
+            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype),
+                             f"K={K} H={H} T={sizes[r]} capturable={capturable}")
+        T = sizes[r]
+        self_local = W == 2 and K <= 8 and (knob == "1" or (knob == "auto" and transit == "dtype" and T >= big))
+        want = "moe_combine_reduce_self" if self_local else "moe_combine_reduce"
+        if T:
+            assert want in launched and ({"moe_combine_reduce_self", "moe_combine_reduce"} - {want}).isdisjoint(
+                launched), (K, T, launched)
+    comm.check()
+
+
 def nonfinite_expert(x, local_expert, src_rank, src_token):
     """expert_fn, then NaN, +inf and -inf planted in some rows at columns
     that follow the (token, expert) pair, so that tokens get NaN from one
