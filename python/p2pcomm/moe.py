@@ -64,6 +64,10 @@ with the same barriers, buffers and results contract as below:
 - ``moe_combine_reduce`` (source, after the mid barrier): the float32 sum
   over d ascending of the partials of the ranks token t went to, from +0,
   rounded once.
+- ``moe_combine_reduce_self`` in its place for a world of 2 with large
+  batches (see _SELF_LOCAL_MIN_TOKENS): the send kernel then skips this
+  rank's own tokens, and this kernel computes their partial from the expert
+  rows itself, rounded as the send kernel would have: the same bits.
 
 The expand's pull and the combine's push take items slot-major with
 sources rotated by rank, so every rank's NVLink port is busy at once.
