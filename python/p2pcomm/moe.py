@@ -236,7 +236,7 @@ _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce", "moe_combine_reduc
 # send kernel pushes only the peer's partials and moe_combine_reduce_self sums this rank's own rows
 # itself. It does so when the partials travel in the ep's dtype and the batch has at least
 # _SELF_LOCAL_MIN_TOKENS tokens. 2 x H200, E=256, H=7168, K=8, 4096 tokens, graph: bf16 partials
-# 444-446 us against 474-477 (the send no longer reads this rank's rows: 196 against 367 us); float32
+# 443-446 us against 474-483 (the send no longer reads this rank's rows: 196 against 367 us); float32
 # partials fill NVLink, so the send stayed where it was and the longer reduce made it slower (620
 # against 557); at 128 tokens the reduce's chains of loads cost more than the send saves.
 _SELF_LOCAL_MAX_TOPK = 8

@@ -203,3 +203,17 @@ def test_count_pairs_knob(monkeypatch):
         monkeypatch.setenv("P2PCOMM_MOE_COUNT_PAIRS", v)
         with pytest.warns(UserWarning, match="P2PCOMM_MOE_COUNT_PAIRS"):
             assert moe._count_kernel_min_pairs() == moe._COUNT_KERNEL_MIN_PAIRS
+
+
+def test_self_local_knob(monkeypatch):
+    """P2PCOMM_MOE_SELF_LOCAL (A/B runs): unset -> "auto", 0 -> "never", 1 ->
+    "always", anything else -> a warning and "auto", never silently."""
+    monkeypatch.delenv("P2PCOMM_MOE_SELF_LOCAL", raising=False)
+    assert moe._self_local_mode() == "auto"
+    for v, want in (("0", "never"), (" 1 ", "always"), ("", "auto")):
+        monkeypatch.setenv("P2PCOMM_MOE_SELF_LOCAL", v)
+        assert moe._self_local_mode() == want
+    for v in ("yes", "2", "off"):
+        monkeypatch.setenv("P2PCOMM_MOE_SELF_LOCAL", v)
+        with pytest.warns(UserWarning, match="P2PCOMM_MOE_SELF_LOCAL"):
+            assert moe._self_local_mode() == "auto"
