@@ -244,8 +244,9 @@ _SELF_LOCAL_MIN_TOKENS = 1024
 
 
 # World sizes whose combine reduce sums every rank's partials in one group (moe.cu's
-# moe_combine_reduce<T, C, G> with G = the world size); others take groups of 4 (G = 0).
-_REDUCE_ONE_GROUP_WORLDS = (2,)
+# moe_combine_reduce<T, C, G> with G = the world size); others take groups of 4 (G = 0). 3 and 4
+# measured only with the ranks sharing 2 GPUs under MPS (docs/BENCHMARKS.md).
+_REDUCE_ONE_GROUP_WORLDS = (2, 3, 4)
 
 
 def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype, world: int) -> str:
