@@ -30,7 +30,11 @@ func Agree(bs Bootstrap, local error) error {
 	for r, m := range all {
 		if len(m) >= 4 {
 			code := status.Code(binary.LittleEndian.Uint32(m))
-			return status.Errorf(code, "rank %d failed: %s", r, bytes.TrimSpace(m[4:]))
+			why := bytes.TrimSpace(m[4:])
+			if len(why) == 0 { // an error with no text would read as a cut-off message
+				return status.Errorf(code, "rank %d failed (%s) and gave no reason", r, code)
+			}
+			return status.Errorf(code, "rank %d failed: %s", r, why)
 		}
 	}
 	return nil

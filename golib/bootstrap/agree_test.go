@@ -35,3 +35,18 @@ func TestAgreeSpreadsTheFirstFailure(t *testing.T) {
 		}
 	}
 }
+
+func TestAgreeNamesAFailureWithoutText(t *testing.T) {
+	bs := startJob(t, 2, 5*time.Second)
+	errs := eachRank(t, bs, func(b *tcpBootstrap) error {
+		var local error
+		if b.Rank() == 0 {
+			local = status.Errorf(status.InvalidArgument, " ")
+		}
+		return Agree(b, local)
+	})
+	want := "rank 0 failed (" + status.InvalidArgument.String() + ") and gave no reason"
+	if errs[1] == nil || !strings.Contains(errs[1].Error(), want) || status.CodeOf(errs[1]) != status.InvalidArgument {
+		t.Errorf("rank 1 got %v, want %q with rank 0's code", errs[1], want)
+	}
+}
