@@ -1314,14 +1314,20 @@ constexpr int kReduceLoads = MOE_REDUCE_LOADS;
 constexpr int kReduceRanks = 4;
 // moe_combine_reduce<T, C, G> with G > 0 (G == world size) reduces all G
 // ranks' partials in one group with kReduceOneLoads loads in flight per
-// lane, each pass summed and stored as soon as its loads are in. 2 x H200,
-// bf16 partials, 4096 tokens, graph: reduce 160 -> 111 us at G = 2, where a
-// group of 4 ranks had kept only 8 loads in flight; at G = 4 (4 ranks sharing
-// 2 H200s under MPS, the only 4-rank run so far) 259-260 -> 245-246 us.
+// lane (kReduceFourLoads at G = 4), each pass summed and stored as soon as
+// its loads are in. 2 x H200, bf16 partials, 4096 tokens, graph: reduce 160
+// -> 111 us at G = 2, where a group of 4 ranks had kept only 8 loads in
+// flight; at G = 4 on 4 x H200 194 -> 173 us, and 173 -> 150 with 24 loads
+// instead of 16 (4 x 6 packs, 125-128 registers, no spills; 24 spill
+// registers at G = 2 and, with half, at G = 3).
 #ifndef MOE_REDUCE_ONE_LOADS
 #define MOE_REDUCE_ONE_LOADS 16
 #endif
+#ifndef MOE_REDUCE_FOUR_LOADS
+#define MOE_REDUCE_FOUR_LOADS 24
+#endif
 constexpr int kReduceOneLoads = MOE_REDUCE_ONE_LOADS;
+constexpr int kReduceFourLoads = MOE_REDUCE_FOUR_LOADS;
 static_assert(kCombGroup >= 1 && kCombGroup <= 32 && kCombUnroll >= 1 && kReduceLoads >= 8, "combine knobs");
 // kCombWide: items with more than kCombGroup valid pairs and at most twice
 // that load kCombWide rows at kCombWideUnroll packs per lane per pass.
@@ -1696,14 +1702,15 @@ DINLINE void reduce_units(const MoeCombineParams& p) {
 // from this rank's comb[d, slot], or with MOE_COMB_PULL=1 read from d's
 // comb), in float32 from +0, rounded once to T; zeros for a token sent
 // nowhere. G = 0: ranks in groups of kReduceRanks, kReduceLoads loads in
-// flight per lane; G > 0 (the world size): one group, kReduceOneLoads.
+// flight per lane; G > 0 (the world size): one group, kReduceOneLoads
+// (kReduceFourLoads for G = 4).
 template <typename T, typename C, int G>
 __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombineParams p) {
   static_assert(Transit<T, C>::kOk, "combine transit is float or T");
   constexpr int Q = Transit<T, C>::kIn;
   if (!sync_wait(p.sync, p.rank, p.world)) return;
   if constexpr (G > 0) {
-    reduce_units<T, C, G, kReduceOneLoads / (G * Q), true>(p);
+    reduce_units<T, C, G, (G == 4 ? kReduceFourLoads : kReduceOneLoads) / (G * Q), true>(p);
   } else {
     reduce_units<T, C, kReduceRanks, kReduceLoads / (kReduceRanks * Q), false>(p);
   }
