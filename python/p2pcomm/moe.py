@@ -437,8 +437,9 @@ class ExpertParallel:
       its peers' send kernels by their own grid). Ignored by the torch-op
       path (CPU, float64, or shapes the kernels do not take; see
       :attr:`uses_kernels`). Large combines are bound by SMs at 24 (4 x
-      H200, 4096 tokens, bf16 partials: 640 us on 24, 598 on 32, 562 on 48);
-      dispatch is bound by NVLink from ~20 up.
+      H200, 4096 tokens, bf16 partials: ~620 us on 24; 598 on 32 and 562 on
+      48 before its reduce kept more loads in flight); dispatch is bound by
+      NVLink from ~20 up.
     - ``combine_dtype``: the type partials travel in during :meth:`combine`:
       torch.float32 (default; None means the same) or the ep's ``dtype``.
       Anything else raises UnsupportedError (InvalidArgumentError if it is
