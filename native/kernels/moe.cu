@@ -1328,6 +1328,7 @@ constexpr int kReduceRanks = 4;
 #endif
 constexpr int kReduceOneLoads = MOE_REDUCE_ONE_LOADS;
 constexpr int kReduceFourLoads = MOE_REDUCE_FOUR_LOADS;
+constexpr int one_group_loads(int G) { return G == 4 ? kReduceFourLoads : kReduceOneLoads; }
 static_assert(kCombGroup >= 1 && kCombGroup <= 32 && kCombUnroll >= 1 && kReduceLoads >= 8, "combine knobs");
 // kCombWide: items with more than kCombGroup valid pairs and at most twice
 // that load kCombWide rows at kCombWideUnroll packs per lane per pass.
@@ -1702,15 +1703,14 @@ DINLINE void reduce_units(const MoeCombineParams& p) {
 // from this rank's comb[d, slot], or with MOE_COMB_PULL=1 read from d's
 // comb), in float32 from +0, rounded once to T; zeros for a token sent
 // nowhere. G = 0: ranks in groups of kReduceRanks, kReduceLoads loads in
-// flight per lane; G > 0 (the world size): one group, kReduceOneLoads
-// (kReduceFourLoads for G = 4).
+// flight per lane; G > 0 (the world size): one group, one_group_loads(G).
 template <typename T, typename C, int G>
 __global__ void __launch_bounds__(kThreads, 1) moe_combine_reduce(const MoeCombineParams p) {
   static_assert(Transit<T, C>::kOk, "combine transit is float or T");
   constexpr int Q = Transit<T, C>::kIn;
   if (!sync_wait(p.sync, p.rank, p.world)) return;
   if constexpr (G > 0) {
-    reduce_units<T, C, G, (G == 4 ? kReduceFourLoads : kReduceOneLoads) / (G * Q), true>(p);
+    reduce_units<T, C, G, one_group_loads(G) / (G * Q), true>(p);
   } else {
     reduce_units<T, C, kReduceRanks, kReduceLoads / (kReduceRanks * Q), false>(p);
   }
@@ -1756,15 +1756,13 @@ DINLINE void self_sum_store(const V16 (&raw)[kCombRegs], float cw, int n, bool h
     }
     if (c >= c1) continue;
     round_transit<T, C>(mine);
-    if (has_self && self_first) {
+    const auto add_mine = [&] {
 #pragma unroll
       for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], mine[e]);
-    }
+    };
+    if (has_self && self_first) add_mine();
     if (has_peer) add_partial<T, C>(acc, pp[u]);
-    if (has_self && !self_first) {
-#pragma unroll
-      for (int e = 0; e < P; ++e) acc[e] = __fadd_rn(acc[e], mine[e]);
-    }
+    if (has_self && !self_first) add_mine();
     st_v16((char*)y + (i64)c * kPackBytes, narrow<T>(acc));
   }
 }

@@ -244,8 +244,9 @@ _SELF_LOCAL_MIN_TOKENS = 1024
 
 
 # World sizes whose combine reduce sums every rank's partials in one group (moe.cu's
-# moe_combine_reduce<T, C, G> with G = the world size); others take groups of 4 (G = 0). 3 and 4
-# measured only with the ranks sharing 2 GPUs under MPS (docs/BENCHMARKS.md).
+# moe_combine_reduce<T, C, G> with G = the world size); others take groups of 4 (G = 0). 4 x H200,
+# 4096 tokens, bf16 partials: combine 660 -> 639 us; 3 measured only with ranks sharing GPUs under MPS
+# (docs/BENCHMARKS.md).
 _REDUCE_ONE_GROUP_WORLDS = (2, 3, 4)
 
 
