@@ -1328,7 +1328,7 @@ constexpr int kReduceRanks = 4;
 #endif
 constexpr int kReduceOneLoads = MOE_REDUCE_ONE_LOADS;
 constexpr int kReduceFourLoads = MOE_REDUCE_FOUR_LOADS;
-constexpr int one_group_loads(int G) { return G == 4 ? kReduceFourLoads : kReduceOneLoads; }
+__device__ constexpr int one_group_loads(int G) { return G == 4 ? kReduceFourLoads : kReduceOneLoads; }
 static_assert(kCombGroup >= 1 && kCombGroup <= 32 && kCombUnroll >= 1 && kReduceLoads >= 8, "combine knobs");
 // kCombWide: items with more than kCombGroup valid pairs and at most twice
 // that load kCombWide rows at kCombWideUnroll packs per lane per pass.
