@@ -66,8 +66,8 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 	}
 	var be collective.Backend
 	if cfg.Device < 0 {
-		staging, err := cfg.int64Env("P2PCOMM_STAGING_BYTES", hostcoll.DefaultStagingBytes)
-		if err != nil {
+		var staging int64
+		if staging, err = cfg.int64Env("P2PCOMM_STAGING_BYTES", hostcoll.DefaultStagingBytes); err != nil {
 			bs.Close()
 			return nil, err
 		}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"math/rand"
+	"strings"
 	"sync"
 	"testing"
 
@@ -15,20 +16,7 @@ import (
 // bootstrap.
 func newRanks(t *testing.T, size int) []*Comm {
 	t.Helper()
-	bs := bootstraptest.NewMem(size)
-	comms := make([]*Comm, size)
-	errs := make([]error, size)
-	token := fmt.Sprint(rand.Uint64() >> 1) // this test's shared-memory names
-	var wg sync.WaitGroup
-	for r := range comms {
-		wg.Add(1)
-		go func(r int) {
-			defer wg.Done()
-			cfg := Config{Bootstrap: "torch", Device: -1, Env: map[string]string{"P2PCOMM_JOB_TOKEN": token}}
-			comms[r], errs[r] = New(cfg, bs[r])
-		}(r)
-	}
-	wg.Wait()
+	comms, errs := tryRanks(size, func(int) map[string]string { return nil })
 	for r, err := range errs {
 		if err != nil {
 			t.Fatalf("rank %d: %v", r, err)
@@ -40,6 +28,57 @@ func newRanks(t *testing.T, size int) []*Comm {
 		}
 	})
 	return comms
+}
+
+// tryRanks builds a CPU communicator per goroutine rank, each with the extra
+// environment env(rank), and returns what every rank got.
+func tryRanks(size int, env func(rank int) map[string]string) ([]*Comm, []error) {
+	bs := bootstraptest.NewMem(size)
+	comms := make([]*Comm, size)
+	errs := make([]error, size)
+	token := fmt.Sprint(rand.Uint64() >> 1) // this test's shared-memory names
+	var wg sync.WaitGroup
+	for r := range comms {
+		wg.Add(1)
+		go func(r int) {
+			defer wg.Done()
+			cfg := Config{Bootstrap: "torch", Device: -1, Env: map[string]string{"P2PCOMM_JOB_TOKEN": token}}
+			for k, v := range env(r) {
+				cfg.Env[k] = v
+			}
+			comms[r], errs[r] = New(cfg, bs[r])
+		}(r)
+	}
+	wg.Wait()
+	return comms, errs
+}
+
+// A rank whose shared memory cannot be made fails construction on every rank
+// with the cause, instead of a communicator that crashes at its first call.
+func TestSetupFailureOfOneRankFailsEveryRankWithTheCause(t *testing.T) {
+	const size = 3
+	comms, errs := tryRanks(size, func(r int) map[string]string {
+		if r == 1 {
+			return map[string]string{"P2PCOMM_STAGING_BYTES": fmt.Sprint(int64(1) << 60)} // more than any tmpfs holds
+		}
+		return nil
+	})
+	for r := range comms {
+		if errs[r] == nil {
+			comms[r].Close()
+			t.Fatalf("rank %d: New succeeded, want the failure of rank 1's shared memory", r)
+		}
+		if comms[r] != nil {
+			t.Fatalf("rank %d: New returned a communicator with the error %v", r, errs[r])
+		}
+		want := "rank 1 could not create shared memory"
+		if r == 1 {
+			want = "reserve"
+		}
+		if status.CodeOf(errs[r]) != status.Capacity || !strings.Contains(errs[r].Error(), want) {
+			t.Errorf("rank %d: got %v (%v), want a specific error containing %q", r, errs[r], status.CodeOf(errs[r]), want)
+		}
+	}
 }
 
 func TestAllGatherGivesEveryRankEveryRanksBytes(t *testing.T) {

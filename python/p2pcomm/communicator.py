@@ -131,8 +131,8 @@ class _TorchBootstrap:
             parts = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(world)]
             self.dist.all_gather(parts, mine, group=self.group)
             if nbytes:
-                data = torch.cat(parts).cpu().numpy().tobytes()
-                ctypes.memmove(recv, data, len(data))
+                data = torch.cat(parts).cpu()  # contiguous uint8: copied straight from its storage
+                ctypes.memmove(recv, data.data_ptr(), data.numel())
             return 0
         except BaseException as e:  # noqa: BLE001 - must not unwind into Go
             self.error = e

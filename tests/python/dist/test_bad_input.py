@@ -183,3 +183,16 @@ def test_host_allgather_gives_every_rank_every_ranks_bytes(comms, device):
             comm.host_allgather(bytes((64 << 20) + 1))
     assert comm.host_allgather(sent[r][::-1]) == [s[::-1] for s in sent]
     still_works(comm, device)
+
+
+def test_setup_failure_of_one_rank_raises_the_cause_on_every_rank(group, monkeypatch):
+    """Rank 1 cannot reserve its shared memory: every rank gets that cause as a
+    specific error at construction, not a communicator that fails later."""
+    if dist.get_rank() == 1:
+        monkeypatch.setenv("P2PCOMM_STAGING_BYTES", str(1 << 60))  # more than any tmpfs holds
+    want = "reserve" if dist.get_rank() == 1 else "rank 1 could not create shared memory"
+    with pytest.raises(p2pcomm.CapacityError, match=want):
+        p2pcomm.Communicator(device="cpu", group=group)
+    monkeypatch.delenv("P2PCOMM_STAGING_BYTES", raising=False)
+    with p2pcomm.Communicator(device="cpu", group=group) as comm:
+        still_works(comm, "cpu")
