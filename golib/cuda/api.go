@@ -304,6 +304,12 @@ func (d *Driver) ModuleLoadData(image []byte) (Module, error) {
 	return Module(uintptr(m)), err
 }
 
+// ModuleUnload unloads a module from ModuleLoadData; its functions become
+// invalid.
+func (d *Driver) ModuleUnload(m Module) error {
+	return d.check("cuModuleUnload", C.p2p_r_p(d.fn.moduleUnload, ptr(uintptr(m))))
+}
+
 // ModuleFunction returns the kernel named name (a mangled or extern "C" name).
 func (d *Driver) ModuleFunction(m Module, name string) (Function, error) {
 	cname := C.CString(name)

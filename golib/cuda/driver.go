@@ -54,7 +54,7 @@ type driverFuncs struct {
 	memGetAddressRange, pointerGetAttribute                                           unsafe.Pointer
 	ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle                              unsafe.Pointer
 	memHostAlloc, memHostGetDevicePointer, memFreeHost                                unsafe.Pointer
-	moduleLoadData, moduleGetFunction, funcSetAttribute, launchKernel                 unsafe.Pointer
+	moduleLoadData, moduleUnload, moduleGetFunction, funcSetAttribute, launchKernel   unsafe.Pointer
 	streamSynchronize, streamIsCapturing, streamGetCaptureInfo                        unsafe.Pointer
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
 }
@@ -107,6 +107,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuMemHostGetDevicePointer", v, true, &f.memHostGetDevicePointer},
 		{"cuMemFreeHost", v, true, &f.memFreeHost},
 		{"cuModuleLoadData", v, true, &f.moduleLoadData},
+		{"cuModuleUnload", v, true, &f.moduleUnload},
 		{"cuModuleGetFunction", v, true, &f.moduleGetFunction},
 		{"cuFuncSetAttribute", v, true, &f.funcSetAttribute},
 		{"cuLaunchKernel", v, true, &f.launchKernel},

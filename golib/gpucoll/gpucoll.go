@@ -240,7 +240,10 @@ func (b *Backend) Close() error {
 	if b.space != nil {
 		// Free even if the context could not be made current: a leak is
 		// worse than a failed free, and both are reported.
-		err = errors.Join(b.drv.EnsureContext(b.device), b.space.Close()) // also frees the host-mapped error word
+		// Frees wait for the device, so no kernel of the modules unloaded
+		// after them still runs.
+		err = errors.Join(b.drv.EnsureContext(b.device), b.space.Close(), // also frees the host-mapped error word
+			b.kernels.close())
 		if err != nil {
 			err = fmt.Errorf("close the GPU communicator: %w", err)
 		}

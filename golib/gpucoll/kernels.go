@@ -1,6 +1,7 @@
 package gpucoll
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 
@@ -42,6 +43,9 @@ type kernelCache struct {
 	byName map[string]cuda.Function
 	// shared: the dynamic shared memory each function was allowed (allowShared).
 	shared map[cuda.Function]uint32
+	// modules: every module loaded, unloaded by close (a module holds device
+	// memory for its code and constants).
+	modules []cuda.Module
 }
 
 func newKernelCache(drv *cuda.Driver, arch int, extra []string) *kernelCache {
@@ -68,6 +72,24 @@ func (k *kernelCache) allowShared(fn cuda.Function, bytes uint32) error {
 	}
 	k.shared[fn] = bytes
 	return nil
+}
+
+// close unloads every module; the cache is empty afterwards. The caller has
+// made the device's context current and no kernel of these modules runs.
+func (k *kernelCache) close() error {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var errs []error
+	for _, m := range k.modules {
+		if err := k.drv.ModuleUnload(m); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	k.modules = nil
+	clear(k.funcs)
+	clear(k.byName)
+	clear(k.shared)
+	return errors.Join(errs...)
 }
 
 // function returns the all-reduce kernel of algo for dt.
@@ -121,6 +143,7 @@ func (k *kernelCache) named(file, expr string) (cuda.Function, error) {
 	if err != nil {
 		return 0, fmt.Errorf("load %s: %w", file, err)
 	}
+	k.modules = append(k.modules, mod)
 	for e, lowered := range res.Lowered {
 		fn, err := k.drv.ModuleFunction(mod, lowered)
 		if err != nil {
