@@ -226,11 +226,14 @@ func p2p_peer_ptr(h C.uint64_t, ptr C.uint64_t, nbytes C.int64_t, rank C.int32_t
 }
 
 // p2p_stream_barrier enqueues a barrier among all ranks on a CUDA stream
-// (the CPU backend waits on the host).
+// (the CPU backend waits on the host) on behalf of call (collective.Call),
+// which a peer's timeout names.
 //
 //export p2p_stream_barrier
-func p2p_stream_barrier(h C.uint64_t, stream C.uint64_t) C.int {
-	return withPeerMemory(h, func(pm collective.PeerMemory) error { return pm.StreamBarrier(uintptr(stream)) })
+func p2p_stream_barrier(h C.uint64_t, stream C.uint64_t, call C.int) C.int {
+	return withPeerMemory(h, func(pm collective.PeerMemory) error {
+		return pm.StreamBarrier(uintptr(stream), collective.Call(call))
+	})
 }
 
 func withPeerMemory(h C.uint64_t, f func(collective.PeerMemory) error) C.int {

@@ -106,10 +106,11 @@ type PeerMemory interface {
 	// PeerAddress returns where this process sees rank's copy of the
 	// symmetric (or registered) range [ptr, ptr+nbytes).
 	PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, error)
-	// StreamBarrier orders a barrier among all ranks on stream: work
+	// StreamBarrier orders a barrier among all ranks on stream, on behalf
+	// of call (named when a peer never arrives): work
 	// enqueued after it runs once every rank's work before it has run.
 	// The CPU backend waits on the host.
-	StreamBarrier(stream uintptr) error
+	StreamBarrier(stream uintptr, call Call) error
 }
 
 // GraphBuffers is implemented by backends whose kernels can read inputs
@@ -118,4 +119,29 @@ type GraphBuffers interface {
 	// RegisterGraphBuffers collectively registers the inputs that calls
 	// captured since the last time had to stage, and returns their number.
 	RegisterGraphBuffers() (int, error)
+}
+
+// Call is the operation a stream barrier serves, so that a peer that never
+// arrives is reported against it. The numbers are part of the C ABI and of
+// the kernels (p2p_common.cuh kCall*).
+type Call int32
+
+const (
+	CallAllReduce     Call = 0
+	CallStreamBarrier Call = 1
+	CallMoeDispatch   Call = 2
+	CallMoeCombine    Call = 3
+	numCalls               = 4
+)
+
+var callNames = [numCalls]string{"an all-reduce", "a stream barrier", "an MoE dispatch", "an MoE combine"}
+
+// Valid reports whether c is a known call.
+func (c Call) Valid() bool { return c >= 0 && c < numCalls }
+
+func (c Call) String() string {
+	if !c.Valid() {
+		return fmt.Sprintf("call(%d)", int32(c))
+	}
+	return callNames[c]
 }

@@ -3,6 +3,7 @@ package gpucoll
 import (
 	"fmt"
 
+	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -38,6 +39,10 @@ func moePhase(e errorWord) bool { return e.Phase == phaseMoeStart || e.Phase == 
 // callName is the collective whose wait timed out.
 func callName(e errorWord) string {
 	if !moePhase(e) {
+		// Barriers report step = -1 - the call they serve (kCallShift).
+		if call := collective.Call(-1 - e.Step); e.Step < 0 && call.Valid() {
+			return call.String()
+		}
 		return "an all-reduce"
 	}
 	if e.Step == 0 {
@@ -51,7 +56,7 @@ func describe(e errorWord) error {
 	switch e.Code {
 	case errTimeout:
 		where := fmt.Sprintf("block %d, step %d", e.Block, e.Step)
-		if moePhase(e) {
+		if moePhase(e) || e.Step < 0 {
 			where = fmt.Sprintf("block %d", e.Block)
 		}
 		return status.Errorf(status.Timeout,

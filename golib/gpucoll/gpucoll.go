@@ -473,9 +473,12 @@ func (b *Backend) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, err
 // cost ~3 us per barrier, four per MoE dispatch and combine).
 // Capturable in CUDA graphs; bounded like every wait. Its kernel is the
 // one-shot's of barrierDType (Prepare builds it ahead).
-func (b *Backend) StreamBarrier(stream uintptr) error {
+func (b *Backend) StreamBarrier(stream uintptr, call collective.Call) error {
 	if err := b.Check(); err != nil {
 		return err
+	}
+	if !call.Valid() {
+		return status.Errorf(status.InvalidArgument, "stream barrier for unknown call %d", call)
 	}
 	if err := b.drv.EnsureContext(b.device); err != nil {
 		return err
@@ -484,7 +487,7 @@ func (b *Backend) StreamBarrier(stream uintptr) error {
 	// The fence publishes what earlier kernels wrote into peers' memory.
 	p := b.fill(0, reduce.Sum, 0)
 	p.Out = uint64(b.scratch.Local)
-	p.Flags = flagFence
+	p.Flags = flagFence | uint32(call)<<callShift
 	b.useHalves(p) // deferred: no end barrier; with no elements nothing is staged or read
 	return b.launchGrid(collective.OneShot, barrierDType, 1, stream)
 }

@@ -57,6 +57,10 @@ type errorWord struct {
 // for barriers that publish writes of earlier kernels.
 const flagFence = 1
 
+// callShift places the collective.Call a barrier serves in the flags
+// (p2p_common.cuh kCallShift); its waits report step = -1 - call.
+const callShift = 8
+
 // flagPull makes two-shot gather by reading peers; pullMinBytes is where it
 // starts to win (measured on 4x H200: 12% at 256 MiB, slower below 8 MiB).
 const (

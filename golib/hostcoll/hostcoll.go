@@ -250,4 +250,4 @@ func (c *Comm) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, error)
 }
 
 // StreamBarrier is Barrier: the CPU has no streams.
-func (c *Comm) StreamBarrier(uintptr) error { return c.Barrier() }
+func (c *Comm) StreamBarrier(uintptr, collective.Call) error { return c.Barrier() }

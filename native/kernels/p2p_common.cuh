@@ -44,6 +44,14 @@ constexpr unsigned kFlagFence = 1u;
 // kFlagPull: two-shot gathers by reading peers' results (faster for large
 // payloads on H200) instead of having them pushed.
 constexpr unsigned kFlagPull = 2u;
+// kCallShift: bits 8..15 of AllReduceParams.flags say which operation a
+// barrier kernel serves (kCall*), so that a peer's timeout can name it: a
+// barrier's wait reports step = -1 - call in the ErrorWord.
+constexpr unsigned kCallShift = 8;
+constexpr int kCallAllReduce = 0;      // an all-reduce's own barriers
+constexpr int kCallStreamBarrier = 1;  // comm.stream_barrier()
+constexpr int kCallMoeDispatch = 2;    // an MoE dispatch's barrier kernels
+constexpr int kCallMoeCombine = 3;     // an MoE combine's barrier kernels
 // Deferred one-shot (AllReduceParams.half_bytes != 0) always runs on
 // kDeferredGrid blocks, and block b owns chunks b, b + grid, ... of
 // kChunkPacks packs, whatever the size: see allreduce_oneshot.cu.
@@ -122,7 +130,8 @@ static_assert(sizeof(Signal::counter) == 1024 && sizeof(Signal::flag) == 32768, 
 //   8      4    peer     i32: peer that never arrived (-1: none)
 //   12     4    phase    i32: Phase of the wait (-1: none)
 //   16     4    block    i32: blockIdx.x
-//   20     4    step     i32: ring / recursive-doubling step (-1: none)
+//   20     4    step     i32: ring / recursive-doubling step; in barriers
+//                            -1 - the kCall* they serve
 //   24     8    expected u64: flag value waited for
 //   32     8    seen     u64: flag value last read
 //   total  40, aligned to 8
@@ -621,6 +630,7 @@ DINLINE void publish(const AllReduceParams& p, Signal* to, int phase, int from_r
 DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
   __syncthreads();  // this block's writes before the flags (see publish)
   const int t = (int)threadIdx.x;
+  const int step = -1 - (int)((p.flags >> kCallShift) & 0xffu);
   if (t < p.world && t != p.rank) {
     const Signal* self = p.peer_signal[p.rank];
     const u64* slot = &self->flag[phase][blockIdx.x][t];
@@ -629,7 +639,7 @@ DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
       // everyone compares with everyone, so the odd rank out is seen by all.
       const u64 mine = start_value(st.epoch, p.signature);
       publish(p, p.peer_signal[t], phase, p.rank, mine);
-      if (!wait_flag(p, slot, st.epoch << 32, t, phase, -1)) {
+      if (!wait_flag(p, slot, st.epoch << 32, t, phase, step)) {
         st.abort = 1;
       } else {
         const u64 theirs = ld_flag_acquire(slot);
@@ -641,7 +651,7 @@ DINLINE bool barrier_all(const AllReduceParams& p, BlockState& st, int phase) {
       }
     } else {
       publish(p, p.peer_signal[t], phase, p.rank, st.epoch);
-      if (!wait_flag(p, slot, st.epoch, t, phase, -1)) st.abort = 1;
+      if (!wait_flag(p, slot, st.epoch, t, phase, step)) st.abort = 1;
     }
   }
   __syncthreads();  // the acquires above before any thread reads peer data

@@ -37,7 +37,7 @@ _SIGNATURES = {
     "p2p_host_allgather": ([_u64, ctypes.c_void_p, _i64, ctypes.c_void_p], ctypes.c_int),
     "p2p_shutdown": ([], ctypes.c_int),
     "p2p_peer_ptr": ([_u64, _u64, _i64, _i32, ctypes.POINTER(_u64)], ctypes.c_int),
-    "p2p_stream_barrier": ([_u64, _u64], ctypes.c_int),
+    "p2p_stream_barrier": ([_u64, _u64, ctypes.c_int], ctypes.c_int),
     "p2p_launch": ([_u64, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, _i64, ctypes.c_uint32, ctypes.c_uint32,
                     ctypes.c_uint32, _u64], ctypes.c_int),
     "p2p_device_info": ([_u64, ctypes.POINTER(_i32)], ctypes.c_int),

@@ -35,6 +35,8 @@ _DTYPES = {
 ALGORITHMS = ("auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll", "oneshot_push",
               "twoshot_push")
 _ALGO_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
+# The operation a stream barrier serves (golib/collective Call; the C ABI's numbers).
+BARRIER_STREAM, BARRIER_MOE_DISPATCH, BARRIER_MOE_COMBINE = 1, 2, 3
 _ENV_PREFIXES = ("P2PCOMM_", "OMPI_", "PMI_", "PMIX_")
 _ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID")
@@ -402,13 +404,14 @@ class Communicator:
             return torch.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=torch.uint8)
         return torch.as_tensor(_CudaArray(ptr, nbytes), device=self.device)
 
-    def stream_barrier(self) -> None:
+    def stream_barrier(self, _call: int = 1) -> None:
         """Collective. A barrier ordered on the current CUDA stream: work
         enqueued after it sees every rank's work enqueued before it. Never
         blocks the host on GPU and can be captured in a CUDA graph; on CPU it
-        is :meth:`barrier`."""
+        is :meth:`barrier`. ``_call`` (internal: ``BARRIER_*``) is the
+        operation a peer's timeout names."""
         stream = _raw_stream(self._device_index)
-        _lib.check(_lib.lib().p2p_stream_barrier(self._h(), stream))
+        _lib.check(_lib.lib().p2p_stream_barrier(self._h(), stream, _call))
 
     def launch_kernel(self, file: str, expr: str, params: ctypes.Structure, grid: int, block: int,
                       shared_bytes: int = 0) -> None:
@@ -560,7 +563,7 @@ class TorchFallbackCommunicator(Communicator):
         self._h()
         self._dist.barrier(group=self._group)
 
-    def stream_barrier(self) -> None:
+    def stream_barrier(self, _call: int = 1) -> None:
         self.barrier()
 
     def host_allgather(self, data: bytes) -> list:

@@ -137,7 +137,7 @@ from typing import Optional
 import torch
 
 from . import ops
-from .communicator import Communicator, TorchFallbackCommunicator
+from .communicator import BARRIER_MOE_COMBINE, BARRIER_MOE_DISPATCH, Communicator, TorchFallbackCommunicator
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
@@ -766,7 +766,7 @@ class ExpertParallel:
             if problem is not None:
                 raise problem
             if not self._in_kernel:  # else the start barrier is inside moe_dispatch_send
-                self.comm.stream_barrier()  # start barrier (see module doc)
+                self.comm.stream_barrier(BARRIER_MOE_DISPATCH)  # start barrier (see module doc)
         elif self._kernels:
             # No host sync before the data: the send kernels read every rank's posted status and
             # write nothing if one rejected its arguments; the one sync (for R) raises together.
@@ -806,7 +806,7 @@ class ExpertParallel:
             self._peer_meta[d][:T, :2 * K + 1].copy_(meta[d].index_select(0, packed[d]))
             self._peer_counts[d].copy_(count[d:d + 1])
         self._phase("send")
-        self.comm.stream_barrier()  # 3. mid barrier: every source's writes are visible here
+        self.comm.stream_barrier(BARRIER_MOE_DISPATCH)  # 3. mid barrier: every source's writes are visible here
         self._phase("mid barrier")
 
         # 4. Expand into expert-major order on the receiver.
@@ -931,7 +931,7 @@ class ExpertParallel:
             if problem is not None:
                 raise problem
             if not self._in_kernel:  # else the start barrier is inside moe_combine_send
-                self.comm.stream_barrier()  # start barrier (see module doc)
+                self.comm.stream_barrier(BARRIER_MOE_COMBINE)  # start barrier (see module doc)
         elif self._kernels:
             # As in dispatch: the send kernels check every rank's status; one host sync at the end.
             status = self._post_status(problem, None)
@@ -971,7 +971,7 @@ class ExpertParallel:
             start, n = ranges[s]
             self._peer_comb[s][:n].copy_(acc[start:start + n])
         self._phase("send")
-        self.comm.stream_barrier()  # 3. mid barrier
+        self.comm.stream_barrier(BARRIER_MOE_COMBINE)  # 3. mid barrier
         self._phase("mid barrier")
         # 4. Sum the partials of the ranks each token went to, in rank order.
         T = recv._num_tokens
@@ -1182,13 +1182,14 @@ class ExpertParallel:
                 self._stage(x)
             self._phase("stage")
             if not in_kernel:
-                self.comm.stream_barrier()  # mid barrier
+                self.comm.stream_barrier(BARRIER_MOE_DISPATCH)  # mid barrier
             self._phase("mid barrier")
             R = self.max_recv_rows
             expand_mode = _SYNC_WAIT | _SYNC_STAGED | (_SYNC_ARRIVE_FIRST if staged and not overlap else 0) \
                 if in_kernel else 0
         else:
-            self.comm.stream_barrier()  # mid barrier: every source's staged rows, metadata and hdr are ready
+            # Mid barrier: every source's staged rows, metadata and hdr are ready.
+            self.comm.stream_barrier(BARRIER_MOE_DISPATCH)
             self._phase("mid barrier")
             host = torch.cat([status, self._hdr.view(-1)]).tolist()  # the one host sync: checks, exact sizes
             self._raise_rejected(host[:W], problem, topk_idx, "dispatch")
@@ -1240,7 +1241,7 @@ class ExpertParallel:
         self._launch("moe_combine_send", p, self._blocks)
         self._phase("send")
         if not in_kernel:
-            self.comm.stream_barrier()  # mid barrier (else: sync_end above, sync_wait below)
+            self.comm.stream_barrier(BARRIER_MOE_COMBINE)  # mid barrier (else: sync_end above, sync_wait below)
         self._phase("mid barrier")
         if problem is None and T:
             p.sync = self._syncs[_COMBINE, _SYNC_WAIT if in_kernel else 0]
@@ -1286,7 +1287,8 @@ class ExpertParallel:
             posted = self._id_problem(topk_idx) if check_ids else self._codes[code].view(1)
             for d in range(self.world_size):
                 self._peer_status[par][d].copy_(posted)
-        self.comm.stream_barrier()  # also the start barrier (see module doc)
+        # Also the start barrier (see module doc); combine posts no ids.
+        self.comm.stream_barrier(BARRIER_MOE_DISPATCH if topk_idx is not None else BARRIER_MOE_COMBINE)
         return self._status[par]
 
     def _raise_rejected(self, status: list, problem: Optional[P2PCommError], device_input, what: str) -> None:
