@@ -522,7 +522,7 @@ def bench_allreduce(args) -> int:
         rows += new
         say("\n".join(text_table(HEADERS, [r.cells() for r in new], widths).splitlines()[2:]))
     say(f"\n({time.perf_counter() - start:.1f} s)")
-    if rank0():
+    if rank0() and args.out:
         stem = f"allreduce_{device.type}_{args.dtype or str(dtype).replace('torch.', '')}_w{world}"
         for p in write_outputs(args.out, stem, header, rows):
             print(f"wrote {p}")
@@ -571,11 +571,11 @@ def parser() -> argparse.ArgumentParser:
                    help="target duration of one timed repetition (default 40 on CPU, 20 on GPU)")
     p.add_argument("--max-iters", type=int, default=2000, help="cap on calls per repetition")
     p.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the captured calls")
-    p.add_argument("--algorithms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()],
-                   default=["auto", "oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot", "twoshot"],
+    p.add_argument("--algorithms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()], default=None,
                    help="p2pcomm algorithms: auto, oneshot_ll, twoshot_ll, oneshot_push, twoshot_push, oneshot, twoshot, "
-                        "ring, recursive_doubling")
-    p.add_argument("--out", default="bench_out", help="directory for the CSV, markdown and PNG")
+                        "ring, recursive_doubling (default: auto and every distinct algorithm of the device: on CPU "
+                        "the _ll and _push names run one-shot and two-shot, so they are left out)")
+    p.add_argument("--out", default=None, help="directory for the CSV, markdown and PNG (default: print only)")
     return p
 
 
@@ -589,6 +589,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     args = parser().parse_args(argv)
     from .communicator import ALGORITHMS
+
+    if args.algorithms is None:
+        args.algorithms = ["auto", "oneshot", "twoshot"] if args.device == "cpu" else [
+            "auto", "oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot", "twoshot"]
 
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
     if bad:

@@ -513,7 +513,7 @@ def _bench_moe(args) -> int:
     if phase_rows:
         say("\nper phase, us (ranks aligned by a stream barrier first; each phase the slowest rank's median):")
         say(text_table(PHASE_HEADERS, [r.cells() for r in phase_rows], _PHASE_NUMERIC))
-    if rank == 0:
+    if rank == 0 and args.out:
         for p in write_outputs(args.out, f"moe_{device.type}_{args.dtype}_w{world}", header, rows, phase_rows):
             print(f"wrote {p}")
     dist.barrier(group=ctl)
@@ -697,5 +697,13 @@ def parser() -> argparse.ArgumentParser:
                         "GPU, capturable calls under mode='reduce-overhead' (compiled graph)")
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                    help="also time each phase of dispatch and combine (default on; --no-breakdown skips it)")
-    p.add_argument("--out", default="bench_out", help="directory for the CSV and markdown")
+    p.add_argument("--out", default=None, help="directory for the CSV and markdown (default: print only)")
     return p
+
+
+if __name__ == "__main__":
+    import sys
+
+    from .bench import main
+
+    sys.exit(main(["moe", *sys.argv[1:]]))

@@ -16,10 +16,12 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
                       ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_name, _value)
 
+import argparse  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -72,7 +74,13 @@ def _latency_us(fn, refill, device: torch.device, max_iters: int, budget_s: floa
     return statistics.median(worst.tolist()) * 1e6
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog="torchrun --nproc_per_node=N -m p2pcomm.demo", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser().parse_args(argv)
     device = _init()
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = "nccl" if device.type == "cuda" else "gloo"
