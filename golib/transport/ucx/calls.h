@@ -1,0 +1,163 @@
+// Trampolines: Go cannot call a C function pointer, so each UCP entry point
+// gets one static inline function that casts the pointer and calls it.
+// Parameter structs are built here, on the C stack, so that no Go pointer is
+// kept by UCP. Handles travel as void*, ucs_status_t as int.
+#include <string.h>
+#include "ucp_abi.h"
+
+// p2p_ucx_split turns a ucs_status_ptr_t into a request (NULL when the call
+// completed or failed at once) and a status: UCS_OK, UCS_INPROGRESS, or the
+// error encoded in the pointer (values in [UCS_ERR_LAST, 0)).
+static inline void* p2p_ucx_split(void* p, int* status) {
+	intptr_t v = (intptr_t)p;
+	if (p == NULL) {
+		*status = P2P_UCS_OK;
+		return NULL;
+	}
+	if (v < 0 && v >= P2P_UCS_ERR_LAST) {
+		*status = (int)v;
+		return NULL;
+	}
+	*status = P2P_UCS_INPROGRESS;
+	return p;
+}
+
+// p2p_ucx_ep_failed is every endpoint's error handler: it records the first
+// failure in the peer's slot (C memory) for Go to read; no Go code runs
+// inside UCP's callback.
+static void p2p_ucx_ep_failed(void* arg, void* ep, int status) {
+	(void)ep;
+	int expected = 0;
+	__atomic_compare_exchange_n((int*)arg, &expected, status, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
+
+static inline int p2p_ucx_slot(const int* slots, int i) { return __atomic_load_n(&slots[i], __ATOMIC_SEQ_CST); }
+
+static inline void p2p_ucx_get_version(void* f, unsigned* major, unsigned* minor, unsigned* release) {
+	((void (*)(unsigned*, unsigned*, unsigned*))f)(major, minor, release);
+}
+static inline const char* p2p_ucx_version_string(void* f) { return ((const char* (*)(void))f)(); }
+static inline const char* p2p_ucx_status_string(void* f, int status) { return ((const char* (*)(int))f)(status); }
+
+static inline int p2p_ucx_config_read(void* f, void** config) {
+	return ((int (*)(const char*, const char*, void**))f)(NULL, NULL, config);
+}
+static inline int p2p_ucx_config_modify(void* f, void* config, const char* name, const char* value) {
+	return ((int (*)(void*, const char*, const char*))f)(config, name, value);
+}
+static inline void p2p_ucx_call_p(void* f, void* a) { ((void (*)(void*))f)(a); }
+static inline void p2p_ucx_call_pp(void* f, void* a, void* b) { ((void (*)(void*, void*))f)(a, b); }
+static inline int p2p_ucx_status_p(void* f, void* a) { return ((int (*)(void*))f)(a); }
+static inline int p2p_ucx_status_pp(void* f, void* a, void* b) { return ((int (*)(void*, void*))f)(a, b); }
+static inline unsigned p2p_ucx_progress(void* f, void* worker) { return ((unsigned (*)(void*))f)(worker); }
+
+// p2p_ucx_init creates a context for RMA and 64-bit atomics. api_minor is the
+// UCP API version this code is written against.
+static inline int p2p_ucx_init(void* f, unsigned api_major, unsigned api_minor, void* config,
+		size_t num_eps, const char* name, void** context) {
+	p2p_ucp_params p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = P2P_UCP_PARAM_FIELD_FEATURES | P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | P2P_UCP_PARAM_FIELD_NAME;
+	p.features = P2P_UCP_FEATURE_RMA | P2P_UCP_FEATURE_AMO64;
+	p.estimated_num_eps = num_eps;
+	p.name = name;
+	return ((int (*)(unsigned, unsigned, const p2p_ucp_params*, const void*, void**))f)(
+			api_major, api_minor, &p, config, context);
+}
+
+static inline int p2p_ucx_worker_create(void* f, void* context, void** worker) {
+	p2p_ucp_worker_params p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = P2P_UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+	p.thread_mode = P2P_UCS_THREAD_MODE_SERIALIZED;
+	return ((int (*)(void*, const p2p_ucp_worker_params*, void**))f)(context, &p, worker);
+}
+
+static inline int p2p_ucx_worker_address(void* f, void* worker, void** address, size_t* length) {
+	p2p_ucp_worker_attr a;
+	memset(&a, 0, sizeof a);
+	a.field_mask = P2P_UCP_WORKER_ATTR_FIELD_ADDRESS;
+	int st = ((int (*)(void*, p2p_ucp_worker_attr*))f)(worker, &a);
+	*address = a.address;
+	*length = a.address_length;
+	return st;
+}
+
+// p2p_ucx_ep_create connects to a peer's worker address with peer failure
+// handling: a dead peer fails the endpoint's operations instead of aborting
+// the process, and the first failure lands in *slot.
+static inline int p2p_ucx_ep_create(void* f, void* worker, const void* address, int* slot, void** ep) {
+	p2p_ucp_ep_params p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = P2P_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | P2P_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+			P2P_UCP_EP_PARAM_FIELD_ERR_HANDLER;
+	p.address = address;
+	p.err_mode = P2P_UCP_ERR_HANDLING_MODE_PEER;
+	p.err_handler.cb = (void*)p2p_ucx_ep_failed;
+	p.err_handler.arg = slot;
+	return ((int (*)(void*, const p2p_ucp_ep_params*, void**))f)(worker, &p, ep);
+}
+
+static inline void* p2p_ucx_ep_flush(void* f, void* ep, int* status) {
+	p2p_ucp_request_param p;
+	memset(&p, 0, sizeof p);
+	return p2p_ucx_split(((void* (*)(void*, const p2p_ucp_request_param*))f)(ep, &p), status);
+}
+
+// p2p_ucx_ep_close closes without flushing: the caller flushed what it
+// needed, and a dead peer cannot answer a flush.
+static inline void* p2p_ucx_ep_close(void* f, void* ep, int* status) {
+	p2p_ucp_request_param p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_FLAGS;
+	p.flags = P2P_UCP_EP_CLOSE_FLAG_FORCE;
+	return p2p_ucx_split(((void* (*)(void*, const p2p_ucp_request_param*))f)(ep, &p), status);
+}
+
+// Addresses arrive as integers: they name memory outside the Go heap.
+static inline int p2p_ucx_mem_map(void* f, void* context, uint64_t address, size_t length, int memory_type, void** memh) {
+	p2p_ucp_mem_map_params p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = P2P_UCP_MEM_MAP_PARAM_FIELD_ADDRESS | P2P_UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+			P2P_UCP_MEM_MAP_PARAM_FIELD_PROT | P2P_UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+	p.address = (void*)(uintptr_t)address;
+	p.length = length;
+	p.prot = P2P_UCP_MEM_MAP_PROT_LOCAL_READ | P2P_UCP_MEM_MAP_PROT_LOCAL_WRITE |
+			P2P_UCP_MEM_MAP_PROT_REMOTE_READ | P2P_UCP_MEM_MAP_PROT_REMOTE_WRITE;
+	p.memory_type = memory_type;
+	return ((int (*)(void*, const p2p_ucp_mem_map_params*, void**))f)(context, &p, memh);
+}
+
+static inline int p2p_ucx_rkey_pack(void* f, void* context, void* memh, void** buffer, size_t* size) {
+	return ((int (*)(void*, void*, void**, size_t*))f)(context, memh, buffer, size);
+}
+static inline int p2p_ucx_rkey_unpack(void* f, void* ep, const void* buffer, void** rkey) {
+	return ((int (*)(void*, const void*, void**))f)(ep, buffer, rkey);
+}
+
+// p2p_ucx_put starts a put of length bytes; memh (may be NULL) is the
+// source's registration, which spares UCP a lookup.
+static inline void* p2p_ucx_put(void* f, void* ep, uint64_t buffer, size_t length, uint64_t remote,
+		void* rkey, void* memh, int memory_type, int* status) {
+	p2p_ucp_request_param p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+	p.memory_type = memory_type;
+	if (memh != NULL) {
+		p.op_attr_mask |= P2P_UCP_OP_ATTR_FIELD_MEMH;
+		p.memh = memh;
+	}
+	return p2p_ucx_split(((void* (*)(void*, const void*, size_t, uint64_t, void*, const p2p_ucp_request_param*))f)(
+			ep, (const void*)(uintptr_t)buffer, length, remote, rkey, &p), status);
+}
+
+// p2p_ucx_atomic_add starts a 64-bit add without a reply; UCP copies the
+// operand before it returns.
+static inline void* p2p_ucx_atomic_add(void* f, void* ep, uint64_t value, uint64_t remote, void* rkey, int* status) {
+	p2p_ucp_request_param p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_DATATYPE;
+	p.datatype = P2P_UCP_DT_CONTIG8;
+	return p2p_ucx_split(((void* (*)(void*, int, const void*, size_t, uint64_t, void*, const p2p_ucp_request_param*))f)(
+			ep, P2P_UCP_ATOMIC_OP_ADD, &value, 1, remote, rkey, &p), status);
+}

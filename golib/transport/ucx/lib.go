@@ -1,0 +1,215 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "calls.h"
+*/
+import "C"
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/dl"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// LibraryEnv names the full path of libucp.so.0 to use instead of searching.
+const LibraryEnv = "P2PCOMM_UCX_LIB"
+
+// libraryName is the soname searched for.
+const libraryName = "libucp.so.0"
+
+// minMajor.minMinor is the oldest UCP with every entry point and parameter
+// field used here (the *_nbx calls and mem_map's memory type).
+const minMajor, minMinor = 1, 12
+
+// memhMinor is the first UCP 1.x that reads a request's memh.
+const memhMinor = 14
+
+// library is a loaded UCP: the entry points, the file they came from and
+// its version.
+type library struct {
+	path                  string
+	version               string // ucp_get_version_string
+	major, minor, release int
+	fn                    funcs
+}
+
+// funcs holds one pointer per UCP entry point; all are required.
+type funcs struct {
+	getVersion, getVersionString, statusString                     unsafe.Pointer
+	configRead, configModify, configRelease, init, cleanup         unsafe.Pointer
+	workerCreate, workerDestroy, workerQuery, workerReleaseAddress unsafe.Pointer
+	workerProgress, workerFence                                    unsafe.Pointer
+	epCreate, epCloseNbx, epFlushNbx                               unsafe.Pointer
+	memMap, memUnmap, rkeyPack, rkeyBufferRelease, rkeyUnpack      unsafe.Pointer
+	rkeyDestroy, putNbx, atomicOpNbx                               unsafe.Pointer
+	requestCheckStatus, requestCancel, requestFree                 unsafe.Pointer
+}
+
+func (f *funcs) table() []struct {
+	name string
+	slot *unsafe.Pointer
+} {
+	return []struct {
+		name string
+		slot *unsafe.Pointer
+	}{
+		{"ucp_get_version", &f.getVersion},
+		{"ucp_get_version_string", &f.getVersionString},
+		{"ucs_status_string", &f.statusString}, // libucs, reached through libucp's dependencies
+		{"ucp_config_read", &f.configRead},
+		{"ucp_config_modify", &f.configModify},
+		{"ucp_config_release", &f.configRelease},
+		{"ucp_init_version", &f.init},
+		{"ucp_cleanup", &f.cleanup},
+		{"ucp_worker_create", &f.workerCreate},
+		{"ucp_worker_destroy", &f.workerDestroy},
+		{"ucp_worker_query", &f.workerQuery},
+		{"ucp_worker_release_address", &f.workerReleaseAddress},
+		{"ucp_worker_progress", &f.workerProgress},
+		{"ucp_worker_fence", &f.workerFence},
+		{"ucp_ep_create", &f.epCreate},
+		{"ucp_ep_close_nbx", &f.epCloseNbx},
+		{"ucp_ep_flush_nbx", &f.epFlushNbx},
+		{"ucp_mem_map", &f.memMap},
+		{"ucp_mem_unmap", &f.memUnmap},
+		{"ucp_rkey_pack", &f.rkeyPack},
+		{"ucp_rkey_buffer_release", &f.rkeyBufferRelease},
+		{"ucp_ep_rkey_unpack", &f.rkeyUnpack},
+		{"ucp_rkey_destroy", &f.rkeyDestroy},
+		{"ucp_put_nbx", &f.putNbx},
+		{"ucp_atomic_op_nbx", &f.atomicOpNbx},
+		{"ucp_request_check_status", &f.requestCheckStatus},
+		{"ucp_request_cancel", &f.requestCancel},
+		{"ucp_request_free", &f.requestFree},
+	}
+}
+
+var (
+	loadMu sync.Mutex
+	loaded *library // the first library loaded stays for the life of the process
+)
+
+// load returns the process's UCP, opening it on first success. A failure is
+// not remembered, so a later call with more directories may succeed.
+func load(dirs []string) (*library, error) {
+	loadMu.Lock()
+	defer loadMu.Unlock()
+	if loaded != nil {
+		return loaded, nil
+	}
+	lib, err := openLibrary(os.LookupEnv, dirs, pythonLibDir)
+	if err != nil {
+		return nil, err
+	}
+	loaded = lib
+	return lib, nil
+}
+
+// openLibrary finds libucp.so.0: the path in P2PCOMM_UCX_LIB alone when it
+// is set, else the dynamic loader's search, then each of dirs, then the lib
+// folder of the libucx wheel that python3 would import. The error is
+// status.Unsupported and lists every place tried with dlerror's text.
+func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func() (string, error)) (*library, error) {
+	var tried []string
+	try := func(path string) *library {
+		h, err := dl.Open(path, dl.Now|dl.Local)
+		if err != nil {
+			tried = append(tried, err.Error())
+			return nil
+		}
+		lib, err := resolve(h)
+		if err != nil {
+			tried = append(tried, path+": "+err.Error())
+			return nil
+		}
+		return lib
+	}
+	if p, ok := lookup(LibraryEnv); ok && p != "" {
+		if lib := try(p); lib != nil {
+			return lib, nil
+		}
+		return nil, notFound(tried, LibraryEnv+"="+p)
+	}
+	if lib := try(libraryName); lib != nil {
+		return lib, nil
+	}
+	for _, d := range dirs {
+		if lib := try(filepath.Join(d, libraryName)); lib != nil {
+			return lib, nil
+		}
+	}
+	if pyDir != nil {
+		d, err := pyDir()
+		if err != nil {
+			tried = append(tried, "python3's libucx: "+err.Error())
+		} else if lib := try(filepath.Join(d, libraryName)); lib != nil {
+			return lib, nil
+		}
+	}
+	return nil, notFound(tried, "")
+}
+
+func notFound(tried []string, only string) error {
+	where := "the dynamic loader's path, the given directories and python3's libucx wheel"
+	if only != "" {
+		where = only
+	}
+	return status.Errorf(status.Unsupported,
+		"UCX transport: no usable %s in %s (install it with `pip install libucx-cu13`, or set %s to its full path); tried: %s",
+		libraryName, where, LibraryEnv, strings.Join(tried, "; "))
+}
+
+// pythonLibDir asks python3 where the libucx wheel lives without importing
+// it (find_spec loads no UCX).
+func pythonLibDir() (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "python3", "-c",
+		"import importlib.util,os;s=importlib.util.find_spec('libucx');print(os.path.dirname(s.origin) if s and s.origin else '')").Output()
+	if err != nil {
+		return "", err
+	}
+	d := strings.TrimSpace(string(out))
+	if d == "" {
+		return "", fmt.Errorf("no libucx module")
+	}
+	return filepath.Join(d, "lib"), nil
+}
+
+// resolve looks up every entry point and checks the version.
+func resolve(h *dl.Library) (*library, error) {
+	lib := &library{path: h.Path()}
+	for _, e := range lib.fn.table() {
+		p, err := h.Sym(e.name)
+		if err != nil {
+			return nil, err
+		}
+		*e.slot = p
+	}
+	var major, minor, release C.uint
+	C.p2p_ucx_get_version(lib.fn.getVersion, &major, &minor, &release)
+	lib.major, lib.minor, lib.release = int(major), int(minor), int(release)
+	lib.version = C.GoString(C.p2p_ucx_version_string(lib.fn.getVersionString))
+	if lib.major != minMajor || lib.minor < minMinor {
+		return nil, fmt.Errorf("UCX %s is too old, want %d.%d or newer", lib.version, minMajor, minMinor)
+	}
+	return lib, nil
+}
+
+// statusText is ucs_status_string of s, e.g. "Connection reset by remote peer".
+func (l *library) statusText(s C.int) string {
+	return C.GoString(C.p2p_ucx_status_string(l.fn.statusString, s))
+}
+
+// String says which library and version were loaded.
+func (l *library) String() string { return fmt.Sprintf("UCX %s (%s)", l.version, l.path) }

@@ -1,0 +1,458 @@
+// Package ucx is the transport between hosts: UCX's UCP, loaded with dlopen
+// at run time, carries puts, signals and flushes.
+package ucx
+
+/*
+#include <stdlib.h>
+#include "calls.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+)
+
+// Options configure Open. The zero value is usable.
+type Options struct {
+	// Timeout bounds every wait (wireup, flush, close); zero means
+	// bootstrap.DefaultTimeout. The communicator passes P2PCOMM_TIMEOUT_MS.
+	Timeout time.Duration
+	// LibraryDirs are searched for libucp.so.0 after the dynamic loader's
+	// path (the Python layer passes the libucx wheel's lib folder).
+	LibraryDirs []string
+}
+
+// Transport is one UCP context and worker with an endpoint to every other
+// rank. Over transports without remote hardware access (tcp, and atomics
+// over shared memory) data and acknowledgements move only while the target
+// calls Progress or waits in Flush, so every rank's proxy keeps progressing.
+type Transport struct {
+	mu       sync.Mutex
+	lib      *library
+	rank     int
+	timeout  time.Duration
+	context  unsafe.Pointer
+	worker   unsafe.Pointer
+	failed   *C.int // per-rank first endpoint failure, written by UCP's error callback
+	peers    []peer
+	locals   map[*local]struct{}
+	remotes  map[*remote]struct{}
+	passMemh bool
+	closed   bool
+}
+
+// peer is this rank's state toward one other rank.
+type peer struct {
+	ep      unsafe.Pointer // nil for this rank and after a failure closed it
+	pending []unsafe.Pointer
+	err     error // sticky: the endpoint failed or a wait on it timed out
+}
+
+var _ transport.Transport = (*Transport)(nil)
+
+// Open creates the transport of this rank: loads UCP, creates a context and
+// a worker, all-gathers worker addresses through bs and connects to every
+// other rank. It is collective and returns once every endpoint is wired up,
+// or an error naming the rank that was not reached within the timeout.
+// Without UCX the error is status.Unsupported and says how to install it.
+func Open(bs bootstrap.Bootstrap, opts Options) (*Transport, error) {
+	lib, err := load(opts.LibraryDirs)
+	if err != nil {
+		return nil, err
+	}
+	t := &Transport{
+		lib:      lib,
+		rank:     bs.Rank(),
+		timeout:  opts.Timeout,
+		peers:    make([]peer, bs.Size()),
+		locals:   map[*local]struct{}{},
+		remotes:  map[*remote]struct{}{},
+		passMemh: lib.minor >= memhMinor,
+	}
+	if t.timeout <= 0 {
+		t.timeout = bootstrap.DefaultTimeout
+	}
+	if err := t.open(bs); err != nil {
+		t.Close()
+		return nil, fmt.Errorf("UCX transport on rank %d with %s: %w", t.rank, lib, err)
+	}
+	return t, nil
+}
+
+// safeDefaults are UCP settings applied unless the user set the UCX_
+// variable: buffers here are registered explicitly with their memory type,
+// so UCX needs no registration or memory-type cache, and without those it
+// installs no malloc/mmap hooks into a process that also runs the Go
+// runtime and torch's allocators.
+var safeDefaults = [][2]string{
+	{"RCACHE_ENABLE", "n"},
+	{"MEMTYPE_CACHE", "n"},
+}
+
+func (t *Transport) open(bs bootstrap.Bootstrap) error {
+	f := &t.lib.fn
+	var config unsafe.Pointer
+	if s := C.p2p_ucx_config_read(f.configRead, &config); s != C.P2P_UCS_OK {
+		return t.ucsError(s, "read UCX configuration")
+	}
+	for _, kv := range safeDefaults {
+		if _, set := os.LookupEnv("UCX_" + kv[0]); set {
+			continue
+		}
+		name, value := C.CString(kv[0]), C.CString(kv[1])
+		C.p2p_ucx_config_modify(f.configModify, config, name, value) // an older UCX without the option keeps its default
+		C.free(unsafe.Pointer(name))
+		C.free(unsafe.Pointer(value))
+	}
+	name := C.CString(fmt.Sprintf("p2pcomm-rank%d", t.rank))
+	defer C.free(unsafe.Pointer(name))
+	s := C.p2p_ucx_init(f.init, C.uint(minMajor), C.uint(minMinor), config, C.size_t(len(t.peers)), name, &t.context)
+	C.p2p_ucx_call_p(f.configRelease, config)
+	if s != C.P2P_UCS_OK {
+		t.context = nil
+		return t.ucsError(s, "create UCP context")
+	}
+	if s := C.p2p_ucx_worker_create(f.workerCreate, t.context, &t.worker); s != C.P2P_UCS_OK {
+		t.worker = nil
+		return t.ucsError(s, "create UCP worker")
+	}
+	var addr unsafe.Pointer
+	var addrLen C.size_t
+	if s := C.p2p_ucx_worker_address(f.workerQuery, t.worker, &addr, &addrLen); s != C.P2P_UCS_OK {
+		return t.ucsError(s, "query the worker's address")
+	}
+	mine := C.GoBytes(addr, C.int(addrLen))
+	C.p2p_ucx_call_pp(f.workerReleaseAddress, t.worker, addr)
+	all, err := bs.AllGather(mine)
+	if err != nil {
+		return fmt.Errorf("exchange worker addresses: %w", err)
+	}
+	t.failed = (*C.int)(C.calloc(C.size_t(len(t.peers)), C.size_t(unsafe.Sizeof(C.int(0)))))
+	for r := range t.peers {
+		if r == t.rank {
+			continue
+		}
+		if len(all[r]) == 0 {
+			return status.Errorf(status.Mismatch, "rank %d sent an empty worker address", r)
+		}
+		caddr := C.CBytes(all[r])
+		s := C.p2p_ucx_ep_create(f.epCreate, t.worker, caddr, t.slot(r), &t.peers[r].ep)
+		C.free(caddr)
+		if s != C.P2P_UCS_OK {
+			t.peers[r].ep = nil
+			return t.ucsError(s, fmt.Sprintf("connect to rank %d", r))
+		}
+	}
+	// Endpoints wire up lazily; flushing them all now finds an unreachable
+	// rank at Open. The barrier runs while progressing, since a peer still
+	// flushing needs this rank's acknowledgements.
+	if err := t.flushAll("wire up"); err != nil {
+		return err
+	}
+	return t.progressWhile(bs.Barrier)
+}
+
+// slot is the address of rank r's failure status.
+func (t *Transport) slot(r int) *C.int {
+	return (*C.int)(unsafe.Add(unsafe.Pointer(t.failed), r*int(unsafe.Sizeof(C.int(0)))))
+}
+
+// flushAll flushes every endpoint at once and waits for all.
+func (t *Transport) flushAll(op string) error {
+	reqs := make([]unsafe.Pointer, len(t.peers))
+	for r := range t.peers {
+		if r == t.rank {
+			continue
+		}
+		var s C.int
+		reqs[r] = C.p2p_ucx_ep_flush(t.lib.fn.epFlushNbx, t.peers[r].ep, &s)
+		if s != C.P2P_UCS_OK && s != C.P2P_UCS_INPROGRESS {
+			return t.peerError(r, op, s)
+		}
+	}
+	deadline := time.Now().Add(t.timeout)
+	for r, req := range reqs {
+		if req == nil {
+			continue
+		}
+		if err := t.wait(req, r, op, deadline); err != nil {
+			for _, other := range reqs[r+1:] {
+				if other != nil {
+					t.abandon(other)
+				}
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// progressWhile runs fn in another goroutine and progresses the worker
+// until it returns.
+func (t *Transport) progressWhile(fn func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- fn() }()
+	var idle idler
+	for {
+		select {
+		case err := <-done:
+			return err
+		default:
+		}
+		idle.after(C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker))
+	}
+}
+
+// idler spins while progress finds work and backs off when it does not, so
+// that waiting ranks leave the cores to the ranks they wait for.
+type idler struct{ empty int }
+
+func (i *idler) after(events C.uint) {
+	if events != 0 {
+		i.empty = 0
+		return
+	}
+	i.empty++
+	switch {
+	case i.empty < 1000:
+	case i.empty < 2000:
+		runtime.Gosched()
+	default:
+		time.Sleep(20 * time.Microsecond)
+	}
+}
+
+// wait progresses the worker until req completes or deadline passes; req
+// is released either way. On timeout the request is cancelled and the
+// peer's endpoint closed, so that nothing of it completes later.
+func (t *Transport) wait(req unsafe.Pointer, r int, op string, deadline time.Time) error {
+	f := &t.lib.fn
+	var idle idler
+	for i := 0; ; i++ {
+		if s := C.p2p_ucx_status_p(f.requestCheckStatus, req); s != C.P2P_UCS_INPROGRESS {
+			C.p2p_ucx_call_p(f.requestFree, req)
+			if s != C.P2P_UCS_OK {
+				return t.peerError(r, op, s)
+			}
+			return nil
+		}
+		idle.after(C.p2p_ucx_progress(f.workerProgress, t.worker))
+		if i%64 == 0 && time.Now().After(deadline) {
+			t.abandon(req)
+			err := status.Errorf(status.Timeout, "UCX %s to rank %d did not complete within %v", op, r, t.timeout)
+			t.fail(r, err)
+			return err
+		}
+	}
+}
+
+// abandon cancels req and releases it; UCP frees it once it completes.
+func (t *Transport) abandon(req unsafe.Pointer) {
+	C.p2p_ucx_call_pp(t.lib.fn.requestCancel, t.worker, req)
+	C.p2p_ucx_call_p(t.lib.fn.requestFree, req)
+}
+
+// fail records err as rank r's sticky error, cancels its outstanding
+// requests and closes its endpoint without flushing.
+func (t *Transport) fail(r int, err error) {
+	p := &t.peers[r]
+	if p.err == nil {
+		p.err = err
+	}
+	for _, req := range p.pending {
+		t.abandon(req)
+	}
+	p.pending = nil
+	t.closeEndpoint(r)
+}
+
+// closeEndpoint force-closes rank r's endpoint, waiting a bounded time for
+// UCP to release it. Remote keys unpacked on it are destroyed first, as UCP
+// requires.
+func (t *Transport) closeEndpoint(r int) {
+	p := &t.peers[r]
+	if p.ep == nil {
+		return
+	}
+	for rm := range t.remotes {
+		if rm.peer == r {
+			rm.destroy()
+		}
+	}
+	var s C.int
+	req := C.p2p_ucx_ep_close(t.lib.fn.epCloseNbx, p.ep, &s)
+	p.ep = nil
+	if req == nil {
+		return
+	}
+	deadline := time.Now().Add(min(t.timeout, 5*time.Second))
+	var idle idler
+	for C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, req) == C.P2P_UCS_INPROGRESS && time.Now().Before(deadline) {
+		idle.after(C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker))
+	}
+	C.p2p_ucx_call_p(t.lib.fn.requestFree, req)
+}
+
+// check returns rank r's sticky error, turning a failure UCP reported into
+// one (and closing the endpoint) the first time it is seen.
+func (t *Transport) check(r int, op string) error {
+	if t.closed {
+		return status.Errorf(status.State, "UCX %s to rank %d: transport closed", op, r)
+	}
+	if r < 0 || r >= len(t.peers) {
+		return status.Errorf(status.InvalidArgument, "UCX %s: rank %d out of range [0, %d)", op, r, len(t.peers))
+	}
+	p := &t.peers[r]
+	if p.err != nil {
+		return p.err
+	}
+	if s := C.p2p_ucx_slot(t.failed, C.int(r)); s != 0 {
+		t.fail(r, t.peerError(r, "endpoint", s))
+		return p.err
+	}
+	return nil
+}
+
+// reap releases rank r's requests that completed, oldest first, and fails
+// the peer on the first error among them.
+func (t *Transport) reap(r int) error {
+	p := &t.peers[r]
+	n := 0
+	for _, req := range p.pending {
+		s := C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, req)
+		if s == C.P2P_UCS_INPROGRESS {
+			break
+		}
+		C.p2p_ucx_call_p(t.lib.fn.requestFree, req)
+		n++
+		if s != C.P2P_UCS_OK {
+			p.pending = p.pending[n:]
+			err := t.peerError(r, "put", s)
+			t.fail(r, err)
+			return err
+		}
+	}
+	p.pending = p.pending[n:]
+	return nil
+}
+
+// peerError is a failed UCP operation toward rank r. A peer that died or
+// cannot be reached never arrives, so the code is status.Timeout.
+func (t *Transport) peerError(r int, op string, s C.int) error {
+	return status.Errorf(status.Timeout, "UCX %s to rank %d failed: %s", op, r, t.lib.statusText(s))
+}
+
+func (t *Transport) ucsError(s C.int, op string) error {
+	return status.Errorf(status.Internal, "%s: %s", op, t.lib.statusText(s))
+}
+
+// Name returns "ucx".
+func (t *Transport) Name() string { return "ucx" }
+
+// Library says which UCX library and version the transport uses.
+func (t *Transport) Library() string { return t.lib.String() }
+
+// Rank returns this rank.
+func (t *Transport) Rank() int { return t.rank }
+
+// Flush returns once every earlier Put and Signal to peer completed at the
+// peer. An error is status.Timeout naming the rank when the peer failed or
+// did not answer within the timeout; the peer is then unusable.
+func (t *Transport) Flush(peer int) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.flush(peer)
+}
+
+func (t *Transport) flush(peer int) error {
+	if peer == t.rank && !t.closed {
+		return nil // nothing travels to oneself
+	}
+	if err := t.check(peer, "flush"); err != nil {
+		return err
+	}
+	var s C.int
+	req := C.p2p_ucx_ep_flush(t.lib.fn.epFlushNbx, t.peers[peer].ep, &s)
+	switch s {
+	case C.P2P_UCS_OK:
+	case C.P2P_UCS_INPROGRESS:
+		if err := t.wait(req, peer, "flush", time.Now().Add(t.timeout)); err != nil {
+			return err
+		}
+	default:
+		err := t.peerError(peer, "flush", s)
+		t.fail(peer, err)
+		return err
+	}
+	if err := t.reap(peer); err != nil {
+		return err
+	}
+	return t.check(peer, "flush")
+}
+
+// Progress advances outstanding operations without blocking and releases
+// those that completed. Failures are reported by the next operation on the
+// failed peer.
+func (t *Transport) Progress() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return status.Errorf(status.State, "UCX progress: transport closed")
+	}
+	C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker)
+	for r := range t.peers {
+		if len(t.peers[r].pending) > 0 && t.peers[r].err == nil {
+			t.reap(r)
+		}
+	}
+	return nil
+}
+
+// Close releases every registration, remote key, endpoint, the worker and
+// the context. Outstanding operations are cancelled; call Flush first to
+// complete them. Close is idempotent.
+func (t *Transport) Close() error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return nil
+	}
+	t.closed = true
+	f := &t.lib.fn
+	for r := range t.peers {
+		p := &t.peers[r]
+		for _, req := range p.pending {
+			t.abandon(req)
+		}
+		p.pending = nil
+		t.closeEndpoint(r)
+	}
+	for rm := range t.remotes {
+		rm.destroy()
+	}
+	for l := range t.locals {
+		l.unmap()
+	}
+	if t.worker != nil {
+		C.p2p_ucx_call_p(f.workerDestroy, t.worker)
+		t.worker = nil
+	}
+	if t.context != nil {
+		C.p2p_ucx_call_p(f.cleanup, t.context)
+		t.context = nil
+	}
+	if t.failed != nil {
+		C.free(unsafe.Pointer(t.failed))
+		t.failed = nil
+	}
+	return nil
+}
