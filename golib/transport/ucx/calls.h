@@ -51,14 +51,14 @@ static inline int p2p_ucx_status_p(void* f, void* a) { return ((int (*)(void*))f
 static inline int p2p_ucx_status_pp(void* f, void* a, void* b) { return ((int (*)(void*, void*))f)(a, b); }
 static inline unsigned p2p_ucx_progress(void* f, void* worker) { return ((unsigned (*)(void*))f)(worker); }
 
-// p2p_ucx_init creates a context for RMA and 64-bit atomics. api_minor is the
+// p2p_ucx_init creates a context for RMA. api_minor is the
 // UCP API version this code is written against.
 static inline int p2p_ucx_init(void* f, unsigned api_major, unsigned api_minor, void* config,
 		size_t num_eps, const char* name, void** context) {
 	p2p_ucp_params p;
 	memset(&p, 0, sizeof p);
 	p.field_mask = P2P_UCP_PARAM_FIELD_FEATURES | P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | P2P_UCP_PARAM_FIELD_NAME;
-	p.features = P2P_UCP_FEATURE_RMA | P2P_UCP_FEATURE_AMO64;
+	p.features = P2P_UCP_FEATURE_RMA;
 	p.estimated_num_eps = num_eps;
 	p.name = name;
 	return ((int (*)(unsigned, unsigned, const p2p_ucp_params*, const void*, void**))f)(
@@ -149,15 +149,4 @@ static inline void* p2p_ucx_put(void* f, void* ep, uint64_t buffer, size_t lengt
 	}
 	return p2p_ucx_split(((void* (*)(void*, const void*, size_t, uint64_t, void*, const p2p_ucp_request_param*))f)(
 			ep, (const void*)(uintptr_t)buffer, length, remote, rkey, &p), status);
-}
-
-// p2p_ucx_atomic_add starts a 64-bit add without a reply; UCP copies the
-// operand before it returns.
-static inline void* p2p_ucx_atomic_add(void* f, void* ep, uint64_t value, uint64_t remote, void* rkey, int* status) {
-	p2p_ucp_request_param p;
-	memset(&p, 0, sizeof p);
-	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_DATATYPE;
-	p.datatype = P2P_UCP_DT_CONTIG8;
-	return p2p_ucx_split(((void* (*)(void*, int, const void*, size_t, uint64_t, void*, const p2p_ucp_request_param*))f)(
-			ep, P2P_UCP_ATOMIC_OP_ADD, &value, 1, remote, rkey, &p), status);
 }

@@ -51,7 +51,7 @@ type funcs struct {
 	workerProgress, workerFence                                    unsafe.Pointer
 	epCreate, epCloseNbx, epFlushNbx                               unsafe.Pointer
 	memMap, memUnmap, rkeyPack, rkeyBufferRelease, rkeyUnpack      unsafe.Pointer
-	rkeyDestroy, putNbx, atomicOpNbx                               unsafe.Pointer
+	rkeyDestroy, putNbx                                            unsafe.Pointer
 	requestCheckStatus, requestCancel, requestFree                 unsafe.Pointer
 }
 
@@ -87,7 +87,6 @@ func (f *funcs) table() []struct {
 		{"ucp_ep_rkey_unpack", &f.rkeyUnpack},
 		{"ucp_rkey_destroy", &f.rkeyDestroy},
 		{"ucp_put_nbx", &f.putNbx},
-		{"ucp_atomic_op_nbx", &f.atomicOpNbx},
 		{"ucp_request_check_status", &f.requestCheckStatus},
 		{"ucp_request_cancel", &f.requestCancel},
 		{"ucp_request_free", &f.requestFree},

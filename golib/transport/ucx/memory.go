@@ -244,31 +244,34 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	var s C.int
 	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r.peer].ep, C.uint64_t(uint64(l.addr)+srcOff), C.size_t(size),
 		C.uint64_t(r.base+dstOff), r.rkey, memh, memoryType(l.mem), &s)
-	return t.started(r.peer, "put", req, s)
+	return t.started(r.peer, "put", op{req: req}, s)
 }
 
 // started keeps an operation's request until it completes, or fails the
 // peer when the operation failed at once.
-func (t *Transport) started(peer int, op string, req unsafe.Pointer, s C.int) error {
+func (t *Transport) started(peer int, name string, o op, s C.int) error {
 	switch s {
 	case C.P2P_UCS_OK:
 		return nil
 	case C.P2P_UCS_INPROGRESS:
 		p := &t.peers[peer]
-		p.pending = append(p.pending, req)
+		p.pending = append(p.pending, o)
 		if len(p.pending) >= 256 {
 			return t.reap(peer)
 		}
 		return nil
 	}
-	err := t.peerError(peer, op, s)
+	err := t.peerError(peer, name, s)
 	t.fail(peer, err)
 	return err
 }
 
 // Signal adds value to the 64-bit word at dstOff of dst after every earlier
 // Put to that peer. The word must be 8-byte aligned in host memory, where
-// GPU kernels poll it through a mapping.
+// GPU kernels poll it through a mapping, start at zero, and have this rank
+// as its only writer: UCP offers no atomics over tcp or shared memory once
+// peer failures are handled, so the sum is kept here and each Signal puts
+// the new total after a fence.
 func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -291,7 +294,21 @@ func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) er
 		t.fail(r.peer, err)
 		return err
 	}
+	p := &t.peers[r.peer]
+	if p.sums == nil {
+		p.sums = map[uint64]uint64{}
+	}
+	word := r.base + dstOff
+	p.sums[word] += value
+	// The total travels from C memory of its own, freed when the put
+	// completes, so a later Signal cannot change what an earlier one sends.
+	total := C.malloc(8)
+	*(*uint64)(total) = p.sums[word]
 	var s C.int
-	req := C.p2p_ucx_atomic_add(t.lib.fn.atomicOpNbx, t.peers[r.peer].ep, C.uint64_t(value), C.uint64_t(r.base+dstOff), r.rkey, &s)
-	return t.started(r.peer, "signal", req, s)
+	req := C.p2p_ucx_put(t.lib.fn.putNbx, p.ep, C.uint64_t(uintptr(total)), 8, C.uint64_t(word), r.rkey, nil,
+		C.P2P_UCS_MEMORY_TYPE_HOST, &s)
+	if s != C.P2P_UCS_INPROGRESS {
+		C.free(total)
+	}
+	return t.started(r.peer, "signal", op{req, total}, s)
 }

@@ -53,8 +53,34 @@ type Transport struct {
 // peer is this rank's state toward one other rank.
 type peer struct {
 	ep      unsafe.Pointer // nil for this rank and after a failure closed it
-	pending []unsafe.Pointer
-	err     error // sticky: the endpoint failed or a wait on it timed out
+	pending []op
+	sums    map[uint64]uint64 // signal word address -> total this rank added
+	err     error             // sticky: the endpoint failed or a wait on it timed out
+}
+
+// op is an outstanding put: its request and the C memory (may be nil) that
+// must live until it completes.
+type op struct {
+	req, mem unsafe.Pointer
+}
+
+// cancelPending cancels rank r's outstanding requests, before its remote
+// keys and endpoint go.
+func (t *Transport) cancelPending(r int) {
+	for _, o := range t.peers[r].pending {
+		C.p2p_ucx_call_pp(t.lib.fn.requestCancel, t.worker, o.req)
+	}
+}
+
+// release frees o's request (UCP keeps one still in flight until it
+// completes) and its memory once the request is done; memory UCP may still
+// read is left to leak rather than be freed under it.
+func (t *Transport) release(o op) {
+	done := C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, o.req) != C.P2P_UCS_INPROGRESS
+	C.p2p_ucx_call_p(t.lib.fn.requestFree, o.req)
+	if o.mem != nil && done {
+		C.free(o.mem)
+	}
 }
 
 var _ transport.Transport = (*Transport)(nil)
@@ -268,11 +294,12 @@ func (t *Transport) fail(r int, err error) {
 	if p.err == nil {
 		p.err = err
 	}
-	for _, req := range p.pending {
-		t.abandon(req)
+	t.cancelPending(r)
+	t.closeEndpoint(r)
+	for _, o := range p.pending {
+		t.release(o)
 	}
 	p.pending = nil
-	t.closeEndpoint(r)
 }
 
 // closeEndpoint force-closes rank r's endpoint, waiting a bounded time for
@@ -327,12 +354,12 @@ func (t *Transport) check(r int, op string) error {
 func (t *Transport) reap(r int) error {
 	p := &t.peers[r]
 	n := 0
-	for _, req := range p.pending {
-		s := C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, req)
+	for _, o := range p.pending {
+		s := C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, o.req)
 		if s == C.P2P_UCS_INPROGRESS {
 			break
 		}
-		C.p2p_ucx_call_p(t.lib.fn.requestFree, req)
+		t.release(o)
 		n++
 		if s != C.P2P_UCS_OK {
 			p.pending = p.pending[n:]
@@ -430,11 +457,12 @@ func (t *Transport) Close() error {
 	f := &t.lib.fn
 	for r := range t.peers {
 		p := &t.peers[r]
-		for _, req := range p.pending {
-			t.abandon(req)
+		t.cancelPending(r)
+		t.closeEndpoint(r)
+		for _, o := range p.pending {
+			t.release(o)
 		}
 		p.pending = nil
-		t.closeEndpoint(r)
 	}
 	for rm := range t.remotes {
 		rm.destroy()

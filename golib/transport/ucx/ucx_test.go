@@ -1,0 +1,412 @@
+package ucx
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+)
+
+// The test binary re-executes itself as every rank of a job; childRoleEnv
+// says what a child does.
+const (
+	childRoleEnv = "P2PCOMM_TEST_UCX_ROLE"
+	victimEnv    = "P2PCOMM_TEST_UCX_VICTIM"
+	timeoutMS    = 5000
+)
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(childRoleEnv); role != "" {
+		os.Exit(child(role))
+	}
+	os.Exit(m.Run())
+}
+
+// needUCX skips a test when no UCX can be loaded here.
+func needUCX(t *testing.T) {
+	t.Helper()
+	if _, err := load(nil); err != nil {
+		t.Skipf("UCX is not installed (pip install libucx-cu13, or set %s): %v", LibraryEnv, err)
+	}
+}
+
+// freePort returns a loopback port that was free a moment ago.
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+type childResult struct {
+	rank           int
+	stdout, stderr string
+	err            error
+}
+
+// runJob starts size ranks in role and waits for all, killing them after
+// limit.
+func runJob(t *testing.T, role string, size int, limit time.Duration, extraEnv ...string) []childResult {
+	t.Helper()
+	port := freePort(t)
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	defer cancel()
+	results := make([]childResult, size)
+	var wg sync.WaitGroup
+	for rank := range size {
+		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), childRoleEnv+"="+role,
+			"P2PCOMM_RANK="+strconv.Itoa(rank), "P2PCOMM_WORLD_SIZE="+strconv.Itoa(size),
+			"P2PCOMM_MASTER_ADDR=127.0.0.1", "P2PCOMM_MASTER_PORT="+strconv.Itoa(port),
+			"P2PCOMM_JOB_TOKEN="+t.Name(), "P2PCOMM_TIMEOUT_MS="+strconv.Itoa(timeoutMS))
+		cmd.Env = append(cmd.Env, extraEnv...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatalf("start rank %d: %v", rank, err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			err := cmd.Wait()
+			results[rank] = childResult{rank, stdout.String(), stderr.String(), err}
+		}()
+	}
+	wg.Wait()
+	return results
+}
+
+// expectOK fails the test for every rank that did not exit cleanly.
+func expectOK(t *testing.T, results []childResult) {
+	t.Helper()
+	for _, res := range results {
+		if res.err != nil || !strings.Contains(res.stdout, "DONE") {
+			t.Errorf("rank %d: %v\nstdout: %s\nstderr: %s", res.rank, res.err, res.stdout, res.stderr)
+		} else {
+			t.Logf("rank %d: %s%s", res.rank, res.stdout, res.stderr)
+		}
+	}
+}
+
+func TestPutsVerified(t *testing.T) {
+	needUCX(t)
+	for _, size := range []int{2, 3} {
+		t.Run(fmt.Sprintf("ranks%d", size), func(t *testing.T) {
+			expectOK(t, runJob(t, "exchange", size, 40*time.Second))
+		})
+	}
+}
+
+func TestInvalidArguments(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "invalid", 2, 20*time.Second))
+}
+
+func TestStrayConnection(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stray", 2, 30*time.Second))
+}
+
+func TestPeerKilled(t *testing.T) {
+	needUCX(t)
+	const size, victim = 3, 2
+	start := time.Now()
+	results := runJob(t, "kill", size, 30*time.Second, victimEnv+"="+strconv.Itoa(victim))
+	t.Logf("job took %v", time.Since(start))
+	for _, res := range results {
+		if res.rank == victim {
+			continue
+		}
+		expectOK(t, []childResult{res})
+	}
+}
+
+// ---- the ranks ----
+
+func child(role string) int {
+	cfg, err := bootstrap.TCPConfigFromEnv(os.LookupEnv)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "config:", err)
+		return 1
+	}
+	bs, err := bootstrap.NewTCP(cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bootstrap:", err)
+		return 1
+	}
+	defer bs.Close()
+	var before map[int]bool
+	if role == "stray" {
+		before = listeningPorts()
+	}
+	tr, err := Open(bs, Options{Timeout: cfg.Timeout})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "open:", err)
+		return 1
+	}
+	defer tr.Close()
+	fmt.Println("using", tr.Library())
+	switch role {
+	case "exchange":
+		err = newJob(tr, bs, cfg.Timeout).exchange(6)
+	case "invalid":
+		err = childInvalid(tr, bs, cfg.Timeout)
+	case "stray":
+		err = childStray(tr, bs, cfg.Timeout, before)
+	case "kill":
+		victim, _ := strconv.Atoi(os.Getenv(victimEnv))
+		err = childKill(tr, bs, cfg.Timeout, victim)
+	default:
+		err = fmt.Errorf("unknown role %q", role)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "rank %d: %v\n", cfg.Rank, err)
+		return 1
+	}
+	if err := tr.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, "close:", err)
+		return 1
+	}
+	if err := tr.Close(); err != nil {
+		fmt.Fprintln(os.Stderr, "second close:", err)
+		return 1
+	}
+	fmt.Println("DONE")
+	return 0
+}
+
+// mmapBytes returns size bytes of zeroed memory outside the Go heap.
+func mmapBytes(size int) []byte {
+	b, err := syscall.Mmap(-1, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+func addrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
+
+// job is one rank's buffers: dst holds one slot per sender, src is what
+// this rank puts from, words holds a signal word and an ack word per rank.
+type job struct {
+	connect        func() error
+	tr             *Transport
+	bs             bootstrap.Bootstrap
+	rank, size     int
+	timeout        time.Duration
+	src, dst, word []byte
+	lsrc           transport.Local
+	rdst, rword    []transport.Remote
+	slot           int
+}
+
+const slotSize = 1 << 20
+
+func newJob(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) *job {
+	j := &job{tr: tr, bs: bs, rank: bs.Rank(), size: bs.Size(), timeout: timeout, slot: slotSize}
+	j.src = mmapBytes(slotSize)
+	j.dst = mmapBytes(slotSize * j.size)
+	j.word = mmapBytes(16 * j.size)
+	j.connect = j.register
+	return j
+}
+
+// connect registers the buffers and builds every peer's remotes.
+func (j *job) register() error {
+	var err error
+	if j.lsrc, err = j.tr.Register(addrOf(j.src), uint64(len(j.src)), transport.HostMemory); err != nil {
+		return err
+	}
+	ldst, err := j.tr.Register(addrOf(j.dst), uint64(len(j.dst)), transport.HostMemory)
+	if err != nil {
+		return err
+	}
+	lword, err := j.tr.Register(addrOf(j.word), uint64(len(j.word)), transport.HostMemory)
+	if err != nil {
+		return err
+	}
+	dstKeys, err := j.bs.AllGather(ldst.Key())
+	if err != nil {
+		return err
+	}
+	wordKeys, err := j.bs.AllGather(lword.Key())
+	if err != nil {
+		return err
+	}
+	j.rdst = make([]transport.Remote, j.size)
+	j.rword = make([]transport.Remote, j.size)
+	for p := range j.size {
+		if p == j.rank {
+			continue
+		}
+		if j.rdst[p], err = j.tr.Remote(p, dstKeys[p]); err != nil {
+			return err
+		}
+		if j.rword[p], err = j.tr.Remote(p, wordKeys[p]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// piece is one put: len bytes from src at srcOff to the slot at dstOff.
+type piece struct{ srcOff, dstOff, len int }
+
+// pieces cuts sender's slot at receiver into disjoint random pieces for
+// round; puts to overlapping bytes would have no defined order.
+func pieces(sender, receiver, round int) []piece {
+	rng := rand.New(rand.NewPCG(uint64(sender)<<32|uint64(receiver), uint64(round)))
+	var out []piece
+	for off := rng.IntN(4096); off < slotSize; {
+		n := 1 + rng.IntN(1<<uint(1+rng.IntN(18)))
+		n = min(n, slotSize-off)
+		if rng.IntN(3) > 0 { // leave some gaps
+			out = append(out, piece{srcOff: rng.IntN(slotSize - n + 1), dstOff: off, len: n})
+		}
+		off += n + rng.IntN(64)
+	}
+	return out
+}
+
+// fillSource writes sender's data for round into b.
+func fillSource(b []byte, sender, round int) {
+	rng := rand.New(rand.NewPCG(uint64(sender), uint64(round)+1000))
+	for i := 0; i < len(b); i += 8 {
+		v := rng.Uint64()
+		for k := 0; k < 8 && i+k < len(b); k++ {
+			b[i+k] = byte(v >> (8 * k))
+		}
+	}
+}
+
+// signalWord and ackWord are rank r's words in another rank's word range.
+func signalWord(r int) uint64 { return uint64(16 * r) }
+func ackWord(r int) uint64    { return uint64(16*r + 8) }
+
+func (j *job) load(off uint64) uint64 {
+	return atomic.LoadUint64((*uint64)(unsafe.Pointer(&j.word[off])))
+}
+
+// await progresses until the word at off reaches want.
+func (j *job) await(off, want uint64, what string) error {
+	deadline := time.Now().Add(j.timeout)
+	for i := 0; j.load(off) < want; i++ {
+		if err := j.tr.Progress(); err != nil {
+			return err
+		}
+		if i%256 == 255 {
+			if time.Now().After(deadline) {
+				return status.Errorf(status.Timeout, "%s: word %d is %d, want %d", what, off, j.load(off), want)
+			}
+			time.Sleep(10 * time.Microsecond)
+		}
+	}
+	if got := j.load(off); got != want {
+		return fmt.Errorf("%s: word %d is %d, want exactly %d", what, off, got, want)
+	}
+	return nil
+}
+
+// exchange runs rounds: every rank puts random pieces into its slot at
+// every peer, signals, flushes; every rank checks each slot against the
+// model once the sender's signal arrived, then acknowledges.
+func (j *job) exchange(rounds int) error {
+	if err := j.connect(); err != nil {
+		return err
+	}
+	models := make([][]byte, j.size)
+	for s := range models {
+		models[s] = make([]byte, slotSize)
+	}
+	other := make([]byte, slotSize)
+	var signalled uint64
+	for round := range rounds {
+		for p := range j.size {
+			if p != j.rank && round > 0 {
+				if err := j.await(ackWord(p), uint64(round), fmt.Sprintf("ack of rank %d round %d", p, round-1)); err != nil {
+					return err
+				}
+			}
+		}
+		fillSource(j.src, j.rank, round)
+		for p := range j.size {
+			if p == j.rank {
+				continue
+			}
+			for _, pc := range pieces(j.rank, p, round) {
+				if err := j.tr.Put(j.rdst[p], uint64(j.rank*slotSize+pc.dstOff), j.lsrc, uint64(pc.srcOff), uint64(pc.len)); err != nil {
+					return err
+				}
+			}
+			if err := j.tr.Signal(j.rword[p], signalWord(j.rank), uint64(round+1)); err != nil {
+				return err
+			}
+		}
+		for p := range j.size {
+			if err := j.tr.Flush(p); err != nil {
+				return err
+			}
+		}
+		signalled += uint64(round + 1)
+		for s := range j.size {
+			if s == j.rank {
+				continue
+			}
+			if err := j.await(signalWord(s), signalled, fmt.Sprintf("signal of rank %d round %d", s, round)); err != nil {
+				return err
+			}
+			fillSource(other, s, round)
+			for _, pc := range pieces(s, j.rank, round) {
+				copy(models[s][pc.dstOff:pc.dstOff+pc.len], other[pc.srcOff:pc.srcOff+pc.len])
+			}
+			got := j.dst[s*slotSize : (s+1)*slotSize]
+			if !bytes.Equal(got, models[s]) {
+				i := 0
+				for got[i] == models[s][i] {
+					i++
+				}
+				return fmt.Errorf("round %d: slot of rank %d differs first at byte %d: got %#x, want %#x", round, s, i, got[i], models[s][i])
+			}
+		}
+		for p := range j.size {
+			if p == j.rank {
+				continue
+			}
+			if err := j.tr.Signal(j.rword[p], ackWord(j.rank), 1); err != nil {
+				return err
+			}
+		}
+		for p := range j.size {
+			if err := j.tr.Flush(p); err != nil {
+				return err
+			}
+		}
+	}
+	// Everyone's last acks must arrive before anyone closes.
+	for p := range j.size {
+		if p != j.rank {
+			if err := j.await(ackWord(p), uint64(rounds), fmt.Sprintf("last ack of rank %d", p)); err != nil {
+				return err
+			}
+		}
+	}
+	return j.tr.progressWhile(j.bs.Barrier)
+}
