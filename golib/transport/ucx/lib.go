@@ -1,8 +1,19 @@
 package ucx
 
 /*
+#cgo LDFLAGS: -ldl
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdlib.h>
 #include "calls.h"
+
+// p2p_ucx_file names the file that holds symbol f: the loader's answer to
+// a bare soname.
+static const char* p2p_ucx_file(void* f) {
+	Dl_info info;
+	if (dladdr(f, &info) == 0 || info.dli_fname == NULL) return "";
+	return info.dli_fname;
+}
 */
 import "C"
 
@@ -199,6 +210,9 @@ func resolve(h *dl.Library) (*library, error) {
 	C.p2p_ucx_get_version(lib.fn.getVersion, &major, &minor, &release)
 	lib.major, lib.minor, lib.release = int(major), int(minor), int(release)
 	lib.version = C.GoString(C.p2p_ucx_version_string(lib.fn.getVersionString))
+	if file := C.GoString(C.p2p_ucx_file(lib.fn.init)); file != "" {
+		lib.path = file
+	}
 	if lib.major != minMajor || lib.minor < minMinor {
 		return nil, fmt.Errorf("UCX %s is too old, want %d.%d or newer", lib.version, minMajor, minMinor)
 	}

@@ -115,6 +115,34 @@ func TestPutsVerified(t *testing.T) {
 	}
 }
 
+// TestMeasurePut prints put bandwidth and latency between two processes
+// when P2PCOMM_TEST_UCX_MEASURE is set (it is a measurement, not a check).
+func TestMeasurePut(t *testing.T) {
+	needUCX(t)
+	if os.Getenv("P2PCOMM_TEST_UCX_MEASURE") == "" {
+		t.Skip("set P2PCOMM_TEST_UCX_MEASURE=1 to measure")
+	}
+	expectOK(t, runJob(t, "measure", 2, 120*time.Second))
+}
+
+func childMeasure(tr *Transport, bs bootstrap.Bootstrap) error {
+	var sizes []uint64
+	for s := uint64(4 << 10); s <= 64<<20; s *= 4 {
+		sizes = append(sizes, s)
+	}
+	ms, latency, err := MeasurePut(tr, bs, sizes, 300*time.Millisecond)
+	if err != nil {
+		return err
+	}
+	for _, m := range ms {
+		fmt.Printf("put %9d B: %7.3f GB/s (%d puts)\n", m.Bytes, m.GBps(), m.Iterations)
+	}
+	if bs.Rank() == 0 {
+		fmt.Printf("8-byte put+flush round trip: %v\n", latency)
+	}
+	return nil
+}
+
 func TestInvalidArguments(t *testing.T) {
 	needUCX(t)
 	expectOK(t, runJob(t, "invalid", 2, 20*time.Second))
@@ -167,6 +195,8 @@ func child(role string) int {
 	switch role {
 	case "exchange":
 		err = newJob(tr, bs, cfg.Timeout).exchange(6)
+	case "measure":
+		err = childMeasure(tr, bs)
 	case "invalid":
 		err = childInvalid(tr, bs, cfg.Timeout)
 	case "stray":
