@@ -48,7 +48,9 @@ type Transport interface {
 	// Put copies size bytes from src at srcOff to dst at dstOff.
 	Put(dst Remote, dstOff uint64, src Local, srcOff, size uint64) error
 	// Signal adds value to the 64-bit word at dstOff of dst, visible to the
-	// peer only after every earlier Put to that peer.
+	// peer only after every earlier Put to that peer. This rank must be the
+	// word's only writer and the word must start at 0: a transport without
+	// remote atomics (UCX over tcp) puts the running total instead.
 	Signal(dst Remote, dstOff uint64, value uint64) error
 	// Flush returns once every earlier Put and Signal to peer is complete:
 	// sources reusable, data visible at the peer.
