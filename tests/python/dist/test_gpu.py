@@ -389,3 +389,31 @@ def test_memory_cuda_ipc_cannot_export(comms):
         # Later tests register tensors: none may land in an expandable segment.
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         torch.cuda.empty_cache()
+
+
+def test_close_gives_back_the_gpu_memory_it_took(group):
+    """Communicators made and closed one after another (an all-reduce and an
+    ExpertParallel round each) leave the GPU's free memory where the first left it."""
+    torch.cuda.set_device(local_cuda_index())
+
+    def one_round():
+        with p2pcomm.Communicator(group=group, device="cuda") as comm:
+            w = comm.world_size
+            y = comm.all_reduce(torch.full((1 << 16,), comm.rank + 1.0, device="cuda"))
+            assert torch.equal(y, torch.full_like(y, w * (w + 1) / 2))
+            with p2pcomm.ExpertParallel(comm, num_experts=2 * w, hidden=256, max_tokens_per_rank=32, topk=2,
+                                        dtype=torch.bfloat16) as ep:
+                idx = torch.randint(0, 2 * w, (32, 2), device="cuda")
+                recv = ep.dispatch(torch.randn(32, 256, device="cuda", dtype=torch.bfloat16), idx,
+                                   torch.rand(32, 2, device="cuda"))
+                ep.combine(recv.x, recv)
+            torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()
+
+    one_round()
+    free_after_first = torch.cuda.mem_get_info()[0]
+    for _ in range(10):
+        one_round()
+    lost = free_after_first - torch.cuda.mem_get_info()[0]
+    assert lost <= 2 << 20, f"10 communicators made and closed took {lost / 2**20:.1f} MiB for good"
