@@ -2,7 +2,15 @@
 # GPU ones (on a machine with GPUs); `make demo` shows it working.
 SHELL := /bin/bash
 GO ?= go
-PYTHON ?= python3
+# The Python environment: .venv in the checkout, made on first use with the
+# pinned packages of requirements-dev.txt (and remade when that file changes).
+# PYTHON=/path/to/python uses an existing environment instead, as it is.
+VENV := $(CURDIR)/.venv
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(VENV)/bin/python
+PY_ENV := $(VENV)/.installed
+export PATH := $(VENV)/bin:$(PATH)
+endif
 TORCHRUN ?= $(PYTHON) -m torch.distributed.run
 # MPI=auto links the MPI bootstrap when pkg-config finds OpenMPI; MPI=0 makes a
 # library that loads where OpenMPI is absent (what the GPU machines get).
@@ -24,11 +32,25 @@ export NCCL_NVLS_ENABLE := 0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST := 1
 export NVSHMEM_DISABLE_NVLS := 1
 
-.PHONY: lib test test-go test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
+.PHONY: setup lib test test-go test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
+
+setup: $(PY_ENV) build/gomod
+
+$(VENV)/.installed: requirements-dev.txt
+	@command -v python3 >/dev/null || { echo "python3 (>= 3.9) is needed to make $(VENV)"; exit 1; }
+	@echo "setting up $(VENV): $$(grep -v '^#' requirements-dev.txt | tr '\n' ' ')"
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --disable-pip-version-check --progress-bar off -q -r requirements-dev.txt
+	touch $@
+
+build/gomod: go.mod go.sum
+	@mkdir -p build
+	$(GO) mod download
+	touch $@
 
 lib: $(LIB)
 
-$(LIB): $(GO_SOURCES) build/tags
+$(LIB): $(GO_SOURCES) build/tags build/gomod
 	$(GO) build -buildmode=c-shared -trimpath $(MPI_TAGS) -o $@ ./golib/capi
 
 # The build tags are an input too: rewritten only when they change, so that
@@ -43,7 +65,7 @@ vet:
 	$(GO) vet ./...
 	@test -z "$$(gofmt -l golib native tests/go)" || { gofmt -l golib native tests/go; echo "gofmt needed"; exit 1; }
 
-test-go:
+test-go: $(PY_ENV)
 	$(GO) test -race -count=1 -timeout 30m ./...  # NVRTC compiles every kernel for two archs: minutes on 2 cores
 
 fuzz:
@@ -53,10 +75,10 @@ test-mpi:
 	$(GO) test -c -tags mpi -o build/mpi.test ./tests/go/mpi
 	mpirun --allow-run-as-root --oversubscribe -np 2 build/mpi.test -test.v -test.count=1
 
-test-python: lib
+test-python: lib $(PY_ENV)
 	$(PYTHON) -m pytest -q tests/python --ignore=tests/python/dist
 
-test-dist: lib
+test-dist: lib $(PY_ENV)
 	$(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
 	$(TORCHRUN) --nproc_per_node=4 -m pytest -q -x tests/python/dist
 	$(TORCHRUN) --nproc_per_node=3 -m pytest -q -x tests/python/dist/test_moe.py
@@ -64,7 +86,7 @@ test-dist: lib
 
 test: vet test-go fuzz test-mpi test-python test-dist
 
-gpu-test: lib
+gpu-test: lib $(PY_ENV)
 	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }
 	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=$(NPROC_GPU) -m pytest -q -x tests/python/dist
 	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
@@ -72,13 +94,13 @@ gpu-test: lib
 # World sizes beyond the GPUs at hand: NPROC ranks share the GPUs under MPS
 # (correctness only; see tools/gpu_shared.sh).
 NPROC ?= 8
-gpu-test-shared: lib
+gpu-test-shared: lib $(PY_ENV)
 	tools/gpu_shared.sh 3600 $(NPROC) tests/python/dist -k "not cpu"
 
-demo: lib
+demo: lib $(PY_ENV)
 	$(TORCHRUN) --nproc_per_node=$(if $(filter-out 0 1,$(NPROC_GPU)),$(NPROC_GPU),2) -m p2pcomm.demo
 
-bench: lib
+bench: lib $(PY_ENV)
 	$(TORCHRUN) --nproc_per_node=$(if $(filter-out 0 1,$(NPROC_GPU)),$(NPROC_GPU),2) -m p2pcomm.bench
 
 clean:
