@@ -119,7 +119,8 @@ func pickBootstrap(cfg Config, torchBS bootstrap.Bootstrap) (bootstrap.Bootstrap
 		switch {
 		case torchBS != nil:
 			kind = "torch"
-		case bootstrap.MPIBuilt() && bootstrap.LaunchedByMPI(cfg.Lookup):
+		// The launcher first: jobs outside mpirun never load libmpi.
+		case bootstrap.LaunchedByMPI(cfg.Lookup) && bootstrap.MPIAvailable(cfg.Lookup):
 			kind = "mpi"
 		default:
 			kind = "tcp"
@@ -132,7 +133,7 @@ func pickBootstrap(cfg Config, torchBS bootstrap.Bootstrap) (bootstrap.Bootstrap
 		}
 		return torchBS, nil
 	case "mpi":
-		return bootstrap.NewMPI()
+		return bootstrap.NewMPI(cfg.Lookup) // status.Unsupported, saying how to get Open MPI, when it cannot load
 	case "tcp":
 		tc, err := bootstrap.TCPConfigFromEnv(cfg.Lookup)
 		if err != nil {

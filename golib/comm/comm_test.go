@@ -138,3 +138,24 @@ func TestAllGatherAfterCloseIsAStateError(t *testing.T) {
 		t.Fatalf("got %v, want a state error", err)
 	}
 }
+
+// P2PCOMM_BOOTSTRAP=mpi without a loadable Open MPI fails with Unsupported
+// saying how to get one, instead of falling back to another bootstrap.
+func TestMPIBootstrapWithoutOpenMPIIsUnsupported(t *testing.T) {
+	path := t.TempDir() + "/libmpi.so.40"
+	cfg := Config{Device: -1, Env: map[string]string{"P2PCOMM_BOOTSTRAP": "mpi", "P2PCOMM_MPI_LIB": path}}
+	bs, err := pickBootstrap(cfg, nil)
+	if err == nil {
+		bs.Close()
+		t.Fatalf("pickBootstrap with P2PCOMM_MPI_LIB=%s succeeded", path)
+	}
+	if status.CodeOf(err) != status.Unsupported {
+		t.Fatalf("pickBootstrap: %v (code %v), want Unsupported", err, status.CodeOf(err))
+	}
+	for _, want := range []string{path, "apt-get install openmpi-bin", "P2PCOMM_MPI_LIB"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not mention %q", err, want)
+		}
+	}
+	t.Log(err)
+}
