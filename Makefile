@@ -12,14 +12,6 @@ PY_ENV := $(VENV)/.installed
 export PATH := $(VENV)/bin:$(PATH)
 endif
 TORCHRUN ?= $(PYTHON) -m torch.distributed.run
-# MPI=auto links the MPI bootstrap when pkg-config finds OpenMPI; MPI=0 makes a
-# library that loads where OpenMPI is absent (what the GPU machines get).
-MPI ?= auto
-ifeq ($(MPI),auto)
-MPI_TAGS := $(shell pkg-config --exists ompi 2>/dev/null && echo -tags mpi)
-else ifeq ($(MPI),1)
-MPI_TAGS := -tags mpi
-endif
 LIB := build/libp2pcomm.so
 GO_SOURCES := $(shell find golib native -name '*.go' -o -name '*.cu' -o -name '*.cuh' -o -name '*.h' -o -name '*.c') go.mod go.sum
 NPROC_GPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
@@ -50,16 +42,9 @@ build/gomod: go.mod go.sum
 
 lib: $(LIB)
 
-$(LIB): $(GO_SOURCES) build/tags build/gomod
-	$(GO) build -buildmode=c-shared -trimpath $(MPI_TAGS) -o $@ ./golib/capi
-
-# The build tags are an input too: rewritten only when they change, so that
-# `make lib MPI=1` after `make lib MPI=0` rebuilds.
-build/tags: FORCE
-	@mkdir -p build
-	@echo '$(MPI_TAGS)' | cmp -s - $@ || echo '$(MPI_TAGS)' > $@
-
-FORCE:
+# One library for every machine: CUDA, NVRTC, Open MPI and UCX are opened at run time.
+$(LIB): $(GO_SOURCES) build/gomod
+	$(GO) build -buildmode=c-shared -trimpath -o $@ ./golib/capi
 
 vet:
 	$(GO) vet ./...
@@ -72,8 +57,10 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 300000x ./golib/bootstrap
 
 test-mpi:
-	$(GO) test -c -tags mpi -o build/mpi.test ./tests/go/mpi
+	$(GO) test -c -o build/mpi.test ./tests/go/mpi
+	$(GO) test -c -o build/bootstrap.test ./golib/bootstrap
 	mpirun --allow-run-as-root --oversubscribe -np 2 build/mpi.test -test.v -test.count=1
+	mpirun --allow-run-as-root --oversubscribe -np 2 build/bootstrap.test -test.run MPI -test.v -test.count=1
 
 test-python: lib $(PY_ENV)
 	$(PYTHON) -m pytest -q tests/python --ignore=tests/python/dist

@@ -7,11 +7,11 @@ library that the package loads with ctypes. The library comes from, in order:
 1. P2PCOMM_PREBUILT_LIB=/path/to/libp2pcomm.so (must exist);
 2. build/libp2pcomm.so in the source tree, when it is newer than every Go and
    kernel source, when P2PCOMM_USE_PREBUILT=1, or when Go is not installed;
-3. go build -buildmode=c-shared ./golib/capi (with -tags mpi when OpenMPI is
-   found by pkg-config and P2PCOMM_WITH_MPI is not "0").
+3. go build -buildmode=c-shared ./golib/capi.
 
 The library is a Go c-shared object: it does not link libpython, so one wheel
-serves every CPython 3 on the platform (tag py3-none-<platform>).
+serves every CPython 3 on the platform (tag py3-none-<platform>), and it opens
+CUDA, NVRTC and Open MPI at run time, so it loads where they are absent.
 """
 
 from __future__ import annotations
@@ -223,32 +223,13 @@ def _is_fresh(lib: Path, root: Path) -> bool:
     return all(src.stat().st_mtime <= built for src in _native_sources(root))
 
 
-def _mpi_tags() -> list[str]:
-    wanted = os.environ.get("P2PCOMM_WITH_MPI", "")
-    if wanted == "0":
-        return []
-    found = False
-    if shutil.which("pkg-config"):
-        found = subprocess.run(
-            ["pkg-config", "--exists", "ompi"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        ).returncode == 0
-    if found:
-        return ["-tags", "mpi"]
-    if wanted == "1":
-        raise BackendError(
-            "P2PCOMM_WITH_MPI=1 but `pkg-config --exists ompi` fails: "
-            "install OpenMPI (apt-get install libopenmpi-dev pkg-config) or unset P2PCOMM_WITH_MPI"
-        )
-    return []
-
-
 def go_build(root: Path, out_dir: Path) -> Path:
     """go_build builds golib/capi into out_dir/libp2pcomm.so and returns its path."""
     go = shutil.which("go")
     if go is None:
         raise BackendError("go is not on PATH")
     out = out_dir / LIB_NAME
-    cmd = [go, "build", "-buildmode=c-shared", "-trimpath", *_mpi_tags(), "-o", str(out), "./golib/capi"]
+    cmd = [go, "build", "-buildmode=c-shared", "-trimpath", "-o", str(out), "./golib/capi"]
     _note("running go " + " ".join(cmd[1:]))
     env = dict(os.environ, CGO_ENABLED="1")
     done = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
