@@ -57,6 +57,7 @@ type driverFuncs struct {
 	moduleLoadData, moduleUnload, moduleGetFunction, funcSetAttribute, launchKernel   unsafe.Pointer
 	streamSynchronize, streamIsCapturing, streamGetCaptureInfo                        unsafe.Pointer
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
+	streamCreate, streamDestroy, streamQuery, streamWriteValue64                      unsafe.Pointer
 }
 
 // entry is one row of the entry-point table. version is the CUDA version
@@ -119,6 +120,10 @@ func (f *driverFuncs) table() []entry {
 		{"cuEventSynchronize", v, false, &f.eventSynchronize},
 		{"cuEventElapsedTime", v, false, &f.eventElapsedTime},
 		{"cuEventDestroy", v, false, &f.eventDestroy},
+		{"cuStreamCreate", v, false, &f.streamCreate},
+		{"cuStreamDestroy", v, false, &f.streamDestroy},
+		{"cuStreamQuery", v, false, &f.streamQuery},
+		{"cuStreamWriteValue64", v, false, &f.streamWriteValue64},
 	}
 }
 

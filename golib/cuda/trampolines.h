@@ -34,6 +34,9 @@ static inline int p2p_r_d_u_z_p(void* f, p2p_dptr a, unsigned b, size_t c, void*
 static inline int p2p_r_d_d_z_p(void* f, p2p_dptr a, p2p_dptr b, size_t c, void* d) {
 	return ((int (*)(p2p_dptr, p2p_dptr, size_t, void*))f)(a, b, c, d);
 }
+static inline int p2p_r_p_d_u64_u(void* f, void* a, p2p_dptr b, uint64_t c, unsigned d) {
+	return ((int (*)(void*, p2p_dptr, uint64_t, unsigned))f)(a, b, c, d);
+}
 
 // cuGetProcAddress_v2 (CUDA 12.0+) and the 11.3 form without the status out.
 static inline int p2p_get_proc_v2(void* f, const char* sym, void** pfn, int ver, uint64_t flags, int* found) {
