@@ -593,6 +593,50 @@ DINLINE bool wait_flag(const P& p, const u64* flag, u64 target, int peer, int ph
   return spin_until(p, [&] { return (seen = ld_flag_acquire(flag)) >= target; }, seen, peer, phase, step, target);
 }
 
+// ---------------------------------------------------------------- LL lines
+// An LL line is 16 bytes {data0, flag, data1, flag}: 8 data bytes, each
+// 4-byte half stored together with a flag in one 16-byte store, so a reader
+// that sees the flag twice sees the data without any other synchronization.
+
+// kLLLine: bytes of one LL line; kLLData: data bytes it carries.
+constexpr i64 kLLLine = 16;
+constexpr i64 kLLData = 8;
+
+
+// ll_flag is the flag of LL call epoch e: never 0 (fresh memory), and
+// different for e and e - 2 (the previous call on the same half).
+DINLINE u32 ll_flag(u64 e) { return (u32)e != 0u ? (u32)e : 1u; }
+
+// ll_store writes 8 data bytes with the flag next to each 4-byte half, in
+// one 16-byte store: a reader that sees both flags sees both halves.
+DINLINE void ll_store(char* line, u64 data, u32 flag) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               :: "l"(line), "r"((u32)data), "r"(flag), "r"((u32)(data >> 32)), "r"(flag) : "memory");
+}
+
+// ll_try_load reads a line; true when both halves carry flag.
+DINLINE bool ll_try_load(const char* line, u32 flag, u64& data, u32& seen) {
+  u32 d0, f0, d1, f1;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d0), "=r"(f0), "=r"(d1), "=r"(f1) : "l"(line) : "memory");
+  data = ((u64)d1 << 32) | d0;
+  seen = f0 != flag ? f0 : f1;
+  return f0 == flag && f1 == flag;
+}
+
+// ll_wait polls a line of this rank's buffer until it carries flag,
+// bounded like every wait (spin_until).
+template <typename P>
+DINLINE bool ll_wait(const P& p, const char* line, u32 flag, int peer, int phase, u64& data) {
+  u64 seen = 0;
+  return spin_until(p, [&] {
+    u32 f;
+    const bool ok = ll_try_load(line, flag, data, f);
+    seen = f;
+    return ok;
+  }, seen, peer, phase, -1, flag);
+}
+
 // ---------------------------------------------------------------- block prologue and barriers
 
 // begin_block advances this block's call counter and initializes st. Every
