@@ -341,3 +341,18 @@ func (s *Space) Close() error {
 	s.hosts = nil
 	return errors.Join(errs...)
 }
+
+// OpenPeer maps the allocation rank r exported as h (cuIpcGetMemHandle of
+// its base) and returns that base here. Each allocation is opened once per
+// Space, whoever asks (a process may open a handle only once), and stays
+// mapped until Close: transports that exchange their own keys share the
+// mappings of Alloc, Register and Map.
+func (s *Space) OpenPeer(r int, h cuda.IPCHandle) (uintptr, error) {
+	if err := s.usable(); err != nil {
+		return 0, err
+	}
+	if r < 0 || r >= s.size || r == s.rank {
+		return 0, status.Errorf(status.InvalidArgument, "open IPC handle of rank %d: not a peer of rank %d in a world of %d", r, s.rank, s.size)
+	}
+	return s.open(r, h)
+}
