@@ -1,6 +1,7 @@
 package symm
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strings"
@@ -8,6 +9,7 @@ import (
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap/bootstraptest"
+	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -358,5 +360,41 @@ func TestAllocMismatch(t *testing.T) {
 		if status.CodeOf(err) != status.Mismatch {
 			t.Errorf("rank %d: Alloc(different sizes) = %v, want Mismatch", r, err)
 		}
+	}
+}
+
+// TestOpenPeerSharesMappings: a handle the Space already opened (Alloc) is
+// not opened again through OpenPeer, and a new one is opened once.
+func TestOpenPeerSharesMappings(t *testing.T) {
+	errs := runRanks(2, nil, func(rank int, s *Space, d *fakeDriver) error {
+		b, err := s.Alloc(64)
+		if err != nil {
+			return err
+		}
+		peer := 1 - rank
+		var h cuda.IPCHandle
+		h[0] = byte(peer)
+		binary.LittleEndian.PutUint64(h[8:], uint64(b.Peers[peer]-0x100000000000))
+		opens := d.opens
+		base, err := s.OpenPeer(peer, h)
+		if err != nil || base != b.Peers[peer] || d.opens != opens {
+			return fmt.Errorf("OpenPeer(Alloc's handle) = %#x, %v (%d new opens), want %#x and no open", base, err, d.opens-opens, b.Peers[peer])
+		}
+		binary.LittleEndian.PutUint64(h[8:], 0x7777000)
+		for i := 0; i < 2; i++ {
+			if base, err = s.OpenPeer(peer, h); err != nil || base != mappedBase(h) {
+				return fmt.Errorf("OpenPeer(new handle) #%d = %#x, %v, want %#x", i, base, err, mappedBase(h))
+			}
+		}
+		if d.opens != opens+1 {
+			return fmt.Errorf("a new handle opened %d times, want once", d.opens-opens)
+		}
+		if _, err := s.OpenPeer(rank, h); status.CodeOf(err) != status.InvalidArgument {
+			return fmt.Errorf("OpenPeer(own rank) = %v, want InvalidArgument", err)
+		}
+		return s.Close()
+	})
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
 	}
 }
