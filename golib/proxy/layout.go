@@ -27,15 +27,16 @@ const (
 // Error codes and phases the device records in the communicator's
 // ErrorWord for channel waits (channel.cuh).
 const (
-	ErrCodeProxy      = 5 // kErrProxy: the proxy failed a trigger of the FIFO
-	PhaseChannelWait  = 7 // kPhaseChannelWait
-	PhaseFifoPush     = 8 // kPhaseFifoPush
-	PhaseFifoFlush    = 9 // kPhaseFifoFlush
-	deviceWordsSize   = 256
-	hostWordsSize     = 256
-	fifoHandleSize    = 32
-	portChannelSize   = 88
-	memoryChannelSize = 72
+	ErrCodeProxy     = 5 // kErrProxy: the proxy failed a trigger of the FIFO
+	PhaseChannelWait = 7 // kPhaseChannelWait
+	PhaseFifoPush    = 8 // kPhaseFifoPush
+	PhaseFifoFlush   = 9 // kPhaseFifoFlush
+)
+
+// Sizes of the FIFO's words (FifoDeviceWords, FifoHostWords).
+const (
+	deviceWordsSize = 256
+	hostWordsSize   = 256
 )
 
 // Trigger is one FIFO entry as the device writes it (channel.cuh's Trigger).

@@ -337,3 +337,30 @@ func TestNewRejectsBadSlots(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkHostPush measures host pushes through a 512-slot ring to a
+// proxy running a transport that only counts.
+func BenchmarkHostPush(b *testing.B) {
+	ct := &countingTransport{perChannel: map[uint64]uint64{}}
+	s, err := New(ct, &HostAllocator{}, Options{IdleSpin: time.Minute})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer s.Close()
+	s.AddLocal(&fakeMem{size: 1 << 32})
+	s.AddRemote(&fakeMem{size: 1 << 32})
+	ch, _ := s.AddChannel(0, nil, 0)
+	f, err := s.NewFIFO()
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := f.Push(Op{Type: TriggerPut, Channel: ch, DstOffset: uint64(i), Size: 1}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := f.Flush(ch); err != nil {
+		b.Fatal(err)
+	}
+}
