@@ -57,26 +57,32 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 300000x ./golib/bootstrap
 
 test-mpi:
+	@command -v mpirun >/dev/null || { echo "SKIP test-mpi: the MPI tests need Open MPI (apt-get install openmpi-bin)"; exit 0; }; \
+	set -e; \
 	$(GO) test -c -o build/mpi.test ./tests/go/mpi
-	$(GO) test -c -o build/bootstrap.test ./golib/bootstrap
-	mpirun --allow-run-as-root --oversubscribe -np 2 build/mpi.test -test.v -test.count=1
+	$(GO) test -c -o build/bootstrap.test ./golib/bootstrap; \
+	mpirun --allow-run-as-root --oversubscribe -np 2 build/mpi.test -test.v -test.count=1; \
 	mpirun --allow-run-as-root --oversubscribe -np 2 build/bootstrap.test -test.run MPI -test.v -test.count=1
 
 test-python: lib $(PY_ENV)
 	$(PYTHON) -m pytest -q tests/python --ignore=tests/python/dist
 
+# RANKS n ARGS: python ARGS as the n ranks of a local job; rank 0's output as it
+# comes, another rank's when it fails, every rank's in build/logs/<target>-n<n>/.
+RANKS = $(PYTHON) tests/run_ranks.py --log-dir build/logs/$@-n$(1) -n $(1) --
+
 test-dist: lib $(PY_ENV)
-	$(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
-	$(TORCHRUN) --nproc_per_node=4 -m pytest -q -x tests/python/dist
-	$(TORCHRUN) --nproc_per_node=3 -m pytest -q -x tests/python/dist/test_moe.py
-	$(TORCHRUN) --nproc_per_node=8 -m pytest -q -x tests/python/dist/test_moe.py
+	$(call RANKS,2) -m pytest -q -x tests/python/dist
+	$(call RANKS,4) -m pytest -q -x tests/python/dist
+	$(call RANKS,3) -m pytest -q -x tests/python/dist/test_moe.py
+	$(call RANKS,8) -m pytest -q -x tests/python/dist/test_moe.py
 
 test: vet test-go fuzz test-mpi test-python test-dist
 
 gpu-test: lib $(PY_ENV)
 	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }
-	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=$(NPROC_GPU) -m pytest -q -x tests/python/dist
-	P2PCOMM_TEST_GPU=1 $(TORCHRUN) --nproc_per_node=2 -m pytest -q -x tests/python/dist
+	P2PCOMM_TEST_GPU=1 $(call RANKS,$(NPROC_GPU)) -m pytest -q -x tests/python/dist
+	P2PCOMM_TEST_GPU=1 $(call RANKS,2) -m pytest -q -x tests/python/dist
 
 # World sizes beyond the GPUs at hand: NPROC ranks share the GPUs under MPS
 # (correctness only; see tools/gpu_shared.sh).
