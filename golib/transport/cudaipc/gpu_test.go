@@ -71,8 +71,16 @@ func TestPutSignalFlushGPU(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The receiving side registers its memory in its own device's context,
+		// as the rank that owns it would.
 		remoteOf := func(p uintptr, size uint64) transport.Remote {
+			if err := drv.EnsureContext(dstGPU); err != nil {
+				t.Fatal(err)
+			}
 			loc, err := tr.Register(p, size, transport.DeviceMemory)
+			if err == nil {
+				err = drv.EnsureContext(0)
+			}
 			if err != nil {
 				t.Fatal(err)
 			}
