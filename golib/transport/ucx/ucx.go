@@ -238,9 +238,17 @@ func (t *Transport) progressWhile(fn func() error) error {
 	}
 }
 
-// idler spins while progress finds work and backs off when it does not, so
-// that waiting ranks leave the cores to the ranks they wait for.
-type idler struct{ empty int }
+// idler spins while progress finds work, yielding the processor now and
+// then, and sleeps only after idleSpin without any: a proxy's flush round
+// trip is tens of microseconds, which a sleep would multiply, while a rank
+// waiting long for a slow peer should leave the cores to it.
+type idler struct {
+	empty int
+	since time.Time // when the current idle stretch began
+}
+
+// idleSpin is how long a wait busy-polls before it starts to sleep.
+const idleSpin = time.Millisecond
 
 func (i *idler) after(events C.uint) {
 	if events != 0 {
@@ -248,9 +256,15 @@ func (i *idler) after(events C.uint) {
 		return
 	}
 	i.empty++
+	if i.empty%64 != 0 {
+		return
+	}
+	now := time.Now()
 	switch {
-	case i.empty < 1000:
-	case i.empty < 2000:
+	case i.empty == 64:
+		i.since = now
+		runtime.Gosched()
+	case now.Sub(i.since) < idleSpin:
 		runtime.Gosched()
 	default:
 		time.Sleep(20 * time.Microsecond)
