@@ -25,6 +25,10 @@ var abiFields = []struct {
 	{"p2p_ucp_mem_map_params", "ucp_mem_map_params_t", []string{"field_mask", "address", "length", "flags", "prot", "memory_type"}},
 	{"p2p_ucp_request_param", "ucp_request_param_t", []string{"op_attr_mask", "flags", "request", "cb", "datatype",
 		"user_data", "reply_buffer", "memory_type", "recv_info", "memh"}},
+	{"p2p_ucp_context_attr", "ucp_context_attr_t", []string{"field_mask", "request_size", "thread_mode", "memory_types"}},
+	{"p2p_ucp_transport_entry", "ucp_transport_entry_t", []string{"transport_name", "device_name"}},
+	{"p2p_ucp_transports", "ucp_transports_t", []string{"entries", "num_entries", "entry_size"}},
+	{"p2p_ucp_ep_attr", "ucp_ep_attr_t", []string{"field_mask", "name", "local_sockaddr", "remote_sockaddr", "transports"}},
 }
 
 // abiConstants are the values ucp_abi.h copies, by real name.
@@ -37,6 +41,7 @@ var abiConstants = []string{
 	"UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE", "UCP_MEM_MAP_PROT_LOCAL_READ", "UCP_MEM_MAP_PROT_LOCAL_WRITE",
 	"UCP_MEM_MAP_PROT_REMOTE_READ", "UCP_MEM_MAP_PROT_REMOTE_WRITE", "UCS_MEMORY_TYPE_HOST", "UCS_MEMORY_TYPE_CUDA",
 	"UCP_OP_ATTR_FIELD_FLAGS", "UCP_OP_ATTR_FIELD_MEMORY_TYPE", "UCP_OP_ATTR_FIELD_MEMH",
+	"UCP_ATTR_FIELD_MEMORY_TYPES", "UCP_EP_ATTR_FIELD_TRANSPORTS",
 	"UCS_OK", "UCS_INPROGRESS", "UCS_ERR_LAST",
 }
 

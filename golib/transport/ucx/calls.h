@@ -150,3 +150,39 @@ static inline void* p2p_ucx_put(void* f, void* ep, uint64_t buffer, size_t lengt
 	return p2p_ucx_split(((void* (*)(void*, const void*, size_t, uint64_t, void*, const p2p_ucp_request_param*))f)(
 			ep, (const void*)(uintptr_t)buffer, length, remote, rkey, &p), status);
 }
+
+// p2p_ucx_memory_types is the bit set of UCS memory types the context
+// reaches (bit UCS_MEMORY_TYPE_CUDA: some transport can touch device memory,
+// if only through cuda_copy).
+static inline int p2p_ucx_memory_types(void* f, void* context, uint64_t* types) {
+	p2p_ucp_context_attr a;
+	memset(&a, 0, sizeof a);
+	a.field_mask = P2P_UCP_ATTR_FIELD_MEMORY_TYPES;
+	int st = ((int (*)(void*, p2p_ucp_context_attr*))f)(context, &a);
+	*types = a.memory_types;
+	return st;
+}
+
+// p2p_ucx_ep_transports writes the names of the endpoint's transports,
+// each followed by a comma, into buf (len bytes, NUL-terminated).
+static inline int p2p_ucx_ep_transports(void* f, void* ep, char* buf, size_t len) {
+	p2p_ucp_transport_entry e[16];
+	p2p_ucp_ep_attr a;
+	memset(&a, 0, sizeof a);
+	memset(e, 0, sizeof e);
+	a.field_mask = P2P_UCP_EP_ATTR_FIELD_TRANSPORTS;
+	a.transports.entries = e;
+	a.transports.num_entries = 16;
+	a.transports.entry_size = sizeof e[0];
+	int st = ((int (*)(void*, p2p_ucp_ep_attr*))f)(ep, &a);
+	buf[0] = 0;
+	if (st != P2P_UCS_OK) return st;
+	for (unsigned i = 0; i < a.transports.num_entries && i < 16; i++) {
+		if (e[i].transport_name == NULL) continue;
+		size_t used = strlen(buf);
+		if (used + strlen(e[i].transport_name) + 2 > len) break;
+		strcat(buf, e[i].transport_name);
+		strcat(buf, ",");
+	}
+	return st;
+}

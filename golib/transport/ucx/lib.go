@@ -54,7 +54,8 @@ type library struct {
 	fn                    funcs
 }
 
-// funcs holds one pointer per UCP entry point; all are required.
+// funcs holds one pointer per UCP entry point; all are required but
+// epQuery, whose endpoint transports came with UCP 1.14.
 type funcs struct {
 	getVersion, getVersionString, statusString                     unsafe.Pointer
 	configRead, configModify, configRelease, init, cleanup         unsafe.Pointer
@@ -64,6 +65,7 @@ type funcs struct {
 	memMap, memUnmap, rkeyPack, rkeyBufferRelease, rkeyUnpack      unsafe.Pointer
 	rkeyDestroy, putNbx                                            unsafe.Pointer
 	requestCheckStatus, requestCancel, requestFree                 unsafe.Pointer
+	contextQuery, epQuery                                          unsafe.Pointer
 }
 
 func (f *funcs) table() []struct {
@@ -101,6 +103,8 @@ func (f *funcs) table() []struct {
 		{"ucp_request_check_status", &f.requestCheckStatus},
 		{"ucp_request_cancel", &f.requestCancel},
 		{"ucp_request_free", &f.requestFree},
+		{"ucp_context_query", &f.contextQuery},
+		{"ucp_ep_query", &f.epQuery},
 	}
 }
 
@@ -201,7 +205,7 @@ func resolve(h *dl.Library) (*library, error) {
 	lib := &library{path: h.Path()}
 	for _, e := range lib.fn.table() {
 		p, err := h.Sym(e.name)
-		if err != nil {
+		if err != nil && e.slot != &lib.fn.epQuery {
 			return nil, err
 		}
 		*e.slot = p

@@ -89,7 +89,7 @@ func (r *remote) Close() error {
 		return nil
 	}
 	var err error
-	if len(r.t.peers[r.peer].pending) > 0 {
+	if len(r.t.peers[r.peer].pending) > 0 || r.t.stageSignal(r.peer) {
 		err = r.t.flush(r.peer)
 	}
 	r.destroy()
@@ -237,6 +237,9 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	if size == 0 {
 		return nil
 	}
+	if t.staged(r, l) {
+		return t.stagePut(r, dstOff, l, srcOff, size)
+	}
 	var memh unsafe.Pointer
 	if t.passMemh {
 		memh = l.memh
@@ -289,16 +292,24 @@ func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) er
 	if err := t.check(r.peer, "signal"); err != nil {
 		return err
 	}
-	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
-		err := t.peerError(r.peer, "signal fence", s)
-		t.fail(r.peer, err)
-		return err
-	}
 	p := &t.peers[r.peer]
 	if p.sums == nil {
 		p.sums = map[uint64]uint64{}
 	}
 	word := r.base + dstOff
+	if t.stageSignal(r.peer) {
+		// Behind staged chunks: the peer applies it once they reached
+		// device memory.
+		p.sums[word] += value
+		st := &t.stage.peers[r.peer]
+		st.queue = append(st.queue, chunk{signal: true, dst: word, size: p.sums[word]})
+		return t.pump(r.peer)
+	}
+	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
+		err := t.peerError(r.peer, "signal fence", s)
+		t.fail(r.peer, err)
+		return err
+	}
 	p.sums[word] += value
 	// The total travels from C memory of its own, freed when the put
 	// completes, so a later Signal cannot change what an earlier one sends.

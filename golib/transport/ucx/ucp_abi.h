@@ -85,12 +85,45 @@ typedef struct {
 	void* memh;
 } p2p_ucp_request_param;
 
+// ucp_context_attr_t, through memory_types.
+typedef struct {
+	uint64_t field_mask;
+	size_t request_size;
+	int thread_mode;
+	uint64_t memory_types;
+} p2p_ucp_context_attr;
+
+// ucp_transport_entry_t and ucp_transports_t.
+typedef struct {
+	const char* transport_name;
+	const char* device_name;
+} p2p_ucp_transport_entry;
+
+typedef struct {
+	p2p_ucp_transport_entry* entries;
+	unsigned num_entries;
+	size_t entry_size;
+} p2p_ucp_transports;
+
+// ucp_ep_attr_t, through transports; the two sockaddr_storage fields are
+// 128 bytes each, 8-byte aligned, and unused here.
+typedef struct {
+	uint64_t field_mask;
+	char name[32];
+	uint64_t local_sockaddr[16];
+	uint64_t remote_sockaddr[16];
+	p2p_ucp_transports transports;
+} p2p_ucp_ep_attr;
+
 // Bits and values used, from ucp.h, ucp_def.h and ucs/.
 enum {
 	P2P_UCP_PARAM_FIELD_FEATURES = 1 << 0,
 	P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS = 1 << 6,
 	P2P_UCP_PARAM_FIELD_NAME = 1 << 8,
 	P2P_UCP_FEATURE_RMA = 1 << 1,
+
+	P2P_UCP_ATTR_FIELD_MEMORY_TYPES = 1 << 2,
+	P2P_UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3,
 
 	P2P_UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1 << 0,
 	P2P_UCP_WORKER_ATTR_FIELD_ADDRESS = 1 << 1,

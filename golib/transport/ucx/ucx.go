@@ -29,6 +29,17 @@ type Options struct {
 	// LibraryDirs are searched for libucp.so.0 after the dynamic loader's
 	// path (the Python layer passes the libucx wheel's lib folder).
 	LibraryDirs []string
+	// Copier, when set, lets puts of device memory be staged through
+	// pinned host memory (see Stage); the transport calls it only from the
+	// goroutine that calls the transport.
+	Copier Copier
+	// Stage says when device memory is staged; the zero value reads
+	// P2PCOMM_UCX_STAGE (auto, always, never), else auto.
+	Stage StageMode
+	// ChunkBytes and RingChunks size each peer's staging rings (0:
+	// DefaultChunkBytes, DefaultRingChunks); every rank must agree.
+	ChunkBytes uint64
+	RingChunks int
 }
 
 // Transport is one UCP context and worker with an endpoint to every other
@@ -47,6 +58,7 @@ type Transport struct {
 	locals   map[*local]struct{}
 	remotes  map[*remote]struct{}
 	passMemh bool
+	stage    *staging // nil unless some peer's device puts are staged
 	closed   bool
 }
 
@@ -107,7 +119,7 @@ func Open(bs bootstrap.Bootstrap, opts Options) (*Transport, error) {
 	if t.timeout <= 0 {
 		t.timeout = bootstrap.DefaultTimeout
 	}
-	if err := t.open(bs); err != nil {
+	if err := t.open(bs, opts); err != nil {
 		t.Close()
 		return nil, fmt.Errorf("UCX transport on rank %d with %s: %w", t.rank, lib, err)
 	}
@@ -124,7 +136,7 @@ var safeDefaults = [][2]string{
 	{"MEMTYPE_CACHE", "n"},
 }
 
-func (t *Transport) open(bs bootstrap.Bootstrap) error {
+func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	f := &t.lib.fn
 	var config unsafe.Pointer
 	if s := C.p2p_ucx_config_read(f.configRead, &config); s != C.P2P_UCS_OK {
@@ -182,6 +194,9 @@ func (t *Transport) open(bs bootstrap.Bootstrap) error {
 	// rank at Open. The barrier runs while progressing, since a peer still
 	// flushing needs this rank's acknowledgements.
 	if err := t.flushAll("wire up"); err != nil {
+		return err
+	}
+	if err := t.openStaging(bs, opts); err != nil {
 		return err
 	}
 	return t.progressWhile(bs.Barrier)
@@ -309,6 +324,7 @@ func (t *Transport) fail(r int, err error) {
 		p.err = err
 	}
 	t.cancelPending(r)
+	t.dropStaged(r)
 	t.closeEndpoint(r)
 	for _, o := range p.pending {
 		t.release(o)
@@ -421,18 +437,30 @@ func (t *Transport) flush(peer int) error {
 	if err := t.check(peer, "flush"); err != nil {
 		return err
 	}
+	deadline := time.Now().Add(t.timeout)
+	staged := t.stage != nil && t.stage.peers[peer].on
+	if staged {
+		if err := t.drainStaged(peer, deadline); err != nil {
+			return err
+		}
+	}
 	var s C.int
 	req := C.p2p_ucx_ep_flush(t.lib.fn.epFlushNbx, t.peers[peer].ep, &s)
 	switch s {
 	case C.P2P_UCS_OK:
 	case C.P2P_UCS_INPROGRESS:
-		if err := t.wait(req, peer, "flush", time.Now().Add(t.timeout)); err != nil {
+		if err := t.wait(req, peer, "flush", deadline); err != nil {
 			return err
 		}
 	default:
 		err := t.peerError(peer, "flush", s)
 		t.fail(peer, err)
 		return err
+	}
+	if staged {
+		if err := t.awaitCredit(peer, deadline); err != nil {
+			return err
+		}
 	}
 	if err := t.reap(peer); err != nil {
 		return err
@@ -441,8 +469,12 @@ func (t *Transport) flush(peer int) error {
 }
 
 // Progress advances outstanding operations without blocking and releases
-// those that completed. Failures are reported by the next operation on the
-// failed peer.
+// those that completed. With staging it also starts queued staged chunks
+// and serves this rank's landing rings: copies landed chunks into device
+// memory and applies signals behind them, so the caller must hold the
+// Copier's CUDA context, and peers' staged puts advance only while this
+// rank calls Progress or waits in Flush. Failures toward one peer are
+// reported by the next operation on it; an error here is the Copier's.
 func (t *Transport) Progress() error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -451,11 +483,17 @@ func (t *Transport) Progress() error {
 	}
 	C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker)
 	for r := range t.peers {
-		if len(t.peers[r].pending) > 0 && t.peers[r].err == nil {
+		if t.peers[r].err != nil {
+			continue
+		}
+		if t.stage != nil && t.stage.peers[r].on {
+			t.pump(r)
+		}
+		if len(t.peers[r].pending) > 0 {
 			t.reap(r)
 		}
 	}
-	return nil
+	return t.serviceRings()
 }
 
 // Close releases every registration, remote key, endpoint, the worker and
@@ -484,6 +522,7 @@ func (t *Transport) Close() error {
 	for l := range t.locals {
 		l.unmap()
 	}
+	t.closeStaging()
 	if t.worker != nil {
 		C.p2p_ucx_call_p(f.workerDestroy, t.worker)
 		t.worker = nil
