@@ -36,6 +36,9 @@ type local struct {
 	size uint64
 	mem  transport.Memory
 	key  []byte
+	// closed is set by Close; memh is nil also for device memory only
+	// ever staged, which UCX never touches.
+	closed bool
 }
 
 // remote is a peer's range: its base, size and the unpacked remote key.
@@ -46,6 +49,9 @@ type remote struct {
 	base uint64
 	size uint64
 	mem  transport.Memory
+	// closed is set by Close; rkey is nil also for the peer's staged-only
+	// device memory.
+	closed bool
 }
 
 var (
@@ -70,10 +76,11 @@ func (l *local) Close() error {
 }
 
 func (l *local) unmap() {
-	if l.memh == nil {
+	if l.closed {
 		return
 	}
-	if l.t.context != nil {
+	l.closed = true
+	if l.t.context != nil && l.memh != nil {
 		C.p2p_ucx_status_pp(l.t.lib.fn.memUnmap, l.t.context, l.memh)
 	}
 	l.memh = nil
@@ -85,7 +92,7 @@ func (l *local) unmap() {
 func (r *remote) Close() error {
 	r.t.mu.Lock()
 	defer r.t.mu.Unlock()
-	if r.rkey == nil {
+	if r.closed {
 		return nil
 	}
 	var err error
@@ -97,10 +104,13 @@ func (r *remote) Close() error {
 }
 
 func (r *remote) destroy() {
-	if r.rkey == nil {
+	if r.closed {
 		return
 	}
-	C.p2p_ucx_call_p(r.t.lib.fn.rkeyDestroy, r.rkey)
+	r.closed = true
+	if r.rkey != nil {
+		C.p2p_ucx_call_p(r.t.lib.fn.rkeyDestroy, r.rkey)
+	}
 	r.rkey = nil
 	delete(r.t.remotes, r)
 }
@@ -129,6 +139,13 @@ func (t *Transport) Register(addr uintptr, size uint64, mem transport.Memory) (t
 	}
 	f := &t.lib.fn
 	l := &local{t: t, addr: addr, size: size, mem: mem}
+	if mem == transport.DeviceMemory && t.stage != nil && t.stage.all {
+		// Every peer stages: UCX never reads or writes this range, so it
+		// need not (and over tcp without CUDA support cannot) map it.
+		l.key = t.keyHeader(l)
+		t.locals[l] = struct{}{}
+		return l, nil
+	}
 	// addr is memory the caller owns outside the Go heap (pinned host,
 	// mmap, device); UCP keeps it as an address, never as a Go pointer.
 	if s := C.p2p_ucx_mem_map(f.memMap, t.context, C.uint64_t(addr), C.size_t(size), memoryType(mem), &l.memh); s != C.P2P_UCS_OK {
@@ -140,16 +157,21 @@ func (t *Transport) Register(addr uintptr, size uint64, mem transport.Memory) (t
 		C.p2p_ucx_status_pp(f.memUnmap, t.context, l.memh)
 		return nil, status.Errorf(status.Internal, "UCX pack remote key of %v: %s", l, t.lib.statusText(s))
 	}
-	l.key = make([]byte, keyHeaderSize, keyHeaderSize+int(n))
-	copy(l.key, keyMagic)
-	binary.LittleEndian.PutUint32(l.key[4:], uint32(t.rank))
-	binary.LittleEndian.PutUint64(l.key[8:], uint64(addr))
-	binary.LittleEndian.PutUint64(l.key[16:], size)
-	binary.LittleEndian.PutUint32(l.key[24:], uint32(mem))
-	l.key = append(l.key, C.GoBytes(buf, C.int(n))...)
+	l.key = append(t.keyHeader(l), C.GoBytes(buf, C.int(n))...)
 	C.p2p_ucx_call_p(f.rkeyBufferRelease, buf)
 	t.locals[l] = struct{}{}
 	return l, nil
+}
+
+// keyHeader is l's key without UCP's packed key.
+func (t *Transport) keyHeader(l *local) []byte {
+	key := make([]byte, keyHeaderSize)
+	copy(key, keyMagic)
+	binary.LittleEndian.PutUint32(key[4:], uint32(t.rank))
+	binary.LittleEndian.PutUint64(key[8:], uint64(l.addr))
+	binary.LittleEndian.PutUint64(key[16:], l.size)
+	binary.LittleEndian.PutUint32(key[24:], uint32(l.mem))
+	return key
 }
 
 // Remote turns the key of a range that peer registered into a destination
@@ -164,7 +186,7 @@ func (t *Transport) Remote(peer int, key []byte) (transport.Remote, error) {
 	if err := t.check(peer, "remote key"); err != nil {
 		return nil, err
 	}
-	if len(key) <= keyHeaderSize || string(key[:4]) != keyMagic {
+	if len(key) < keyHeaderSize || string(key[:4]) != keyMagic {
 		return nil, status.Errorf(status.InvalidArgument, "UCX remote: rank %d's key (%d bytes) is not a UCX key", peer, len(key))
 	}
 	if owner := int(binary.LittleEndian.Uint32(key[4:])); owner != peer {
@@ -176,6 +198,14 @@ func (t *Transport) Remote(peer int, key []byte) (transport.Remote, error) {
 		base: binary.LittleEndian.Uint64(key[8:]),
 		size: binary.LittleEndian.Uint64(key[16:]),
 		mem:  transport.Memory(binary.LittleEndian.Uint32(key[24:])),
+	}
+	if len(key) == keyHeaderSize {
+		// Staged-only device memory: reachable only through the rings.
+		if r.mem != transport.DeviceMemory || !t.staged(r, nil) {
+			return nil, status.Errorf(status.Mismatch, "UCX remote: rank %d's %s range has no UCX key, and puts to it are not staged", peer, r.mem)
+		}
+		t.remotes[r] = struct{}{}
+		return r, nil
 	}
 	packed := C.CBytes(key[keyHeaderSize:])
 	defer C.free(packed)
@@ -192,7 +222,7 @@ func (t *Transport) ranges(op string, dst transport.Remote, src transport.Local)
 	if !ok || r.t != t {
 		return nil, nil, status.Errorf(status.InvalidArgument, "UCX %s: destination %T is not a range of this transport", op, dst)
 	}
-	if r.rkey == nil {
+	if r.closed {
 		return nil, nil, status.Errorf(status.State, "UCX %s to rank %d: remote range closed", op, r.peer)
 	}
 	if src == nil {
@@ -202,7 +232,7 @@ func (t *Transport) ranges(op string, dst transport.Remote, src transport.Local)
 	if !ok || l.t != t {
 		return nil, nil, status.Errorf(status.InvalidArgument, "UCX %s: source %T is not a range of this transport", op, src)
 	}
-	if l.memh == nil {
+	if l.closed {
 		return nil, nil, status.Errorf(status.State, "UCX %s to rank %d: source range closed", op, r.peer)
 	}
 	return r, l, nil
@@ -239,6 +269,9 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	}
 	if t.staged(r, l) {
 		return t.stagePut(r, dstOff, l, srcOff, size)
+	}
+	if r.rkey == nil || l.memh == nil {
+		return status.Errorf(status.InvalidArgument, "UCX put to rank %d: a range registered for staging only, and this put is not staged", r.peer)
 	}
 	var memh unsafe.Pointer
 	if t.passMemh {

@@ -179,8 +179,9 @@ func childStray(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, be
 // childKill: the victim dies by SIGKILL while the others stream puts to it;
 // each survivor's operation toward it must fail naming it, within the
 // timeout, and the survivors must still exchange data among themselves.
-func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, victim int) error {
+func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, victim int, mem transport.Memory) error {
 	j := newJob(tr, bs, timeout)
+	j.mem = mem
 	if err := j.connect(); err != nil {
 		return err
 	}

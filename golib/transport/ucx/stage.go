@@ -134,6 +134,7 @@ type stager struct {
 
 // staging is the transport's staging state; nil when off.
 type staging struct {
+	all        bool // every peer is staged
 	copier     Copier
 	chunk      uint64
 	slots      int
@@ -216,6 +217,12 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 			return err
 		}
 	}
+	if t.stage != nil {
+		t.stage.all = true
+		for r := range want {
+			t.stage.all = t.stage.all && (r == t.rank || want[r])
+		}
+	}
 	var all [][]byte
 	err := t.progressWhile(func() error {
 		var err error
@@ -227,7 +234,9 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	}
 	for r := range t.peers {
 		if !want[r] || len(all[r]) == 0 {
-			continue // a peer without rings takes device memory through UCX
+			// A peer without rings takes device memory through UCX.
+			t.stage.all = t.stage.all && r == t.rank
+			continue
 		}
 		if err := t.stagePeer(r, all[r]); err != nil {
 			return err
@@ -309,10 +318,11 @@ func (t *Transport) stagePeer(r int, blob []byte) error {
 	return nil
 }
 
-// staged reports whether a put between l and r goes through host memory.
+// staged reports whether a put between l (may be nil) and r goes through
+// host memory.
 func (t *Transport) staged(r *remote, l *local) bool {
 	return t.stage != nil && t.stage.peers[r.peer].on &&
-		(r.mem == transport.DeviceMemory || l.mem == transport.DeviceMemory)
+		(r.mem == transport.DeviceMemory || (l != nil && l.mem == transport.DeviceMemory))
 }
 
 // stagePut queues a staged put in chunks and starts what it can.
@@ -577,7 +587,7 @@ func (t *Transport) takeIn(r int, st *stager) error {
 // owns reports whether [addr, addr+n) lies in a range this rank registered.
 func (t *Transport) owns(addr, n uint64) bool {
 	for l := range t.locals {
-		if l.memh != nil && addr >= uint64(l.addr) && within(addr-uint64(l.addr), n, l.size) {
+		if !l.closed && addr >= uint64(l.addr) && within(addr-uint64(l.addr), n, l.size) {
 			return true
 		}
 	}

@@ -185,7 +185,12 @@ func child(role string) int {
 	if role == "stray" {
 		before = listeningPorts()
 	}
-	tr, err := Open(bs, Options{Timeout: cfg.Timeout})
+	opts := Options{Timeout: cfg.Timeout}
+	if strings.HasPrefix(role, "staged") {
+		opts.Copier, opts.Stage = newFakeCopier(), StageAlways
+		opts.ChunkBytes, opts.RingChunks = stageChunk, stageSlots
+	}
+	tr, err := Open(bs, opts)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "open:", err)
 		return 1
@@ -195,6 +200,17 @@ func child(role string) int {
 	switch role {
 	case "exchange":
 		err = newJob(tr, bs, cfg.Timeout).exchange(6)
+	case "staged":
+		j := newJob(tr, bs, cfg.Timeout)
+		j.mem = transport.DeviceMemory
+		err = j.exchange(6)
+	case "stagedmix":
+		err = childStagedMix(tr, bs, cfg.Timeout)
+	case "stagedkill":
+		victim, _ := strconv.Atoi(os.Getenv(victimEnv))
+		err = childKill(tr, bs, cfg.Timeout, victim, transport.DeviceMemory)
+	case "stagedmeasure":
+		err = childMeasure(tr, bs)
 	case "measure":
 		err = childMeasure(tr, bs)
 	case "invalid":
@@ -203,7 +219,7 @@ func child(role string) int {
 		err = childStray(tr, bs, cfg.Timeout, before)
 	case "kill":
 		victim, _ := strconv.Atoi(os.Getenv(victimEnv))
-		err = childKill(tr, bs, cfg.Timeout, victim)
+		err = childKill(tr, bs, cfg.Timeout, victim, transport.HostMemory)
 	default:
 		err = fmt.Errorf("unknown role %q", role)
 	}
@@ -246,6 +262,8 @@ type job struct {
 	lsrc           transport.Local
 	rdst, rword    []transport.Remote
 	slot           int
+	mem            transport.Memory // of src and dst; words are host memory
+	srcMem         *transport.Memory
 }
 
 const slotSize = 1 << 20
@@ -262,10 +280,14 @@ func newJob(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) *job {
 // connect registers the buffers and builds every peer's remotes.
 func (j *job) register() error {
 	var err error
-	if j.lsrc, err = j.tr.Register(addrOf(j.src), uint64(len(j.src)), transport.HostMemory); err != nil {
+	srcMem := j.mem
+	if j.srcMem != nil {
+		srcMem = *j.srcMem
+	}
+	if j.lsrc, err = j.tr.Register(addrOf(j.src), uint64(len(j.src)), srcMem); err != nil {
 		return err
 	}
-	ldst, err := j.tr.Register(addrOf(j.dst), uint64(len(j.dst)), transport.HostMemory)
+	ldst, err := j.tr.Register(addrOf(j.dst), uint64(len(j.dst)), j.mem)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,125 @@
+package ucx
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+)
+
+// Small rings, so that test puts straddle chunks and outgrow a ring.
+const stageChunk, stageSlots = 64 << 10, 3
+
+// fakeCopier is a Copier over host memory that stands for device memory.
+// Copies run late, at most two per Completed call, as a copy engine's
+// would, so flow control and ordering are exercised.
+type fakeCopier struct {
+	queue []struct{ dst, src, n uintptr }
+	done  uint64
+}
+
+func newFakeCopier() *fakeCopier { return &fakeCopier{} }
+
+func (f *fakeCopier) AllocHost(size uint64) (uintptr, error) {
+	b, err := syscall.Mmap(-1, 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
+	if err != nil {
+		return 0, err
+	}
+	return addrOf(b), nil
+}
+
+func (f *fakeCopier) FreeHost(addr uintptr) error { return nil } // the process exits soon
+
+func (f *fakeCopier) Copy(dst, src uintptr, size uint64) error {
+	f.queue = append(f.queue, struct{ dst, src, n uintptr }{dst, src, uintptr(size)})
+	return nil
+}
+
+func (f *fakeCopier) Completed() (uint64, error) {
+	for k := 0; k < 2 && len(f.queue) > 0; k++ {
+		c := f.queue[0]
+		copy(unsafe.Slice((*byte)(addrPtr(c.dst)), c.n), unsafe.Slice((*byte)(addrPtr(c.src)), c.n))
+		f.queue = f.queue[1:]
+		f.done++
+	}
+	return f.done, nil
+}
+
+// TestStagedPutsVerified: every byte of random device-to-device puts,
+// straddling chunks and larger than a ring, arrives before the signal
+// behind them, across 2 and 3 processes.
+func TestStagedPutsVerified(t *testing.T) {
+	needUCX(t)
+	for _, size := range []int{2, 3} {
+		t.Run(fmt.Sprintf("ranks%d", size), func(t *testing.T) {
+			expectOK(t, runJob(t, "staged", size, 60*time.Second))
+		})
+	}
+}
+
+// TestStagedMixedMemory: host to device (through the landing ring only)
+// and device to host (through the send slots only).
+func TestStagedMixedMemory(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagedmix", 2, 60*time.Second))
+}
+
+func childStagedMix(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) error {
+	host, device := transport.HostMemory, transport.DeviceMemory
+	toDevice := newJob(tr, bs, timeout)
+	toDevice.mem, toDevice.srcMem = device, &host
+	if err := toDevice.exchange(3); err != nil {
+		return fmt.Errorf("host to device: %w", err)
+	}
+	toHost := newJob(tr, bs, timeout)
+	toHost.mem, toHost.srcMem = host, &device
+	if err := toHost.exchange(3); err != nil {
+		return fmt.Errorf("device to host: %w", err)
+	}
+	return nil
+}
+
+// TestStagedPeerKilled: a rank killed while staged puts stream to it is a
+// timeout naming it, within the timeout, and the others go on.
+func TestStagedPeerKilled(t *testing.T) {
+	needUCX(t)
+	const size, victim = 3, 2
+	results := runJob(t, "stagedkill", size, 40*time.Second, victimEnv+"="+strconv.Itoa(victim))
+	for _, res := range results {
+		if res.rank != victim {
+			expectOK(t, []childResult{res})
+		}
+	}
+}
+
+func TestParseStageMode(t *testing.T) {
+	tests := []struct {
+		name string
+		in   string
+		want StageMode
+		bad  bool
+	}{
+		{"empty", "", StageAuto, false},
+		{"auto", "auto", StageAuto, false},
+		{"always", "Always", StageAlways, false},
+		{"never", " never ", StageNever, false},
+		{"bad", "sometimes", 0, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := ParseStageMode(tt.in)
+			if (err != nil) != tt.bad || (!tt.bad && got != tt.want) {
+				t.Errorf("ParseStageMode(%q) = %v, %v; want %v, error %v", tt.in, got, err, tt.want, tt.bad)
+			}
+			if err != nil && !strings.Contains(err.Error(), StageEnv) {
+				t.Errorf("ParseStageMode(%q) error %q does not name %s", tt.in, err, StageEnv)
+			}
+		})
+	}
+}
