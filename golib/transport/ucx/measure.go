@@ -1,7 +1,9 @@
 package ucx
 
 import (
+	"encoding/binary"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -24,11 +26,40 @@ func (m Measurement) GBps() float64 {
 	return float64(m.Bytes) * float64(m.Iterations) / m.Elapsed.Seconds() / 1e9
 }
 
-// MeasurePut measures, on host memory, rank 0's put bandwidth to rank 1 for
-// each size (puts of one size back to back, then one flush) and the
-// round trip of an 8-byte put plus flush. It is collective over bs; ranks
-// past 1 only take part in the exchanges. The result is rank 0's.
+// MeasurePut measures rank 0's puts to rank 1 on host memory; see
+// MeasurePutMemory.
 func MeasurePut(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, budget time.Duration) ([]Measurement, time.Duration, error) {
+	mmap := func(size uint64) (uintptr, error) {
+		mem, err := syscall.Mmap(-1, 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
+		if err != nil {
+			return 0, err
+		}
+		return uintptr(unsafe.Pointer(&mem[0])), nil // left mapped: a measurement runs once
+	}
+	return MeasurePutMemory(tr, bs, sizes, budget, transport.HostMemory, mmap)
+}
+
+// MeasurePutMemory measures rank 0's put bandwidth to rank 1 for each size
+// (puts of one size back to back from one buffer to one buffer, then one
+// flush) and the median round trip of an 8-byte put plus flush, with both
+// buffers of kind mem from alloc: device memory, with a Copier given to
+// Open, measures the staged path, flush included (data copied into the
+// peer's device memory). It is collective over bs; ranks past 1 only take
+// part in the exchanges. The result is rank 0's.
+//
+// The same quantities from UCX alone, between two processes (server
+// first, then client; add -m cuda for device memory):
+//
+//	ucx_perftest -p PORT
+//	ucx_perftest HOST -p PORT -t ucp_put_bw -s SIZE -n ITERS
+//	ucx_perftest HOST -p PORT -t ucp_put_lat -s 8 -n ITERS
+//
+// put_bw is comparable with the bandwidth here; put_lat reports half of a
+// ping-pong, so twice its 50th percentile compares with the round trip
+// here. Run both with the same UCX_TLS (e.g. UCX_TLS=tcp,self, or tcp,
+// cuda_copy,self for device memory over tcp).
+func MeasurePutMemory(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, budget time.Duration,
+	mem transport.Memory, alloc func(size uint64) (uintptr, error)) ([]Measurement, time.Duration, error) {
 	if bs.Size() < 2 {
 		return nil, 0, status.Errorf(status.InvalidArgument, "UCX measure: needs 2 ranks, have %d", bs.Size())
 	}
@@ -36,24 +67,33 @@ func MeasurePut(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, budget ti
 	for _, s := range sizes {
 		largest = max(largest, s)
 	}
-	mem, err := syscall.Mmap(-1, 0, int(largest)+64, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
+	buf, err := alloc(largest)
 	if err != nil {
-		return nil, 0, status.Errorf(status.Internal, "UCX measure: map %d bytes: %v", largest, err)
+		return nil, 0, status.Errorf(status.Internal, "UCX measure: allocate %d bytes of %s memory: %v", largest, mem, err)
 	}
-	defer syscall.Munmap(mem)
-	l, err := tr.Register(uintptr(unsafe.Pointer(&mem[0])), uint64(len(mem)), transport.HostMemory)
+	l, err := tr.Register(buf, largest, mem)
 	if err != nil {
 		return nil, 0, err
 	}
 	defer l.Close()
-	keys, err := bs.AllGather(l.Key())
+	// The done word lives in host memory of its own: the target polls it.
+	word, err := syscall.Mmap(-1, 0, 8, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
+	if err != nil {
+		return nil, 0, status.Errorf(status.Internal, "UCX measure: map the done word: %v", err)
+	}
+	defer syscall.Munmap(word)
+	lw, err := tr.Register(uintptr(unsafe.Pointer(&word[0])), 8, transport.HostMemory)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer lw.Close()
+	keys, err := bs.AllGather(append(binary.LittleEndian.AppendUint32(nil, uint32(len(l.Key()))), append(l.Key(), lw.Key()...)...))
 	if err != nil {
 		return nil, 0, err
 	}
 	if bs.Rank() != 0 {
-		// The target progresses, as a proxy does, until rank 0 says done
-		// through the last word of its range.
-		done := (*uint64)(unsafe.Pointer(&mem[len(mem)-8]))
+		// The target progresses, as a proxy does, until rank 0 says done.
+		done := (*uint64)(unsafe.Pointer(&word[0]))
 		deadline := time.Now().Add(tr.timeout + budget*time.Duration(len(sizes)+1))
 		for bs.Rank() == 1 && atomic.LoadUint64(done) == 0 {
 			if err := tr.Progress(); err != nil {
@@ -65,11 +105,21 @@ func MeasurePut(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, budget ti
 		}
 		return nil, 0, tr.progressWhile(bs.Barrier)
 	}
-	dst, err := tr.Remote(1, keys[1])
+	k := keys[1]
+	if len(k) < 4 || uint64(len(k)-4) < uint64(binary.LittleEndian.Uint32(k)) {
+		return nil, 0, status.Errorf(status.Mismatch, "UCX measure: rank 1 sent a %d-byte key", len(k))
+	}
+	n := binary.LittleEndian.Uint32(k)
+	dst, err := tr.Remote(1, k[4:4+n])
 	if err != nil {
 		return nil, 0, err
 	}
 	defer dst.Close()
+	dw, err := tr.Remote(1, k[4+n:])
+	if err != nil {
+		return nil, 0, err
+	}
+	defer dw.Close()
 	var out []Measurement
 	for _, size := range sizes {
 		m := Measurement{Bytes: size}
@@ -88,18 +138,19 @@ func MeasurePut(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, budget ti
 		m.Elapsed = time.Since(start)
 		out = append(out, m)
 	}
-	n := 0
-	start := time.Now()
-	for ; time.Since(start) < budget || n == 0; n++ {
+	var trips []time.Duration
+	for start := time.Now(); time.Since(start) < budget || len(trips) == 0; {
+		t0 := time.Now()
 		if err := tr.Put(dst, 0, l, 0, 8); err != nil {
 			return nil, 0, err
 		}
 		if err := tr.Flush(1); err != nil {
 			return nil, 0, err
 		}
+		trips = append(trips, time.Since(t0))
 	}
-	latency := time.Since(start) / time.Duration(n)
-	if err := tr.Signal(dst, uint64(len(mem)-8), 1); err != nil {
+	slices.Sort(trips)
+	if err := tr.Signal(dw, 0, 1); err != nil {
 		return nil, 0, err
 	}
 	if err := tr.Flush(1); err != nil {
@@ -108,5 +159,5 @@ func MeasurePut(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, budget ti
 	if err := tr.progressWhile(bs.Barrier); err != nil {
 		return nil, 0, fmt.Errorf("UCX measure: %w", err)
 	}
-	return out, latency, nil
+	return out, trips[len(trips)/2], nil
 }

@@ -123,14 +123,18 @@ func TestMeasurePut(t *testing.T) {
 		t.Skip("set P2PCOMM_TEST_UCX_MEASURE=1 to measure")
 	}
 	expectOK(t, runJob(t, "measure", 2, 120*time.Second))
+	t.Run("staged", func(t *testing.T) {
+		expectOK(t, runJob(t, "stagedmeasure", 2, 120*time.Second))
+	})
 }
 
-func childMeasure(tr *Transport, bs bootstrap.Bootstrap) error {
+func childMeasure(tr *Transport, bs bootstrap.Bootstrap, mem transport.Memory) error {
 	var sizes []uint64
 	for s := uint64(4 << 10); s <= 64<<20; s *= 4 {
 		sizes = append(sizes, s)
 	}
-	ms, latency, err := MeasurePut(tr, bs, sizes, 300*time.Millisecond)
+	alloc := func(size uint64) (uintptr, error) { return addrOf(mmapBytes(int(size))), nil }
+	ms, latency, err := MeasurePutMemory(tr, bs, sizes, 300*time.Millisecond, mem, alloc)
 	if err != nil {
 		return err
 	}
@@ -138,7 +142,7 @@ func childMeasure(tr *Transport, bs bootstrap.Bootstrap) error {
 		fmt.Printf("put %9d B: %7.3f GB/s (%d puts)\n", m.Bytes, m.GBps(), m.Iterations)
 	}
 	if bs.Rank() == 0 {
-		fmt.Printf("8-byte put+flush round trip: %v\n", latency)
+		fmt.Printf("8-byte put+flush round trip (%s memory), median: %v\n", mem, latency)
 	}
 	return nil
 }
@@ -189,6 +193,10 @@ func child(role string) int {
 	if strings.HasPrefix(role, "staged") {
 		opts.Copier, opts.Stage = newFakeCopier(), StageAlways
 		opts.ChunkBytes, opts.RingChunks = stageChunk, stageSlots
+		if role == "stagedmeasure" {
+			opts.Copier = &fakeCopier{eager: true}
+			opts.ChunkBytes, opts.RingChunks = 0, 0 // the defaults
+		}
 	}
 	tr, err := Open(bs, opts)
 	if err != nil {
@@ -210,9 +218,9 @@ func child(role string) int {
 		victim, _ := strconv.Atoi(os.Getenv(victimEnv))
 		err = childKill(tr, bs, cfg.Timeout, victim, transport.DeviceMemory)
 	case "stagedmeasure":
-		err = childMeasure(tr, bs)
+		err = childMeasure(tr, bs, transport.DeviceMemory)
 	case "measure":
-		err = childMeasure(tr, bs)
+		err = childMeasure(tr, bs, transport.HostMemory)
 	case "invalid":
 		err = childInvalid(tr, bs, cfg.Timeout)
 	case "stray":
