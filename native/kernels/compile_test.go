@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -29,7 +30,10 @@ func TestMain(m *testing.M) {
 }
 
 // TestEveryKernelCompiles compiles each .cu file for sm_80 and sm_90 with
-// the instantiations it declares, and checks that each one lowers.
+// the instantiations it declares and the library's options (kernels.go's
+// compile in golib/gpucoll), and checks that each one lowers; in files that
+// say "p2pcomm:no-spills", that no kernel spills registers or uses a stack
+// frame. Each compile logs its time, so a long run shows progress (-v).
 func TestEveryKernelCompiles(t *testing.T) {
 	names := kernels.Kernels()
 	if len(names) == 0 {
@@ -43,20 +47,28 @@ func TestEveryKernelCompiles(t *testing.T) {
 	major, minor := n.Version()
 	t.Logf("NVRTC %d.%d from %s", major, minor, n.Path())
 	headers := kernels.Headers()
+	m := regexp.MustCompile(`constexpr int kThreads = (\d+);`).FindStringSubmatch(headers["p2p_common.cuh"])
+	if m == nil {
+		t.Fatal("kThreads not found in p2p_common.cuh")
+	}
+	threads, _ := strconv.Atoi(m[1])
 	for _, name := range names {
 		src, err := kernels.Source(name)
 		if err != nil {
 			t.Fatal(err)
 		}
 		exprs := kernels.Instantiations(src)
+		noSpills := strings.Contains(src, "p2pcomm:no-spills")
 		for _, arch := range []int{80, 90} {
 			t.Run(name+"/sm_"+strconv.Itoa(arch), func(t *testing.T) {
 				t.Parallel() // NVRTC compiles are independent: use every core
-				res, err := n.Compile(cuda.CompileRequest{Name: name, Source: src, Headers: headers,
-					Arch: arch, Options: []string{"-std=c++17"}, NameExpressions: exprs})
+				start := time.Now()
+				res, err := n.Compile(cuda.CompileRequest{Name: name, Source: src, Headers: headers, Arch: arch,
+					Options: []string{"-std=c++17", "-default-device", "--ptxas-options=-v"}, NameExpressions: exprs})
 				if err != nil {
 					t.Fatalf("compile %s for sm_%d: %v", name, arch, err)
 				}
+				t.Logf("compiled %s for sm_%d in %.1f s", name, arch, time.Since(start).Seconds())
 				if len(res.CUBIN) == 0 {
 					t.Errorf("compile %s for sm_%d: empty CUBIN", name, arch)
 				}
@@ -68,7 +80,67 @@ func TestEveryKernelCompiles(t *testing.T) {
 				if strings.Contains(res.Log, "warning") {
 					t.Logf("%s sm_%d warnings:\n%s", name, arch, res.Log)
 				}
+				if !noSpills {
+					return
+				}
+				report := ptxasReport(res.Log, res.Lowered)
+				for _, e := range exprs {
+					if _, ok := report[e]; !ok {
+						t.Errorf("%s sm_%d: ptxas -v said nothing of %s", name, arch, e)
+					}
+				}
+				for e, r := range report {
+					if r.spillStores != 0 || r.spillLoads != 0 || r.stack != 0 {
+						t.Errorf("%s sm_%d: %s spills (registers %d, spill stores %d B, loads %d B, stack %d B)",
+							name, arch, e, r.registers, r.spillStores, r.spillLoads, r.stack)
+					}
+					if r.registers > 65536/threads {
+						t.Errorf("%s sm_%d: %s uses %d registers, more than %d threads per block can have",
+							name, arch, e, r.registers, threads)
+					}
+				}
 			})
 		}
 	}
+}
+
+type ptxasUse struct{ registers, spillStores, spillLoads, stack int }
+
+var (
+	ptxasEntry = regexp.MustCompile(`Compiling entry function '(\w+)'`)
+	ptxasSpill = regexp.MustCompile(`(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads`)
+	ptxasRegs  = regexp.MustCompile(`Used (\d+) registers`)
+)
+
+// ptxasReport reads ptxas -v's log into each instantiation's use. Spills and
+// stack frames add up over the kernel and the functions it calls, which
+// ptxas lists under the kernel's entry.
+func ptxasReport(log string, lowered map[string]string) map[string]ptxasUse {
+	byName := map[string]string{}
+	for e, l := range lowered {
+		byName[l] = e
+	}
+	out := map[string]ptxasUse{}
+	current := ""
+	for _, line := range strings.Split(log, "\n") {
+		if m := ptxasEntry.FindStringSubmatch(line); m != nil {
+			current = byName[m[1]]
+			continue
+		}
+		if current == "" {
+			continue
+		}
+		r := out[current]
+		if m := ptxasSpill.FindStringSubmatch(line); m != nil {
+			stack, _ := strconv.Atoi(m[1])
+			stores, _ := strconv.Atoi(m[2])
+			loads, _ := strconv.Atoi(m[3])
+			r.stack, r.spillStores, r.spillLoads = r.stack+stack, r.spillStores+stores, r.spillLoads+loads
+		}
+		if m := ptxasRegs.FindStringSubmatch(line); m != nil {
+			r.registers, _ = strconv.Atoi(m[1])
+		}
+		out[current] = r
+	}
+	return out
 }

@@ -9,6 +9,9 @@
 // and any number of blocks (the host passes num_sms); results never depend on
 // the grid: every value is computed in a fixed order by exactly one thread.
 //
+// p2pcomm:no-spills (the kernels keep many loads in flight in registers, and a
+// spill would quietly cost bandwidth; native/kernels' compile test holds it).
+//
 // Buffers (W ranks, Tm = max_tokens, K = topk, E experts, L = E / W, H = hidden):
 //   xs      [Tm, H] T         symmetric: this rank's token rows (moe.py copies
 //                             x there, or x is built there); destinations read
