@@ -14,6 +14,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
 	"github.com/p2pcomm/p2pcomm/golib/hostcoll"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
 )
 
 // Config says how to build a communicator. Env holds the environment as
@@ -43,12 +44,18 @@ func (c Config) int64Env(key string, def int64) (int64, error) {
 	return n, nil
 }
 
+// hostKey says which host this process runs on; tests replace it to fake
+// ranks on several hosts.
+var hostKey = func(Config) []byte { return topo.HostKey() }
+
 // Comm is one communicator.
 type Comm struct {
 	mu      sync.Mutex
 	bs      bootstrap.Bootstrap
 	backend collective.Backend
 	device  int
+	topo    *topo.Topology
+	timeout time.Duration
 	closed  bool
 }
 
@@ -64,6 +71,11 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		bs.Close()
 		return nil, err
 	}
+	top, err := discover(bs, cfg)
+	if err != nil {
+		bs.Close()
+		return nil, err
+	}
 	var be collective.Backend
 	if cfg.Device < 0 {
 		var staging int64
@@ -73,18 +85,29 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		}
 		be, err = hostcoll.New(bs, hostcoll.Options{
 			Job: bootstrap.JobToken(cfg.Lookup), StagingBytes: staging, Timeout: time.Duration(timeoutMs) * time.Millisecond,
+			Topology: top,
 		})
 	} else {
-		be, err = newGPU(bs, cfg, time.Duration(timeoutMs)*time.Millisecond)
+		be, err = newGPU(bs, cfg, time.Duration(timeoutMs)*time.Millisecond, top)
 	}
 	if err != nil {
 		bs.Close()
 		return nil, err
 	}
-	return &Comm{bs: bs, backend: be, device: cfg.Device}, nil
+	return &Comm{bs: bs, backend: be, device: cfg.Device, topo: top, timeout: time.Duration(timeoutMs) * time.Millisecond}, nil
 }
 
-func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration) (collective.Backend, error) {
+// discover learns which ranks share a host (one all-gather) and groups
+// them into nodes, P2PCOMM_LOCAL_SIZE ranks each when it is set.
+func discover(bs bootstrap.Bootstrap, cfg Config) (*topo.Topology, error) {
+	localSize, err := cfg.int64Env(topo.LocalSizeEnv, 0)
+	if err != nil {
+		return nil, err
+	}
+	return topo.Discover(bs, hostKey(cfg), int(localSize))
+}
+
+func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration, top *topo.Topology) (collective.Backend, error) {
 	staging, err := cfg.int64Env("P2PCOMM_STAGING_BYTES", gpucoll.DefaultStagingBytes)
 	if err != nil {
 		return nil, err
@@ -94,7 +117,8 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration) (collecti
 		return nil, err
 	}
 	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks),
-		NVRTCOptions: strings.Fields(cfg.Env["P2PCOMM_NVRTC_OPTIONS"]), ShareGPUs: cfg.Env["P2PCOMM_SHARE_GPUS"] == "1"}
+		NVRTCOptions: strings.Fields(cfg.Env["P2PCOMM_NVRTC_OPTIONS"]), ShareGPUs: cfg.Env["P2PCOMM_SHARE_GPUS"] == "1",
+		Topology: top}
 	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {
 		algo, ok := collective.ParseAlgorithm(name)
 		if !ok {
@@ -152,6 +176,11 @@ func (c *Comm) Size() int { return c.bs.Size() }
 
 // Device is the CUDA ordinal, or -1 on the CPU backend.
 func (c *Comm) Device() int { return c.device }
+
+// Topology says which node each rank belongs to (ranks of one node share a
+// host and reach each other's memory directly; other nodes only through a
+// PortChannel). The same on every rank; do not modify it.
+func (c *Comm) Topology() *topo.Topology { return c.topo }
 
 // Do runs f on the backend with the communicator locked; it fails once the
 // communicator is closed.

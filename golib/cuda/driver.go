@@ -58,6 +58,7 @@ type driverFuncs struct {
 	streamSynchronize, streamIsCapturing, streamGetCaptureInfo                        unsafe.Pointer
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
 	streamCreate, streamDestroy, streamQuery, streamWriteValue64                      unsafe.Pointer
+	funcGetParamInfo                                                                  unsafe.Pointer
 }
 
 // entry is one row of the entry-point table. version is the CUDA version
@@ -124,6 +125,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuStreamDestroy", v, false, &f.streamDestroy},
 		{"cuStreamQuery", v, false, &f.streamQuery},
 		{"cuStreamWriteValue64", v, false, &f.streamWriteValue64},
+		{"cuFuncGetParamInfo", 12040, false, &f.funcGetParamInfo}, // CUDA 12.4+
 	}
 }
 

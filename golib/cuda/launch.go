@@ -77,3 +77,31 @@ func (d *Driver) LaunchParams(fn Function, cfg LaunchConfig, params ...[]byte) e
 	}
 	return nil
 }
+
+// Param is where one kernel parameter lies in the parameter buffer the
+// kernel's signature lays out (cuFuncGetParamInfo).
+type Param struct {
+	Offset, Size uint64
+}
+
+// FuncParams returns the layout of fn's parameters, in order. It needs
+// cuFuncGetParamInfo (CUDA 12.4 drivers and newer): without it the error
+// is ErrNotSupported.
+func (d *Driver) FuncParams(fn Function) ([]Param, error) {
+	if d.fn.funcGetParamInfo == nil {
+		return nil, fmt.Errorf("cuFuncGetParamInfo (CUDA 12.4+): %w", ErrNotSupported)
+	}
+	var out []Param
+	for i := 0; i <= MaxParams; i++ {
+		var off, size C.size_t
+		r := C.p2p_r_p_z_p_p(d.fn.funcGetParamInfo, ptr(uintptr(fn)), C.size_t(i), unsafe.Pointer(&off), unsafe.Pointer(&size))
+		if r == errInvalidValue {
+			return out, nil // past the last parameter
+		}
+		if err := d.check("cuFuncGetParamInfo", r); err != nil {
+			return nil, err
+		}
+		out = append(out, Param{Offset: uint64(off), Size: uint64(size)})
+	}
+	return nil, status.Errorf(status.Unsupported, "kernel has more than %d parameters", MaxParams)
+}

@@ -23,6 +23,9 @@ static inline int p2p_r_p_i_d(void* f, void* a, int b, p2p_dptr c) { return ((in
 static inline int p2p_r_p_p_p(void* f, void* a, void* b, void* c) { return ((int (*)(void*, void*, void*))f)(a, b, c); }
 static inline int p2p_r_p_p_u(void* f, void* a, void* b, unsigned c) { return ((int (*)(void*, void*, unsigned))f)(a, b, c); }
 static inline int p2p_r_p_p_d(void* f, void* a, void* b, p2p_dptr c) { return ((int (*)(void*, void*, p2p_dptr))f)(a, b, c); }
+static inline int p2p_r_p_z_p_p(void* f, void* a, size_t b, void* c, void* d) {
+	return ((int (*)(void*, size_t, void*, void*))f)(a, b, c, d);
+}
 static inline int p2p_r_p_z_u(void* f, void* a, size_t b, unsigned c) { return ((int (*)(void*, size_t, unsigned))f)(a, b, c); }
 static inline int p2p_r_p_d_z(void* f, void* a, p2p_dptr b, size_t c) { return ((int (*)(void*, p2p_dptr, size_t))f)(a, b, c); }
 static inline int p2p_r_d_u8_z_p(void* f, p2p_dptr a, unsigned char b, size_t c, void* d) {

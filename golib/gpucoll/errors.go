@@ -13,6 +13,7 @@ const (
 	errBadParams = 2
 	errHostAbort = 3
 	errMismatch  = 4
+	errProxy     = 5 // kErrProxy: the proxy failed a trigger of a PortChannel's FIFO
 )
 
 // phaseNames: the waits of p2p_common.cuh's Phase, then kPhaseData (LL
@@ -22,8 +23,11 @@ var phaseNames = []string{"start barrier", "middle barrier", "end barrier", "ste
 	"start barrier", "middle barrier"}
 
 const (
-	phaseMoeStart = 5
-	phaseMoeMid   = 6
+	phaseMoeStart    = 5
+	phaseMoeMid      = 6
+	phaseChannelWait = 7 // channel.cuh kPhaseChannelWait: a semaphore wait
+	phaseFifoPush    = 8 // kPhaseFifoPush: a push waiting for a free FIFO slot (step = FIFO id)
+	phaseFifoFlush   = 9 // kPhaseFifoFlush: a flush waiting for the proxy (step = FIFO id)
 )
 
 func phaseName(p int32) string {
@@ -51,8 +55,42 @@ func callName(e errorWord) string {
 	return "an MoE combine"
 }
 
+// describeChannel turns what a channel wait recorded into an error naming
+// the peer, or returns nil for the waits of collectives.
+func describeChannel(e errorWord) error {
+	const cannot = "the communicator cannot continue (P2PCOMM_TIMEOUT_MS)"
+	switch {
+	case e.Code == errProxy && (e.Phase == phaseFifoPush || e.Phase == phaseFifoFlush):
+		what := "push"
+		if e.Phase == phaseFifoFlush {
+			what = "flush"
+		}
+		return status.Errorf(status.Internal,
+			"the proxy failed a trigger of FIFO %d toward peer %d, seen by a %s on rank %d (block %d); the proxy's error says why (port channels)",
+			e.Step, e.Peer, what, e.Rank, e.Block)
+	case e.Code != errTimeout:
+		return nil
+	case e.Phase == phaseChannelWait:
+		return status.Errorf(status.Timeout,
+			"rank %d's channel wait for a signal from peer %d timed out (block %d, waited for count %d, saw %d); %s",
+			e.Rank, e.Peer, e.Block, e.Expected, e.Seen, cannot)
+	case e.Phase == phaseFifoPush:
+		return status.Errorf(status.Timeout,
+			"rank %d's push into FIFO %d toward peer %d found no free slot (block %d, waited for the proxy to pass position %d, it was at %d): the proxy is stalled; %s",
+			e.Rank, e.Step, e.Peer, e.Block, e.Expected, e.Seen, cannot)
+	case e.Phase == phaseFifoFlush:
+		return status.Errorf(status.Timeout,
+			"rank %d's flush of FIFO %d toward peer %d timed out (block %d, waited for the proxy to complete %d triggers, it had %d); %s",
+			e.Rank, e.Step, e.Peer, e.Block, e.Expected, e.Seen, cannot)
+	}
+	return nil
+}
+
 // describe turns what a kernel recorded into an error naming the peer.
 func describe(e errorWord) error {
+	if err := describeChannel(e); err != nil {
+		return err
+	}
 	switch e.Code {
 	case errTimeout:
 		where := fmt.Sprintf("block %d, step %d", e.Block, e.Step)

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/native/kernels"
 )
 
@@ -78,5 +79,55 @@ func TestCallNumbersMatchTheKernels(t *testing.T) {
 	m := regexp.MustCompile(`constexpr unsigned kCallShift = (\d+);`).FindStringSubmatch(src)
 	if m == nil || m[1] != strconv.Itoa(callShift) {
 		t.Errorf("kCallShift in p2p_common.cuh: %v, want %d", m, callShift)
+	}
+}
+
+func TestDescribeChannelWaits(t *testing.T) {
+	cases := []struct {
+		name string
+		w    errorWord
+		code status.Code
+		want string
+	}{
+		{"channel wait", errorWord{Code: errTimeout, Rank: 0, Peer: 3, Phase: phaseChannelWait, Block: 2, Step: -1, Expected: 5, Seen: 4},
+			status.Timeout, "rank 0's channel wait for a signal from peer 3 timed out (block 2, waited for count 5, saw 4)"},
+		{"push", errorWord{Code: errTimeout, Rank: 1, Peer: 2, Phase: phaseFifoPush, Step: 4, Expected: 9, Seen: 7},
+			status.Timeout, "rank 1's push into FIFO 4 toward peer 2 found no free slot"},
+		{"flush", errorWord{Code: errTimeout, Rank: 1, Peer: 0, Phase: phaseFifoFlush, Step: 1, Expected: 12, Seen: 10},
+			status.Timeout, "rank 1's flush of FIFO 1 toward peer 0 timed out (block 0, waited for the proxy to complete 12 triggers, it had 10)"},
+		{"proxy failed a push", errorWord{Code: errProxy, Rank: 1, Peer: 2, Phase: phaseFifoPush, Step: 3},
+			status.Internal, "the proxy failed a trigger of FIFO 3 toward peer 2, seen by a push on rank 1"},
+		{"proxy failed a flush", errorWord{Code: errProxy, Rank: 0, Peer: 1, Phase: phaseFifoFlush, Step: 0},
+			status.Internal, "the proxy failed a trigger of FIFO 0 toward peer 1, seen by a flush on rank 0"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := describe(c.w)
+			if status.CodeOf(err) != c.code || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("describe(%+v) = %v (%v), want %v containing %q", c.w, err, status.CodeOf(err), c.code, c.want)
+			}
+		})
+	}
+}
+
+// The channel phases and the proxy's code are channel.cuh's (kNumPhases + n).
+func TestChannelNumbersMatchTheKernels(t *testing.T) {
+	src := kernels.Sources()
+	all := src["p2p_common.cuh"] + src["channel.cuh"]
+	base, _ := strconv.Atoi(regexp.MustCompile(`kNumPhases = (\d+)`).FindStringSubmatch(all)[1])
+	for name, want := range map[string]int{"kPhaseChannelWait": phaseChannelWait, "kPhaseFifoPush": phaseFifoPush,
+		"kPhaseFifoFlush": phaseFifoFlush} {
+		m := regexp.MustCompile(`constexpr int ` + name + ` = kNumPhases \+ (\d+);`).FindStringSubmatch(all)
+		if m == nil {
+			t.Errorf("%s not found in channel.cuh", name)
+			continue
+		}
+		if n, _ := strconv.Atoi(m[1]); base+n != want {
+			t.Errorf("%s = %d in the kernels, %d here", name, base+n, want)
+		}
+	}
+	m := regexp.MustCompile(`constexpr u32 kErrProxy = (\d+);`).FindStringSubmatch(all)
+	if m == nil || m[1] != strconv.Itoa(errProxy) {
+		t.Errorf("kErrProxy in channel.cuh: %v, want %d", m, errProxy)
 	}
 }

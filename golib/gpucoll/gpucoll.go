@@ -17,6 +17,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/symm"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
 )
 
 // Options configure the GPU backend; zero values take the defaults.
@@ -28,6 +29,9 @@ type Options struct {
 	MaxBlocks    int      // grid limit, 1..128 (default 128)
 	NVRTCOptions []string // extra options for the kernels, e.g. -DP2P_UNROLL=4
 	ShareGPUs    bool     // several ranks on one GPU (tests only; see symm.Options)
+	// Topology says which ranks share this rank's node; only their memory
+	// is mapped (nil: every rank shares one node).
+	Topology *topo.Topology
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -55,6 +59,8 @@ type Backend struct {
 	kernels *kernelCache
 	broken  error
 	params  allReduceParams // reused per launch: no allocation on the hot path
+	topo    *topo.Topology
+	user    userKernels // kernels compiled from callers' sources
 }
 
 var _ collective.Backend = (*Backend)(nil)
@@ -80,7 +86,11 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 	if err = bootstrap.Agree(bs, err); err != nil {
 		return nil, err
 	}
-	space, err := symm.New(drv, bs, device, symm.Options{ShareGPUs: opts.ShareGPUs})
+	top := opts.Topology
+	if top == nil {
+		top = topo.Single(bs.Rank(), bs.Size())
+	}
+	space, err := symm.New(drv, bs, device, symm.Options{ShareGPUs: opts.ShareGPUs, Node: top.Local()})
 	if err != nil {
 		return nil, err
 	}
@@ -88,7 +98,7 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 		sms = smsPerRank(sms, space.Peers())
 		opts.MaxBlocks = min(opts.MaxBlocks, sms)
 	}
-	b := &Backend{drv: drv, space: space, bs: bs, rank: bs.Rank(), size: bs.Size(), device: device, arch: cc, sms: sms, opts: opts}
+	b := &Backend{drv: drv, space: space, bs: bs, rank: bs.Rank(), size: bs.Size(), device: device, arch: cc, sms: sms, opts: opts, topo: top}
 	if err := b.allocWorkspace(); err != nil {
 		b.Close()
 		return nil, err
@@ -269,6 +279,10 @@ func (b *Backend) usable() error {
 func (b *Backend) AllReduce(req collective.AllReduce) error {
 	if err := b.Check(); err != nil {
 		return err
+	}
+	if b.topo.MultiNode() {
+		// Every rank knows the topology, so every rank fails here alike.
+		return b.acrossNodes("all-reduce")
 	}
 	if req.Reject != nil {
 		return b.reject(req)
@@ -457,6 +471,10 @@ func (b *Backend) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, err
 	if rank < 0 || rank >= b.size {
 		return 0, status.Errorf(status.InvalidArgument, "rank %d out of range [0, %d)", rank, b.size)
 	}
+	if !b.topo.SameNode(rank) {
+		return 0, status.Errorf(status.Unsupported, "rank %d is on node %d, rank %d on node %d: memory of another node is not mapped (%s)",
+			rank, b.topo.NodeOf[rank], b.rank, b.topo.Node(), b.topo)
+	}
 	buf, ok := b.space.Lookup(ptr, uint64(nbytes))
 	if !ok {
 		return 0, status.Errorf(status.InvalidArgument, "%#x (+%d bytes) is neither from comm.empty() nor registered", ptr, nbytes)
@@ -479,6 +497,9 @@ func (b *Backend) StreamBarrier(stream uintptr, call collective.Call) error {
 	}
 	if !call.Valid() {
 		return status.Errorf(status.InvalidArgument, "stream barrier for unknown call %d", call)
+	}
+	if b.topo.MultiNode() {
+		return b.acrossNodes("a stream barrier")
 	}
 	if err := b.drv.EnsureContext(b.device); err != nil {
 		return err
@@ -541,6 +562,27 @@ func (b *Backend) Prepare(file, expr string) error {
 	_, err := b.kernels.function(collective.OneShot, barrierDType) // StreamBarrier's kernel
 	return err
 }
+
+// acrossNodes is the error of calls that need every rank's memory.
+func (b *Backend) acrossNodes(what string) error {
+	return status.Errorf(status.Unsupported, "%s across nodes is not available on the GPU backend: this communicator spans %s", what, b.topo)
+}
+
+// Topology is the node layout the backend was built with.
+func (b *Backend) Topology() *topo.Topology { return b.topo }
+
+// Space is the backend's symmetric memory (its node's peers mapped); it
+// lives until Close.
+func (b *Backend) Space() *symm.Space { return b.space }
+
+// Driver is the CUDA driver the backend uses.
+func (b *Backend) Driver() *cuda.Driver { return b.drv }
+
+// Device is the CUDA ordinal of the backend's GPU.
+func (b *Backend) Device() int { return b.device }
+
+// Timeout bounds every wait of the backend's kernels (P2PCOMM_TIMEOUT_MS).
+func (b *Backend) Timeout() time.Duration { return b.opts.Timeout }
 
 // SMCount is the number of multiprocessors of this rank's GPU (its share of
 // them when ranks share GPUs).

@@ -92,6 +92,27 @@ func (k *kernelCache) close() error {
 	return errors.Join(errs...)
 }
 
+// load loads a compiled module whose one name expression is expr and
+// returns that kernel; close unloads the module.
+func (k *kernelCache) load(res cuda.CompileResult, expr string) (cuda.Function, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	lowered, ok := res.Lowered[expr]
+	if !ok {
+		return 0, fmt.Errorf("NVRTC did not lower the name expression %q", expr)
+	}
+	mod, err := k.drv.ModuleLoadData(res.CUBIN)
+	if err != nil {
+		return 0, fmt.Errorf("load the module of %s: %w", expr, err)
+	}
+	k.modules = append(k.modules, mod)
+	fn, err := k.drv.ModuleFunction(mod, lowered)
+	if err != nil {
+		return 0, fmt.Errorf("find %s in its module: %w", expr, err)
+	}
+	return fn, nil
+}
+
 // function returns the all-reduce kernel of algo for dt.
 func (k *kernelCache) function(algo collective.Algorithm, dt reduce.DType) (cuda.Function, error) {
 	key := [2]int32{int32(algo), int32(dt)}

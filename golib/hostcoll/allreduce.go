@@ -22,6 +22,10 @@ func (c *Comm) AllReduce(req collective.AllReduce) error {
 	if err := c.usable(); err != nil {
 		return err
 	}
+	if c.topo.MultiNode() {
+		// Every rank knows the topology, so every rank fails here alike.
+		return c.acrossNodes("all-reduce")
+	}
 	c.seq++
 	seq := c.seq
 	me := c.ctl[c.rank]
@@ -50,10 +54,14 @@ func (c *Comm) AllReduce(req collective.AllReduce) error {
 	return c.twoShot(req, seq, in)
 }
 
-// Barrier blocks until every rank has entered it.
+// Barrier blocks until every rank has entered it: through shared memory on
+// one node, through the bootstrap across nodes.
 func (c *Comm) Barrier() error {
 	if err := c.usable(); err != nil {
 		return err
+	}
+	if c.topo.MultiNode() {
+		return c.bs.Barrier()
 	}
 	c.seq++
 	seq := c.seq

@@ -14,6 +14,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/shm"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
 )
 
 // Options configure a Comm; zero values take the defaults.
@@ -27,6 +28,9 @@ type Options struct {
 	// for ranks that are goroutines of one process (tests), which would
 	// otherwise starve each other of Go's threads.
 	Cooperative bool
+	// Topology says which ranks share this rank's node; only their memory
+	// is mapped (nil: every rank shares one node).
+	Topology *topo.Topology
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -53,17 +57,21 @@ type Comm struct {
 	seq     uint64
 	broken  error
 	scratch []byte
+	topo    *topo.Topology
+	// registered: ranges passed to Register, by address (their sizes), so
+	// that channels can tell a registered range from any other.
+	registered map[uintptr]int64
 }
 
 type alloc struct {
 	id    int64
 	size  int
-	segs  []*shm.Segment // [rank]
+	segs  []*shm.Segment // [rank]; nil for ranks of other nodes
 	local uintptr
 }
 
-// New creates the CPU backend collectively: every rank maps every other
-// rank's control block and staging area.
+// New creates the CPU backend collectively: every rank maps the control
+// block and staging area of every other rank of its node.
 func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 	if opts.StagingBytes <= 0 {
 		opts.StagingBytes = DefaultStagingBytes
@@ -76,7 +84,11 @@ func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 	}
 	opts.StagingBytes = (opts.StagingBytes + stagingAlign - 1) / stagingAlign * stagingAlign
 	shm.CleanStale()
-	c := &Comm{bs: bs, rank: bs.Rank(), size: bs.Size(), opts: opts, allocs: map[uintptr]*alloc{}}
+	c := &Comm{bs: bs, rank: bs.Rank(), size: bs.Size(), opts: opts, allocs: map[uintptr]*alloc{},
+		topo: opts.Topology, registered: map[uintptr]int64{}}
+	if c.topo == nil {
+		c.topo = topo.Single(c.rank, c.size)
+	}
 	// Rank 0 picks a per-communicator id so two communicators of one job
 	// never share names.
 	var id [8]byte
@@ -93,9 +105,13 @@ func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 	}
 	c.peers = segs
 	c.own = segs[c.rank]
-	for _, s := range segs {
-		c.ctl = append(c.ctl, ctlView{unsafe.Pointer(&s.Data[0])})
-		c.staging = append(c.staging, s.Data[ctlBytes:])
+	c.ctl = make([]ctlView, c.size)
+	c.staging = make([][]byte, c.size)
+	for r, s := range segs {
+		if s != nil { // ranks of other nodes stay unmapped
+			c.ctl[r] = ctlView{unsafe.Pointer(&s.Data[0])}
+			c.staging[r] = s.Data[ctlBytes:]
+		}
 	}
 	c.ctl[c.rank].store(offPid, uint64(os.Getpid()))
 	if err := bs.Barrier(); err != nil { // every pid is published
@@ -105,8 +121,10 @@ func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 	return c, nil
 }
 
-// openSymmetric creates this rank's segment named tag, maps every peer's,
-// and unlinks its own once all have mapped it, so a crash leaves no file.
+// openSymmetric creates this rank's segment named tag, maps the segments of
+// the peers of its node, and unlinks its own once all have mapped it, so a
+// crash leaves no file. It is collective over every rank, so that nodes stay
+// in step.
 func (c *Comm) openSymmetric(tag string, size int) ([]*shm.Segment, error) {
 	name := shm.Name(c.opts.Job, os.Getpid(), fmt.Sprintf("%s.%s.r%d", c.prefix, tag, c.rank))
 	own, err := shm.Create(name, size)
@@ -126,7 +144,7 @@ func (c *Comm) openSymmetric(tag string, size int) ([]*shm.Segment, error) {
 	// On failure, still reach the barrier below: peers wait there for us.
 	openErr := err
 	for r, n := range names {
-		if r == c.rank || openErr != nil {
+		if r == c.rank || openErr != nil || !c.topo.SameNode(r) {
 			continue
 		}
 		if len(n) > 0 && n[0] == '!' {
@@ -189,11 +207,48 @@ func (c *Comm) Free(ptr uintptr) error {
 }
 
 // Register accepts any host range: CPU tensors outside symmetric memory go
-// through the staging area, so there is nothing to map.
-func (c *Comm) Register(ptr uintptr, nbytes int64) error { return c.usable() }
+// through the staging area, so there is nothing to map. The range is noted
+// for Contains.
+func (c *Comm) Register(ptr uintptr, nbytes int64) error {
+	if err := c.usable(); err != nil {
+		return err
+	}
+	if ptr != 0 && nbytes > 0 {
+		c.registered[ptr] = nbytes
+	}
+	return nil
+}
 
 // Deregister is the inverse of Register.
-func (c *Comm) Deregister(ptr uintptr) error { return c.usable() }
+func (c *Comm) Deregister(ptr uintptr) error {
+	if err := c.usable(); err != nil {
+		return err
+	}
+	delete(c.registered, ptr)
+	return nil
+}
+
+// Contains reports whether [ptr, ptr+nbytes) lies in one symmetric
+// allocation or one registered range of this rank.
+func (c *Comm) Contains(ptr uintptr, nbytes int64) bool {
+	if a, _ := c.find(ptr, nbytes); a != nil {
+		return true
+	}
+	for p, n := range c.registered {
+		if ptr >= p && nbytes >= 0 && ptr+uintptr(nbytes) <= p+uintptr(n) {
+			return true
+		}
+	}
+	return false
+}
+
+// Topology is the node layout the backend was built with.
+func (c *Comm) Topology() *topo.Topology { return c.topo }
+
+// acrossNodes is the error of calls that need every rank's memory.
+func (c *Comm) acrossNodes(what string) error {
+	return status.Errorf(status.Unsupported, "%s across nodes is not available on the CPU backend: this communicator spans %s", what, c.topo)
+}
 
 // Check returns the error that broke the communicator, if any.
 func (c *Comm) Check() error { return c.broken }
@@ -241,6 +296,10 @@ func (c *Comm) PeerAddress(ptr uintptr, nbytes int64, rank int) (uintptr, error)
 	}
 	if rank < 0 || rank >= c.size {
 		return 0, status.Errorf(status.InvalidArgument, "rank %d out of range [0, %d)", rank, c.size)
+	}
+	if !c.topo.SameNode(rank) {
+		return 0, status.Errorf(status.Unsupported, "rank %d is on node %d, rank %d on node %d: memory of another node is not mapped (%s)",
+			rank, c.topo.NodeOf[rank], c.rank, c.topo.Node(), c.topo)
 	}
 	a, off := c.find(ptr, nbytes)
 	if a == nil {

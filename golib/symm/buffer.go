@@ -202,6 +202,9 @@ func (s *Space) exchange(local func() (exported, error), self uintptr) (*Buffer,
 			b.Peers[r] = self
 			continue
 		}
+		if !s.mapped[r] {
+			continue // another node: its memory is out of reach
+		}
 		base, oerr := s.open(r, e.Handle)
 		if oerr != nil {
 			err = fmt.Errorf("open IPC handle of rank %d (GPU %s): %w", r, s.peers[r].BusID, oerr)
@@ -353,6 +356,9 @@ func (s *Space) OpenPeer(r int, h cuda.IPCHandle) (uintptr, error) {
 	}
 	if r < 0 || r >= s.size || r == s.rank {
 		return 0, status.Errorf(status.InvalidArgument, "open IPC handle of rank %d: not a peer of rank %d in a world of %d", r, s.rank, s.size)
+	}
+	if !s.mapped[r] {
+		return 0, status.Errorf(status.InvalidArgument, "open IPC handle of rank %d: it is on another node than rank %d", r, s.rank)
 	}
 	return s.open(r, h)
 }

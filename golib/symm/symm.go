@@ -55,7 +55,7 @@ type Peer struct {
 // mappings: it must outlive every use of these addresses, kernels included.
 type Buffer struct {
 	Local uintptr           // this rank's address
-	Peers [MaxRanks]uintptr // Peers[r]: rank r's buffer in this address space; Peers[rank] == Local
+	Peers [MaxRanks]uintptr // Peers[r]: rank r's buffer in this address space (0 for another node); Peers[rank] == Local
 	Size  uint64            // bytes, the same on every rank
 	Seq   uint64            // which collective Alloc, Map or Register made it: the same on every rank
 	owned bool              // allocated by Alloc, freed by Close
@@ -99,6 +99,7 @@ type Space struct {
 	made    uint64              // buffers made so far (Buffer.Seq)
 	hosts   []*HostBuffer
 	closed  bool
+	mapped  []bool // mapped[r]: rank r's memory is mapped here (its node)
 }
 
 // Options changes what New accepts.
@@ -108,6 +109,10 @@ type Options struct {
 	// ranks' kernels take turns on the GPU, and a kernel that waits for a
 	// peer's can spin through its whole time slice.
 	ShareGPUs bool
+	// Node lists the ranks whose memory this rank maps (its own node's,
+	// ascending); nil means every rank. Collective calls still involve
+	// every rank; the others' Buffer.Peers entries stay 0.
+	Node []int
 }
 
 // New creates the Space of this rank on the GPU with the given ordinal
@@ -123,6 +128,16 @@ func New(drv Driver, bs bootstrap.Bootstrap, device int, opts Options) (*Space, 
 	if s.size > MaxRanks {
 		return nil, status.Errorf(status.Unsupported, "symmetric memory spans at most %d ranks, got %d", MaxRanks, s.size)
 	}
+	s.mapped = make([]bool, s.size)
+	for r := range s.mapped {
+		s.mapped[r] = opts.Node == nil
+	}
+	for _, r := range opts.Node {
+		if r >= 0 && r < s.size {
+			s.mapped[r] = true
+		}
+	}
+	s.mapped[s.rank] = true
 	self, err := s.describeSelf()
 	if err = s.agree(err); err != nil {
 		return nil, err
@@ -192,7 +207,7 @@ func (s *Space) mapPeers(recs [][]byte, shareGPUs bool) error {
 	// mismatches after P2PCOMM_TIMEOUT_MS instead of saying why.
 	for a := 0; a < len(s.peers) && !shareGPUs; a++ {
 		for b := a + 1; b < len(s.peers); b++ {
-			if s.peers[a].UUID == s.peers[b].UUID {
+			if s.mapped[a] && s.mapped[b] && s.peers[a].UUID == s.peers[b].UUID {
 				return status.Errorf(status.PeerUnavailable,
 					"ranks %d and %d are both on GPU %s: p2pcomm needs one GPU per rank "+
 						"(P2PCOMM_SHARE_GPUS=1 lets tests share one, under MPS)", a, b, s.peers[a].BusID)
@@ -204,7 +219,7 @@ func (s *Space) mapPeers(recs [][]byte, shareGPUs bool) error {
 		return err
 	}
 	for _, p := range s.peers {
-		if p.Rank == s.rank || p.LocalOrdinal < 0 || p.LocalOrdinal == s.device {
+		if p.Rank == s.rank || !s.mapped[p.Rank] || p.LocalOrdinal < 0 || p.LocalOrdinal == s.device {
 			continue
 		}
 		dev, err := s.drv.Device(p.LocalOrdinal)
@@ -229,6 +244,10 @@ func (s *Space) Rank() int { return s.rank }
 
 // Size returns the number of ranks.
 func (s *Space) Size() int { return s.size }
+
+// Mapped reports whether rank r's memory is mapped here (r is of this
+// rank's node).
+func (s *Space) Mapped(r int) bool { return r >= 0 && r < s.size && s.mapped[r] }
 
 // Peers returns every rank's GPU, indexed by rank.
 func (s *Space) Peers() []Peer { return append([]Peer(nil), s.peers...) }

@@ -398,3 +398,52 @@ func TestOpenPeerSharesMappings(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// With Options.Node a rank maps only its node's memory: nodes {0, 1} and
+// {2, 3} stand for two hosts with GPUs 0 and 1 each, so ranks of different
+// nodes on "one GPU" are no conflict, and Alloc leaves the other node's
+// entries 0 while staying collective over all four ranks.
+func TestNodeLimitsMapping(t *testing.T) {
+	const size = 4
+	bs := bootstraptest.NewMem(size)
+	errs := make([]error, size)
+	done := make(chan struct{})
+	for r := range size {
+		go func() {
+			defer func() { done <- struct{}{} }()
+			d := newFakeDriver(r)
+			node := []int{r &^ 1, r | 1}
+			s, err := New(d, bs[r], r%2, Options{Node: node})
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			defer s.Close()
+			b, err := s.Alloc(1 << 20)
+			if err != nil {
+				errs[r] = err
+				return
+			}
+			for p := range size {
+				mapped := p == node[0] || p == node[1]
+				if (b.Peers[p] != 0) != mapped || s.Mapped(p) != mapped {
+					errs[r] = fmt.Errorf("Peers[%d] = %#x, Mapped(%d) = %v; want mapped = %v", p, b.Peers[p], p, s.Mapped(p), mapped)
+					return
+				}
+			}
+			if d.opens != 1 {
+				errs[r] = fmt.Errorf("opened %d IPC handles, want 1 (the node peer's)", d.opens)
+				return
+			}
+			if _, err := s.OpenPeer(r^2, cuda.IPCHandle{}); status.CodeOf(err) != status.InvalidArgument {
+				errs[r] = fmt.Errorf("OpenPeer of rank %d of another node: %v, want InvalidArgument", r^2, err)
+			}
+		}()
+	}
+	for range size {
+		<-done
+	}
+	if err := joinErrs(errs); err != nil {
+		t.Fatal(err)
+	}
+}
