@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/channel"
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
 	"github.com/p2pcomm/p2pcomm/golib/hostcoll"
@@ -56,7 +57,11 @@ type Comm struct {
 	device  int
 	topo    *topo.Topology
 	timeout time.Duration
-	closed  bool
+	// forceUCX: port channels use UCX for peers of this node too
+	// (channel.PortTransportEnv).
+	forceUCX bool
+	channels *channel.Channels // created at the first channel call
+	closed   bool
 }
 
 // New builds a communicator collectively. torchBS is the bootstrap over a
@@ -67,6 +72,11 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		return nil, err
 	}
 	timeoutMs, err := cfg.int64Env("P2PCOMM_TIMEOUT_MS", 60_000)
+	if err != nil {
+		bs.Close()
+		return nil, err
+	}
+	forceUCX, err := portTransport(cfg)
 	if err != nil {
 		bs.Close()
 		return nil, err
@@ -94,7 +104,22 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		bs.Close()
 		return nil, err
 	}
-	return &Comm{bs: bs, backend: be, device: cfg.Device, topo: top, timeout: time.Duration(timeoutMs) * time.Millisecond}, nil
+	return &Comm{bs: bs, backend: be, device: cfg.Device, topo: top, timeout: time.Duration(timeoutMs) * time.Millisecond,
+		forceUCX: forceUCX}, nil
+}
+
+// portTransport reads P2PCOMM_PORT_TRANSPORT: "ucx" sends port channels to
+// peers of this node over UCX too; "auto" (or unset) uses the copy engine
+// for them on GPUs.
+func portTransport(cfg Config) (bool, error) {
+	switch v := cfg.Env[channel.PortTransportEnv]; v {
+	case "", "auto":
+		return false, nil
+	case "ucx":
+		return true, nil
+	default:
+		return false, status.Errorf(status.InvalidArgument, "%s=%q: want auto or ucx", channel.PortTransportEnv, v)
+	}
 }
 
 // discover learns which ranks share a host (one all-gather) and groups
@@ -193,6 +218,26 @@ func (c *Comm) Do(f func(collective.Backend) error) error {
 	return f(c.backend)
 }
 
+// WithChannels runs f on the communicator's channels, created at the first
+// call, with the communicator locked (so a host-side wait holds other calls
+// back until it returns).
+func (c *Comm) WithChannels(f func(*channel.Channels) error) error {
+	return c.Do(func(b collective.Backend) error {
+		if c.channels == nil {
+			cfg := channel.Config{Bootstrap: c.bs, Topology: c.topo, Timeout: c.timeout, ForceUCX: c.forceUCX}
+			switch be := b.(type) {
+			case *gpucoll.Backend:
+				_, errWord, _ := be.WaitInfo()
+				cfg.GPU = &channel.GPU{Driver: be.Driver(), Space: be.Space(), Device: be.Device(), ErrWord: errWord}
+			case channel.Host:
+				cfg.Host = be
+			}
+			c.channels = channel.New(cfg)
+		}
+		return f(c.channels)
+	})
+}
+
 // Barrier waits for every rank, through the backend when it has a faster
 // barrier than the bootstrap.
 func (c *Comm) Barrier() error {
@@ -235,7 +280,14 @@ func (c *Comm) Close() error {
 		return nil
 	}
 	c.closed = true
-	err := c.backend.Close()
+	var err error
+	if c.channels != nil {
+		// The proxies and transports use the backend's memory: they go first.
+		err = c.channels.Close()
+	}
+	if berr := c.backend.Close(); err == nil {
+		err = berr
+	}
 	if berr := c.bs.Close(); err == nil {
 		err = berr
 	}

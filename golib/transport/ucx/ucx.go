@@ -97,6 +97,14 @@ func (t *Transport) release(o op) {
 
 var _ transport.Transport = (*Transport)(nil)
 
+// Available loads UCP (searching dirs as Options.LibraryDirs) without
+// creating anything, so that ranks can agree on it before the collective
+// Open. Without UCX the error is status.Unsupported and says how to get it.
+func Available(dirs []string) error {
+	_, err := load(dirs)
+	return err
+}
+
 // Open creates the transport of this rank: loads UCP, creates a context and
 // a worker, all-gathers worker addresses through bs and connects to every
 // other rank. It is collective and returns once every endpoint is wired up,

@@ -1,0 +1,591 @@
+package channel
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/proxy"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+	"github.com/p2pcomm/p2pcomm/golib/transport/cudaipc"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+)
+
+// portState is what every port set shares: one proxy Service over the
+// transports this rank's peers need, created at the first port set.
+type portState struct {
+	svc    *proxy.Service
+	ucx    *ucx.Transport
+	ipc    *cudaipc.Transport
+	router *router
+}
+
+func (p *portState) close() error {
+	var errs []error
+	// The proxies stop first: they call into the transports. A proxy that
+	// failed already told the calls that met its error; closing after it is
+	// no new failure.
+	if p.svc != nil {
+		failed := p.svc.Err() != nil
+		if err := p.svc.Close(); !failed {
+			errs = append(errs, err)
+		}
+	}
+	if p.ucx != nil {
+		errs = append(errs, p.ucx.Close())
+	}
+	if p.ipc != nil {
+		errs = append(errs, p.ipc.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// portPeer is one peer's port channel in a set and where this rank reads
+// the peer's signals.
+type portPeer struct {
+	ch      proxy.PortChannel
+	fifo    *proxy.FIFO
+	semHost *uint64 // the inbound semaphore as the host reads it; nil: device memory
+}
+
+// viaUCX says whether port channels reach rank r over UCX: always on the
+// CPU backend, across nodes, and when forced; else the copy engine.
+func (c *Channels) viaUCX(r int) bool {
+	return !c.onGPU() || c.cfg.ForceUCX || !c.cfg.Topology.SameNode(r)
+}
+
+// needs reports which transports this rank's peers need. Every rank of a
+// communicator needs UCX or none does: a rank with a peer on another node
+// implies the same for every rank.
+func (c *Channels) needs() (needUCX, needIPC bool) {
+	for r := range c.size {
+		if r == c.rank {
+			continue
+		}
+		if c.viaUCX(r) {
+			needUCX = true
+		} else {
+			needIPC = true
+		}
+	}
+	return needUCX, needIPC
+}
+
+// ensurePort creates the transports and the Service. Collective the first
+// time; a failure leaves nothing behind, so every rank may try again.
+func (c *Channels) ensurePort() error {
+	if c.port != nil {
+		return nil
+	}
+	bs := c.cfg.Bootstrap
+	needUCX, needIPC := c.needs()
+	st := &portState{}
+	if needUCX {
+		if err := bootstrap.Agree(bs, ucx.Available(c.cfg.UCXDirs)); err != nil {
+			return fmt.Errorf("port channels to peers on other nodes need UCX: %w", err)
+		}
+		tr, err := ucx.Open(bs, c.ucxOptions())
+		if err != nil {
+			return fmt.Errorf("port channels: %w", err)
+		}
+		st.ucx = tr
+	}
+	if c.onGPU() {
+		var err error
+		if needIPC {
+			st.ipc, err = c.newIPC()
+		}
+		if err = bootstrap.Agree(bs, err); err != nil {
+			st.close()
+			return fmt.Errorf("port channels: copy engine: %w", err)
+		}
+	}
+	st.router = &router{byPeer: make([]transport.Transport, c.size)}
+	for r := range c.size {
+		switch {
+		case r == c.rank:
+		case c.viaUCX(r):
+			st.router.byPeer[r] = st.ucx
+		default:
+			st.router.byPeer[r] = st.ipc
+		}
+	}
+	st.router.ucx, st.router.ipc = st.ucx, st.ipc
+	opts := proxy.Options{Timeout: c.cfg.Timeout}
+	var alloc proxy.Allocator = &proxy.HostAllocator{}
+	if g := c.cfg.GPU; g != nil {
+		alloc = proxy.CUDAAllocator{Driver: g.Driver}
+		opts.Bind = func() error { return g.Driver.EnsureContext(g.Device) }
+	}
+	svc, err := proxy.New(st.router, alloc, opts)
+	if err != nil {
+		st.close()
+		return err
+	}
+	st.svc = svc
+	c.port = st
+	return nil
+}
+
+// PortChannels builds a set of port channels over [ptr, ptr+nbytes) of
+// this rank's registered memory (device memory on the GPU backend, host
+// memory on the CPU backend): entry r of the result is the channel to rank
+// r, zero for this rank. Puts read this rank's range and write the same
+// range of the peer's. Collective: every rank passes its own range of the
+// same size. The first call opens the transports (UCX collectively).
+func (c *Channels) PortChannels(ptr uintptr, nbytes uint64) (uint64, []proxy.PortChannel, error) {
+	if err := c.usable(); err != nil {
+		return 0, nil, err
+	}
+	local := c.registered(ptr, nbytes)
+	if local == nil && nbytes-1 > proxy.MaxOffset {
+		local = status.Errorf(status.InvalidArgument,
+			"port channels over %d bytes: trigger offsets address at most %d bytes", nbytes, uint64(proxy.MaxOffset)+1)
+	}
+	if err := c.agreeOnRange("port channels", local, nbytes); err != nil {
+		return 0, nil, err
+	}
+	if err := c.ensurePort(); err != nil {
+		return 0, nil, err
+	}
+	s, err := c.buildPort(ptr, nbytes)
+	if err = bootstrap.Agree(c.cfg.Bootstrap, err); err != nil {
+		return 0, nil, fmt.Errorf("port channels: %w", err)
+	}
+	c.add(s)
+	out := make([]proxy.PortChannel, c.size)
+	for r, p := range s.port {
+		out[r] = p.ch
+	}
+	return s.id, out, nil
+}
+
+// portLocal is what one rank registers for a set: its data range and the
+// words its peers' signals land in, with each transport it uses.
+type portLocal struct {
+	data    multiLocal
+	ucxSem  transport.Local // host words peers signal over UCX
+	ipcSem  transport.Local // device words peers signal over the copy engine
+	semHost unsafe.Pointer  // UCX semaphores as the host reads them
+	semUCX  uintptr         // their device-side address (== host address on CPU)
+	semIPC  uintptr         // device semaphores (GPU)
+	expect  uintptr         // expected counts, where the waiting side keeps them
+}
+
+// keys encodes the keys peers need: ok, then UCX data, UCX semaphores,
+// copy-engine data, copy-engine semaphores, each length-prefixed.
+func (l *portLocal) keys(ok bool) []byte {
+	if !ok {
+		return []byte{0}
+	}
+	out := []byte{1}
+	for _, loc := range []transport.Local{l.data.ucx, l.ucxSem, l.data.ipc, l.ipcSem} {
+		var k []byte
+		if loc != nil {
+			k = loc.Key()
+		}
+		out = binary.LittleEndian.AppendUint32(out, uint32(len(k)))
+		out = append(out, k...)
+	}
+	return out
+}
+
+// decodeKeys splits a peer's keys; ok is false when the peer failed.
+func decodeKeys(r int, b []byte) (keys [4][]byte, ok bool, err error) {
+	if len(b) == 0 || b[0] == 0 {
+		return keys, false, nil
+	}
+	b = b[1:]
+	for i := range keys {
+		if len(b) < 4 || uint64(len(b)-4) < uint64(binary.LittleEndian.Uint32(b)) {
+			return keys, false, status.Errorf(status.Bootstrap, "rank %d sent truncated channel keys", r)
+		}
+		n := binary.LittleEndian.Uint32(b)
+		keys[i], b = b[4:4+n], b[4+n:]
+	}
+	return keys, true, nil
+}
+
+// buildPort registers the set's memory, exchanges keys and fills every
+// peer's channel. The all-gather runs whatever failed before it, so that
+// no peer waits for this rank.
+func (c *Channels) buildPort(ptr uintptr, nbytes uint64) (*set, error) {
+	st := c.port
+	l, err := c.registerPort(ptr, nbytes)
+	all, gerr := c.cfg.Bootstrap.AllGather(l.keys(err == nil))
+	if err != nil {
+		return nil, err
+	}
+	if gerr != nil {
+		return nil, fmt.Errorf("exchange channel keys: %w", gerr)
+	}
+	s := &set{kind: Port, ptr: ptr, nbytes: nbytes, port: make([]portPeer, c.size)}
+	fifo, err := st.svc.NewFIFO()
+	if err != nil {
+		return nil, err
+	}
+	src, err := st.svc.AddLocal(&l.data)
+	if err != nil {
+		return nil, err
+	}
+	var errWord uintptr
+	if c.onGPU() {
+		errWord = c.cfg.GPU.ErrWord
+	}
+	for r := range c.size {
+		if r == c.rank {
+			continue
+		}
+		keys, ok, err := decodeKeys(r, all[r])
+		if err != nil || !ok {
+			return nil, err // a failed peer reports its own error through Agree
+		}
+		var tr transport.Transport
+		dataKey, semKey, sem, semHost := keys[0], keys[1], l.semUCX, (*uint64)(l.semHost)
+		if c.viaUCX(r) {
+			if st.ucx != nil {
+				tr = st.ucx
+			}
+		} else {
+			dataKey, semKey, sem, semHost = keys[2], keys[3], l.semIPC, nil
+			if st.ipc != nil {
+				tr = st.ipc
+			}
+		}
+		if tr == nil || len(dataKey) == 0 || len(semKey) == 0 {
+			return nil, status.Errorf(status.Mismatch, "rank %d registered no memory for the transport that connects it to rank %d", r, c.rank)
+		}
+		dst, err := tr.Remote(r, dataKey)
+		if err != nil {
+			return nil, fmt.Errorf("data range of rank %d: %w", r, err)
+		}
+		remoteSem, err := tr.Remote(r, semKey)
+		if err != nil {
+			return nil, fmt.Errorf("semaphores of rank %d: %w", r, err)
+		}
+		dstID, err := st.svc.AddRemote(dst)
+		if err != nil {
+			return nil, err
+		}
+		// Each sender owns one word of the receiver's semaphores: the
+		// transports' signals need a single writer per word.
+		chID, err := st.svc.AddChannel(r, remoteSem, uint64(8*c.rank))
+		if err != nil {
+			return nil, err
+		}
+		if semHost != nil {
+			semHost = (*uint64)(unsafe.Add(unsafe.Pointer(semHost), 8*r))
+		}
+		s.port[r] = portPeer{fifo: fifo, semHost: semHost, ch: proxy.PortChannel{
+			FIFO: fifo.Handle(), Sem: sem + uintptr(8*r), Expected: l.expect + uintptr(8*r), Err: errWord,
+			TimeoutNs: uint64(c.cfg.Timeout.Nanoseconds()), Channel: chID, DstMemory: dstID, SrcMemory: src,
+			Rank: int32(c.rank), Peer: int32(r),
+		}}
+	}
+	return s, nil
+}
+
+// registerPort registers the set's data range with each transport this rank
+// uses and allocates its semaphores, zeroed, registered likewise.
+func (c *Channels) registerPort(ptr uintptr, nbytes uint64) (*portLocal, error) {
+	st := c.port
+	l := &portLocal{}
+	words := uint64(8 * c.size)
+	kind := transport.HostMemory
+	if c.onGPU() {
+		kind = transport.DeviceMemory
+	}
+	var err error
+	if st.ucx != nil {
+		if l.data.ucx, err = st.ucx.Register(ptr, nbytes, kind); err != nil {
+			return l, fmt.Errorf("register the range with UCX: %w", err)
+		}
+	}
+	if st.ipc != nil {
+		if l.data.ipc, err = st.ipc.Register(ptr, nbytes, kind); err != nil {
+			return l, fmt.Errorf("register the range with the copy engine: %w", err)
+		}
+	}
+	if !c.onGPU() {
+		// Host words: semaphores, then expected counts.
+		host, err := c.hostWords(2 * words)
+		if err != nil {
+			return l, err
+		}
+		l.semHost, l.semUCX, l.expect = host, uintptr(host), uintptr(host)+uintptr(words)
+		l.ucxSem, err = st.ucx.Register(l.semUCX, words, transport.HostMemory)
+		return l, err
+	}
+	g := c.cfg.GPU
+	dev, err := c.deviceWords(2 * words)
+	if err != nil {
+		return l, err
+	}
+	// Device words: copy-engine semaphores (a spin on them stays in L2),
+	// then expected counts.
+	l.semIPC, l.expect = dev, dev+uintptr(words)
+	if st.ipc != nil {
+		if l.ipcSem, err = st.ipc.Register(l.semIPC, words, transport.DeviceMemory); err != nil {
+			return l, fmt.Errorf("register semaphores with the copy engine: %w", err)
+		}
+	}
+	if st.ucx != nil {
+		// UCX signals land in host memory: pinned and mapped, so kernels
+		// wait on its device address.
+		hm, err := g.Space.HostMapped(words)
+		if err != nil {
+			return l, err
+		}
+		l.semHost, l.semUCX = hm.Host, hm.Device
+		if l.ucxSem, err = st.ucx.Register(uintptr(hm.Host), words, transport.HostMemory); err != nil {
+			return l, fmt.Errorf("register semaphores with UCX: %w", err)
+		}
+	}
+	return l, nil
+}
+
+// hostWords maps n zeroed bytes outside the Go heap, unmapped at Close.
+func (c *Channels) hostWords(n uint64) (unsafe.Pointer, error) {
+	b, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, status.Errorf(status.Capacity, "map %d bytes of semaphores: %v", n, err)
+	}
+	c.freed = append(c.freed, func() error { return unix.Munmap(b) })
+	return unsafe.Pointer(&b[0]), nil
+}
+
+// deviceWords allocates n zeroed bytes of device memory, freed at Close.
+func (c *Channels) deviceWords(n uint64) (uintptr, error) {
+	g := c.cfg.GPU
+	if err := g.Driver.EnsureContext(g.Device); err != nil {
+		return 0, err
+	}
+	p, err := g.Driver.MemAlloc(n)
+	if err != nil {
+		return 0, fmt.Errorf("allocate %d bytes of semaphores: %w", n, err)
+	}
+	c.freed = append(c.freed, func() error {
+		if err := g.Driver.EnsureContext(g.Device); err != nil {
+			return err
+		}
+		return g.Driver.MemFree(p)
+	})
+	if err := g.Driver.MemsetD8Async(p, 0, n, 0); err != nil {
+		return 0, err
+	}
+	return p, g.Driver.StreamSynchronize(0)
+}
+
+// peer returns a port set's channel to rank peer.
+func (c *Channels) peer(id uint64, peer int, op string) (*portPeer, error) {
+	s, err := c.lookup(id, Port)
+	if err != nil {
+		return nil, err
+	}
+	if peer < 0 || peer >= c.size || peer == c.rank {
+		return nil, status.Errorf(status.InvalidArgument, "port %s from rank %d to rank %d: not a peer (world of %d)", op, c.rank, peer, c.size)
+	}
+	return &s.port[peer], nil
+}
+
+// Put queues a copy of bytes from srcOff of this rank's range to dstOff of
+// peer's, through the same FIFO kernels push to. It returns once queued;
+// Flush completes it.
+func (c *Channels) Put(id uint64, peer int, dstOff, srcOff, bytes uint64) error {
+	p, err := c.peer(id, peer, "put")
+	if err != nil {
+		return err
+	}
+	n := c.sets[id-1].nbytes
+	if dstOff > n || bytes > n-dstOff || srcOff > n || bytes > n-srcOff {
+		return status.Errorf(status.InvalidArgument, "port put of %d bytes to rank %d from offset %d to offset %d: past the end of the %d-byte range",
+			bytes, peer, srcOff, dstOff, n)
+	}
+	return c.push(p, peer, "put", proxy.Op{Type: proxy.TriggerPut, DstOffset: dstOff, SrcOffset: srcOff, Size: bytes})
+}
+
+// Signal queues one signal to peer, after this rank's earlier puts to it.
+func (c *Channels) Signal(id uint64, peer int) error {
+	p, err := c.peer(id, peer, "signal")
+	if err != nil {
+		return err
+	}
+	return c.push(p, peer, "signal", proxy.Op{Type: proxy.TriggerSignal})
+}
+
+func (c *Channels) push(p *portPeer, peer int, what string, op proxy.Op) error {
+	op.Channel, op.DstMemory, op.SrcMemory = p.ch.Channel, p.ch.DstMemory, p.ch.SrcMemory
+	if _, err := p.fifo.Push(op); err != nil {
+		return fmt.Errorf("port %s from rank %d to rank %d: %w", what, c.rank, peer, err)
+	}
+	return nil
+}
+
+// Flush waits until every put and signal queued to peer so far has landed
+// there, up to the timeout.
+func (c *Channels) Flush(id uint64, peer int) error {
+	p, err := c.peer(id, peer, "flush")
+	if err != nil {
+		return err
+	}
+	if err := p.fifo.Flush(p.ch.Channel); err != nil {
+		return fmt.Errorf("port flush from rank %d to rank %d: %w", c.rank, peer, err)
+	}
+	return nil
+}
+
+// Wait blocks until peer has signalled this rank count times in all
+// through the set, up to the timeout (status.Timeout naming the peer), or
+// until the proxy failed.
+func (c *Channels) Wait(id uint64, peer int, count uint64) error {
+	p, err := c.peer(id, peer, "wait")
+	if err != nil {
+		return err
+	}
+	deadline := time.Now().Add(c.cfg.Timeout)
+	var seen uint64
+	for spin := 0; ; spin++ {
+		if seen, err = c.loadSem(p); err != nil {
+			return err
+		}
+		if seen >= count {
+			return nil
+		}
+		if spin&63 == 63 {
+			if err := c.port.svc.Err(); err != nil {
+				return fmt.Errorf("port wait on rank %d for rank %d: the proxy failed: %w", c.rank, peer, err)
+			}
+			if time.Now().After(deadline) {
+				return status.Errorf(status.Timeout,
+					"port wait on rank %d for rank %d: %d signals arrived, want %d, after %v (P2PCOMM_TIMEOUT_MS)",
+					c.rank, peer, seen, count, c.cfg.Timeout)
+			}
+			time.Sleep(20 * time.Microsecond)
+		}
+	}
+}
+
+// loadSem reads peer's signal count as the host sees it.
+func (c *Channels) loadSem(p *portPeer) (uint64, error) {
+	if p.semHost != nil {
+		return atomic.LoadUint64(p.semHost), nil
+	}
+	g := c.cfg.GPU
+	if err := g.Driver.EnsureContext(g.Device); err != nil {
+		return 0, err
+	}
+	var b [8]byte
+	if err := g.Driver.MemcpyDtoH(b[:], p.ch.Sem); err != nil {
+		return 0, fmt.Errorf("read the semaphore of rank %d: %w", p.ch.Peer, err)
+	}
+	return binary.LittleEndian.Uint64(b[:]), nil
+}
+
+// multiLocal is one range registered with each transport in use; the
+// router hands a put the registration of the transport it travels on.
+type multiLocal struct {
+	ucx, ipc transport.Local
+}
+
+func (m *multiLocal) part(t transport.Transport) transport.Local {
+	if _, ok := t.(*ucx.Transport); ok {
+		return m.ucx
+	}
+	return m.ipc
+}
+
+// Key is not exchanged: each transport's own key is (portLocal.keys).
+func (m *multiLocal) Key() []byte { return nil }
+
+// Size is the range's bytes.
+func (m *multiLocal) Size() uint64 {
+	if m.ucx != nil {
+		return m.ucx.Size()
+	}
+	return m.ipc.Size()
+}
+
+// Close does nothing: the transports release registrations at their Close.
+func (m *multiLocal) Close() error { return nil }
+
+// router is the one transport a proxy Service runs on: it sends each call
+// on the transport of the peer it goes to.
+type router struct {
+	byPeer []transport.Transport
+	ucx    *ucx.Transport
+	ipc    *cudaipc.Transport
+}
+
+func (r *router) Name() string {
+	switch {
+	case r.ucx != nil && r.ipc != nil:
+		return "ucx+cudaipc"
+	case r.ucx != nil:
+		return "ucx"
+	}
+	return "cudaipc"
+}
+
+func (r *router) to(peer int) (transport.Transport, error) {
+	if peer < 0 || peer >= len(r.byPeer) || r.byPeer[peer] == nil {
+		return nil, status.Errorf(status.InvalidArgument, "no transport to rank %d", peer)
+	}
+	return r.byPeer[peer], nil
+}
+
+// Register is not used: ranges are registered with each transport.
+func (r *router) Register(uintptr, uint64, transport.Memory) (transport.Local, error) {
+	return nil, status.Errorf(status.Internal, "register through the router")
+}
+
+// Remote is not used: remotes come from each transport.
+func (r *router) Remote(int, []byte) (transport.Remote, error) {
+	return nil, status.Errorf(status.Internal, "remote through the router")
+}
+
+func (r *router) Put(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64) error {
+	t, err := r.to(dst.Peer())
+	if err != nil {
+		return err
+	}
+	m, ok := src.(*multiLocal)
+	if !ok {
+		return status.Errorf(status.InvalidArgument, "put from a range the router did not register")
+	}
+	return t.Put(dst, dstOff, m.part(t), srcOff, size)
+}
+
+func (r *router) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
+	t, err := r.to(dst.Peer())
+	if err != nil {
+		return err
+	}
+	return t.Signal(dst, dstOff, value)
+}
+
+func (r *router) Flush(peer int) error {
+	t, err := r.to(peer)
+	if err != nil {
+		return err
+	}
+	return t.Flush(peer)
+}
+
+// Progress advances UCX, whose targets move data only while they progress;
+// the copy engine needs none.
+func (r *router) Progress() error {
+	if r.ucx != nil {
+		return r.ucx.Progress()
+	}
+	return nil
+}
+
+// Close does nothing: portState closes the transports after the proxies.
+func (r *router) Close() error { return nil }
