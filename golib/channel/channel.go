@@ -74,14 +74,14 @@ func (k Kind) String() string {
 // goroutine at a time (the communicator serializes them); collective ones
 // are marked.
 type Channels struct {
-	cfg   Config
-	rank  int
-	size  int
-	sets  []*set // a set's id is its index plus one
-	port  *portState
-	mem   memState
-	freed []func() error // releases memory at Close, in order
-	mu    sync.Mutex     // guards closed against Close from another goroutine
+	cfg    Config
+	rank   int
+	size   int
+	sets   []*set // a set's id is its index plus one
+	port   *portState
+	mem    memState
+	freed  []func() error // releases memory at Close, in order
+	mu     sync.Mutex     // guards closed against Close from another goroutine
 	closed bool
 }
 

@@ -393,7 +393,7 @@ func (r *rank) invalid() error {
 
 // namesRank matches the transport's or the wait's words for rank 2, not the
 // call's own prefix ("port flush from rank 0 to rank 2").
-var namesRank = regexp.MustCompile(`rank 2 (failed|did not complete)|waited .* \(peer 2\)|for rank 2: \d+ signals arrived`)
+var namesRank = regexp.MustCompile(`rank 2 (failed|did not complete)|\(peer 2\)|for rank 2: \d+ signals arrived`)
 
 // kill: rank victim puts to every peer and exits without a flush; the
 // others put to it, then flush and wait for its signal. Survivors put only
