@@ -29,16 +29,19 @@ import (
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/channel"
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/comm"
+	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
+	"github.com/p2pcomm/p2pcomm/golib/proxy"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 4
+const abiVersion = 5
 
 var loadPid = os.Getpid()
 
@@ -436,4 +439,217 @@ func (t *errorTable) get() string {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return t.m[syscall.Gettid()]
+}
+
+// p2p_topology writes the node of each rank into node_of_rank (n entries,
+// at least the world size).
+//
+//export p2p_topology
+func p2p_topology(h C.uint64_t, nodeOfRank *C.int32_t, n C.int32_t) C.int {
+	return withComm(h, func(c *comm.Comm) error {
+		top := c.Topology()
+		if nodeOfRank == nil || int(n) < len(top.NodeOf) {
+			return status.Errorf(status.InvalidArgument, "topology: room for %d ranks, the world has %d", n, len(top.NodeOf))
+		}
+		out := unsafe.Slice((*int32)(unsafe.Pointer(nodeOfRank)), int(n))
+		for r, node := range top.NodeOf {
+			out[r] = int32(node)
+		}
+		return nil
+	})
+}
+
+// p2p_channel_sizes reports the sizes of the device structs
+// MemoryChannel and PortChannel (channel.cuh).
+//
+//export p2p_channel_sizes
+func p2p_channel_sizes(memoryChannel, portChannel *C.uint64_t) C.int {
+	return guard(func() error {
+		if memoryChannel == nil || portChannel == nil {
+			return status.Errorf(status.InvalidArgument, "channel sizes: null output")
+		}
+		*memoryChannel = C.uint64_t(unsafe.Sizeof(proxy.MemoryChannel{}))
+		*portChannel = C.uint64_t(unsafe.Sizeof(proxy.PortChannel{}))
+		return nil
+	})
+}
+
+// p2p_memory_channels builds memory channels over [ptr, ptr+nbytes) of
+// symmetric or registered device memory: out (out_len bytes) receives one
+// MemoryChannel per rank, entry r the channel to rank r (zero for this rank
+// and ranks of other nodes); *set the set's id. Collective.
+//
+//export p2p_memory_channels
+func p2p_memory_channels(h, ptr, nbytes C.uint64_t, out unsafe.Pointer, outLen C.uint64_t, set *C.uint64_t) C.int {
+	return withComm(h, func(c *comm.Comm) error {
+		bad := channelOut(out, uint64(outLen), set, c.Size(), unsafe.Sizeof(proxy.MemoryChannel{}))
+		return c.WithChannels(func(ch *channel.Channels) error {
+			if bad != nil {
+				return ch.Reject(channel.Memory, bad)
+			}
+			id, handles, err := ch.MemoryChannels(uintptr(ptr), uint64(nbytes))
+			if err != nil {
+				return err
+			}
+			copy(unsafe.Slice((*proxy.MemoryChannel)(out), len(handles)), handles)
+			*set = C.uint64_t(id)
+			return nil
+		})
+	})
+}
+
+// p2p_port_channels builds port channels over [ptr, ptr+nbytes) of
+// symmetric or registered memory: out (out_len bytes) receives one
+// PortChannel per rank, entry r the channel to rank r (zero for this rank);
+// *set the set's id. Collective; the first call opens the transports.
+//
+//export p2p_port_channels
+func p2p_port_channels(h, ptr, nbytes C.uint64_t, out unsafe.Pointer, outLen C.uint64_t, set *C.uint64_t) C.int {
+	return withComm(h, func(c *comm.Comm) error {
+		bad := channelOut(out, uint64(outLen), set, c.Size(), unsafe.Sizeof(proxy.PortChannel{}))
+		return c.WithChannels(func(ch *channel.Channels) error {
+			if bad != nil {
+				return ch.Reject(channel.Port, bad)
+			}
+			id, handles, err := ch.PortChannels(uintptr(ptr), uint64(nbytes))
+			if err != nil {
+				return err
+			}
+			copy(unsafe.Slice((*proxy.PortChannel)(out), len(handles)), handles)
+			*set = C.uint64_t(id)
+			return nil
+		})
+	})
+}
+
+// channelOut checks the output of a channel call: room for one entry of
+// size bytes per rank, 8-byte aligned. A rank with a bad buffer still takes
+// part in the call's first agreement (Channels.Reject), so its peers fail
+// with its reason instead of waiting for it.
+func channelOut(out unsafe.Pointer, outLen uint64, set *C.uint64_t, world int, size uintptr) error {
+	if out == nil || set == nil || uintptr(out)%8 != 0 || outLen < uint64(world)*uint64(size) {
+		return status.Errorf(status.InvalidArgument, "channels: output of %d bytes at %p for %d entries of %d bytes (8-byte aligned)",
+			outLen, out, world, size)
+	}
+	clear(unsafe.Slice((*byte)(out), uint64(world)*uint64(size)))
+	return nil
+}
+
+// p2p_channels_close ends the use of a channel set (its memory stays until
+// the communicator closes). Not collective.
+//
+//export p2p_channels_close
+func p2p_channels_close(h, set C.uint64_t) C.int {
+	return withChannels(h, func(ch *channel.Channels) error { return ch.CloseSet(uint64(set)) })
+}
+
+// p2p_port_put queues, through the set's FIFO, a copy of bytes from src_off
+// of this rank's range to dst_off of peer's. Host-reachable FIFOs only (the
+// CPU backend).
+//
+//export p2p_port_put
+func p2p_port_put(h, set C.uint64_t, peer C.int32_t, dstOff, srcOff, bytes C.uint64_t) C.int {
+	return withChannels(h, func(ch *channel.Channels) error {
+		return ch.Put(uint64(set), int(peer), uint64(dstOff), uint64(srcOff), uint64(bytes))
+	})
+}
+
+// p2p_port_signal queues one signal to peer after this rank's earlier puts.
+//
+//export p2p_port_signal
+func p2p_port_signal(h, set C.uint64_t, peer C.int32_t) C.int {
+	return withChannels(h, func(ch *channel.Channels) error { return ch.Signal(uint64(set), int(peer)) })
+}
+
+// p2p_port_flush waits until every put and signal queued to peer landed.
+//
+//export p2p_port_flush
+func p2p_port_flush(h, set C.uint64_t, peer C.int32_t) C.int {
+	return withChannels(h, func(ch *channel.Channels) error { return ch.Flush(uint64(set), int(peer)) })
+}
+
+// p2p_port_wait waits until peer has signalled this rank count times in all
+// through the set, bounded by P2PCOMM_TIMEOUT_MS.
+//
+//export p2p_port_wait
+func p2p_port_wait(h, set C.uint64_t, peer C.int32_t, count C.uint64_t) C.int {
+	return withChannels(h, func(ch *channel.Channels) error { return ch.Wait(uint64(set), int(peer), uint64(count)) })
+}
+
+func withChannels(h C.uint64_t, f func(*channel.Channels) error) C.int {
+	return withComm(h, func(c *comm.Comm) error { return c.WithChannels(f) })
+}
+
+// p2p_kernel_compile compiles a user kernel for the communicator's GPU with
+// native/kernels' headers on the include path; name is a kernel name or a
+// name expression ("k<float>"). *kernel receives its id (GPU backend only).
+//
+//export p2p_kernel_compile
+func p2p_kernel_compile(h C.uint64_t, source, name *C.char, kernel *C.uint64_t) C.int {
+	return withGPU(h, func(g *gpucoll.Backend) error {
+		if source == nil || name == nil || kernel == nil {
+			return status.Errorf(status.InvalidArgument, "kernel compile: null argument")
+		}
+		id, err := g.CompileKernel(C.GoString(source), C.GoString(name))
+		*kernel = C.uint64_t(id)
+		return err
+	})
+}
+
+// p2p_kernel_params writes the offset and size of each of the kernel's
+// parameters (up to max) and *n, their number.
+//
+//export p2p_kernel_params
+func p2p_kernel_params(h, kernel C.uint64_t, offsets, sizes *C.uint64_t, maxParams C.int32_t, n *C.int32_t) C.int {
+	return withGPU(h, func(g *gpucoll.Backend) error {
+		if n == nil || maxParams < 0 || (maxParams > 0 && (offsets == nil || sizes == nil)) {
+			return status.Errorf(status.InvalidArgument, "kernel params: bad output arrays")
+		}
+		params, err := g.KernelParams(uint64(kernel))
+		if err != nil {
+			return err
+		}
+		*n = C.int32_t(len(params))
+		if len(params) > int(maxParams) {
+			return status.Errorf(status.Capacity, "kernel params: the kernel has %d parameters, room for %d", len(params), maxParams)
+		}
+		if len(params) > 0 {
+			offs := unsafe.Slice((*uint64)(unsafe.Pointer(offsets)), len(params))
+			szs := unsafe.Slice((*uint64)(unsafe.Pointer(sizes)), len(params))
+			for i, p := range params {
+				offs[i], szs[i] = p.Offset, p.Size
+			}
+		}
+		return nil
+	})
+}
+
+// p2p_kernel_launch runs a user kernel on stream with its parameters packed
+// in params as p2p_kernel_params lays them out.
+//
+//export p2p_kernel_launch
+func p2p_kernel_launch(h, kernel C.uint64_t, gx, gy, gz, bx, by, bz, shared C.uint32_t, stream C.uint64_t,
+	params unsafe.Pointer, paramsLen C.uint64_t) C.int {
+	return withGPU(h, func(g *gpucoll.Backend) error {
+		if paramsLen > 1<<20 || (paramsLen > 0 && params == nil) {
+			return status.Errorf(status.InvalidArgument, "kernel launch: %d bytes of parameters at %p", paramsLen, params)
+		}
+		var buf []byte
+		if paramsLen > 0 {
+			buf = C.GoBytes(params, C.int(paramsLen))
+		}
+		cfg := cuda.LaunchConfig{Grid: [3]uint32{uint32(gx), uint32(gy), uint32(gz)},
+			Block: [3]uint32{uint32(bx), uint32(by), uint32(bz)}, SharedBytes: uint32(shared), Stream: uintptr(stream)}
+		return g.LaunchKernel(uint64(kernel), cfg, buf)
+	})
+}
+
+func withGPU(h C.uint64_t, f func(*gpucoll.Backend) error) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		g, ok := b.(*gpucoll.Backend)
+		if !ok {
+			return status.Errorf(status.Unsupported, "user kernels need the GPU backend")
+		}
+		return f(g)
+	})
 }

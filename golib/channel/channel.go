@@ -157,6 +157,16 @@ func (c *Channels) agreeOnRange(what string, local error, nbytes uint64) error {
 	return nil
 }
 
+// Reject takes part in a MemoryChannels or PortChannels call on behalf of
+// a rank whose own arguments failed (reason): its peers fail with that
+// reason instead of waiting for it, and Reject returns it. Collective.
+func (c *Channels) Reject(kind Kind, reason error) error {
+	if reason == nil {
+		reason = status.Errorf(status.InvalidArgument, "%s channels rejected", kind)
+	}
+	return c.agreeOnRange(kind.String()+" channels", reason, 0)
+}
+
 // add records a new set and returns it with its id.
 func (c *Channels) add(s *set) *set {
 	c.sets = append(c.sets, s)

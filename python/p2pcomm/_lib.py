@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _LOAD_PID = os.getpid()
 _HERE = pathlib.Path(__file__).resolve().parent
 
@@ -43,6 +43,21 @@ _SIGNATURES = {
     "p2p_device_info": ([_u64, ctypes.POINTER(_i32)], ctypes.c_int),
     "p2p_wait_info": ([_u64, ctypes.POINTER(_u64), ctypes.POINTER(_u64), ctypes.POINTER(_u64)], ctypes.c_int),
     "p2p_register_graph_buffers": ([_u64, ctypes.POINTER(_i64)], ctypes.c_int),
+    "p2p_topology": ([_u64, ctypes.POINTER(_i32), _i32], ctypes.c_int),
+    "p2p_channel_sizes": ([ctypes.POINTER(_u64), ctypes.POINTER(_u64)], ctypes.c_int),
+    "p2p_memory_channels": ([_u64, _u64, _u64, ctypes.c_void_p, _u64, ctypes.POINTER(_u64)], ctypes.c_int),
+    "p2p_port_channels": ([_u64, _u64, _u64, ctypes.c_void_p, _u64, ctypes.POINTER(_u64)], ctypes.c_int),
+    "p2p_channels_close": ([_u64, _u64], ctypes.c_int),
+    "p2p_port_put": ([_u64, _u64, _i32, _u64, _u64, _u64], ctypes.c_int),
+    "p2p_port_signal": ([_u64, _u64, _i32], ctypes.c_int),
+    "p2p_port_flush": ([_u64, _u64, _i32], ctypes.c_int),
+    "p2p_port_wait": ([_u64, _u64, _i32, _u64], ctypes.c_int),
+    "p2p_kernel_compile": ([_u64, ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(_u64)], ctypes.c_int),
+    "p2p_kernel_params": ([_u64, _u64, ctypes.POINTER(_u64), ctypes.POINTER(_u64), _i32, ctypes.POINTER(_i32)],
+                          ctypes.c_int),
+    "p2p_kernel_launch": ([_u64, _u64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32,
+                           ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, _u64, ctypes.c_void_p, _u64],
+                          ctypes.c_int),
 }
 
 _lock = threading.Lock()
