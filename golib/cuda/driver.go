@@ -113,6 +113,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuModuleGetFunction", v, true, &f.moduleGetFunction},
 		{"cuFuncSetAttribute", v, true, &f.funcSetAttribute},
 		{"cuLaunchKernel", v, true, &f.launchKernel},
+		{"cuFuncGetParamInfo", 12040, false, &f.funcGetParamInfo}, // introduced in CUDA 12.4
 		{"cuStreamSynchronize", v, true, &f.streamSynchronize},
 		{"cuStreamIsCapturing", v, true, &f.streamIsCapturing},
 		{"cuStreamGetCaptureInfo", v, false, &f.streamGetCaptureInfo},
@@ -125,7 +126,6 @@ func (f *driverFuncs) table() []entry {
 		{"cuStreamDestroy", v, false, &f.streamDestroy},
 		{"cuStreamQuery", v, false, &f.streamQuery},
 		{"cuStreamWriteValue64", v, false, &f.streamWriteValue64},
-		{"cuFuncGetParamInfo", 12040, false, &f.funcGetParamInfo}, // CUDA 12.4+
 	}
 }
 

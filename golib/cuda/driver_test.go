@@ -27,7 +27,8 @@ func TestNewDriverResolvesTable(t *testing.T) {
 	if got := d.Version(); got != 13000 {
 		t.Errorf("Version() = %d, want 13000", got)
 	}
-	// Every entry is pinned to the CUDA 12.0 ABI with legacy-stream semantics.
+	// Entries are pinned to the CUDA 12.0 ABI (those introduced later to their
+	// own version) with legacy-stream semantics.
 	if v, f := fakecu.LastProcQuery(); v != 12000 || f != getProcLegacyStream {
 		t.Errorf("last cuGetProcAddress(version, flags) = (%d, %d), want (12000, %d)", v, f, getProcLegacyStream)
 	}
