@@ -231,7 +231,7 @@ func (c *Channels) Close() error {
 	return nil
 }
 
-// deviceKind is the memory channels point into on this backend.
+// onGPU reports whether channels point into device memory (GPU backend).
 func (c *Channels) onGPU() bool { return c.cfg.GPU != nil }
 
 // ucxOptions are the UCX transport's options for this communicator.
