@@ -50,8 +50,18 @@ vet:
 	$(GO) vet ./...
 	@test -z "$$(gofmt -l golib native tests/go)" || { gofmt -l golib native tests/go; echo "gofmt needed"; exit 1; }
 
+# Every package under the race detector, while native/kernels' NVRTC builds of
+# every kernel (minutes on 2 cores, C++ that the race detector does not see)
+# run beside them, through the kernel cache, each build reported as it ends.
+KERNEL_TEST_LOG := build/logs/kernels.log
 test-go: $(PY_ENV)
-	$(GO) test -race -count=1 -timeout 30m ./...  # NVRTC compiles every kernel for two archs: minutes on 2 cores
+	@mkdir -p build/logs
+	@set -o pipefail; \
+	$(GO) test -count=1 -timeout 30m -v ./native/kernels > $(KERNEL_TEST_LOG) 2>&1 & kernels=$$!; \
+	$(GO) test -race -count=1 -timeout 30m $$($(GO) list ./... | grep -v '/native/kernels$$'); race=$$?; \
+	tail -n +1 -f $(KERNEL_TEST_LOG) --pid=$$kernels | grep --line-buffered -vE '^(=== (RUN|PAUSE|CONT|NAME)|\s*--- PASS|PASS$$)'; \
+	wait $$kernels; kern=$$?; \
+	test $$race -eq 0 && test $$kern -eq 0 || { echo "test-go failed (race tests $$race, kernels $$kern: $(KERNEL_TEST_LOG))"; exit 1; }
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 300000x ./golib/bootstrap

@@ -33,7 +33,9 @@ func TestMain(m *testing.M) {
 // the instantiations it declares and the library's options (kernels.go's
 // compile in golib/gpucoll), and checks that each one lowers; in files that
 // say "p2pcomm:no-spills", that no kernel spills registers or uses a stack
-// frame. Each compile logs its time, so a long run shows progress (-v).
+// frame. Builds go through the kernel cache (CacheDir), whose key covers the
+// source, headers, options, arch and NVRTC version, so an unchanged kernel
+// is checked once. Each logs its time, so a long run shows progress (-v).
 func TestEveryKernelCompiles(t *testing.T) {
 	names := kernels.Kernels()
 	if len(names) == 0 {
@@ -63,12 +65,16 @@ func TestEveryKernelCompiles(t *testing.T) {
 			t.Run(name+"/sm_"+strconv.Itoa(arch), func(t *testing.T) {
 				t.Parallel() // NVRTC compiles are independent: use every core
 				start := time.Now()
-				res, err := n.Compile(cuda.CompileRequest{Name: name, Source: src, Headers: headers, Arch: arch,
+				res, err := n.CompileCached(cuda.CompileRequest{Name: name, Source: src, Headers: headers, Arch: arch,
 					Options: []string{"-std=c++17", "-default-device", "--ptxas-options=-v"}, NameExpressions: exprs})
 				if err != nil {
 					t.Fatalf("compile %s for sm_%d: %v", name, arch, err)
 				}
-				t.Logf("compiled %s for sm_%d in %.1f s", name, arch, time.Since(start).Seconds())
+				from := ""
+				if res.Cached {
+					from = " (kernel cache)"
+				}
+				t.Logf("compiled %s for sm_%d in %.1f s%s", name, arch, time.Since(start).Seconds(), from)
 				if len(res.CUBIN) == 0 {
 					t.Errorf("compile %s for sm_%d: empty CUBIN", name, arch)
 				}

@@ -6,6 +6,7 @@
 """
 
 from .communicator import ALGORITHMS, Communicator, ReduceOp, TorchFallbackCommunicator
+from .channels import Kernel, MemoryChannels, PortChannels
 from .moe import DispatchResult, ExpertParallel
 from .errors import (
     BootstrapError, CapacityError, CUDAError, ForkError, InternalError, InvalidArgumentError, MismatchError,
@@ -17,5 +18,5 @@ __all__ = [
     "ALGORITHMS", "Communicator", "ReduceOp", "P2PCommError", "BootstrapError", "CapacityError", "CUDAError",
     "ForkError", "InternalError", "InvalidArgumentError", "MismatchError", "PeerTimeoutError",
     "PeerUnavailableError", "StateError", "UnsupportedError", "ExpertParallel", "DispatchResult",
-    "TorchFallbackCommunicator",
+    "TorchFallbackCommunicator", "Kernel", "MemoryChannels", "PortChannels",
 ]

@@ -149,6 +149,14 @@ class _TorchBootstrap:
             return 1
 
 
+_OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def open_communicators() -> list:
+    """Communicators of this process that are not closed (for p2pcomm.Kernel without comm=)."""
+    return [c for c in list(_OPEN) if c._handle]
+
+
 class Communicator:
     """A group of ranks that all-reduce through peer memory.
 
@@ -210,6 +218,7 @@ class Communicator:
         from . import ops
 
         ops.track(self)
+        _OPEN.add(self)
 
     @staticmethod
     def _native_init(config: dict, torch_bs) -> int:
@@ -271,9 +280,8 @@ class Communicator:
     def empty(self, shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Collective. A tensor in symmetric memory (every rank allocates the
         same size, and peers can read it directly), so all-reduce on it needs
-        no staging copy. Lives until :meth:`close`."""
-        if dtype not in _DTYPES:
-            raise _unsupported_dtype(dtype)
+        no staging copy. Lives until :meth:`close`. Any dtype (all-reduce
+        takes those of :data:`ReduceOp`'s list)."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         numel = math.prod(shape)
         if numel < 0 or any(d < 0 for d in shape):
@@ -371,7 +379,7 @@ class Communicator:
         try:
             code = _parse_op(op).value
             algo = _parse_algorithm(algorithm)
-            self._check_tensor(src)
+            self._check_tensor(src, reduced=True)
             dtype = _DTYPES[src.dtype]
         except P2PCommError as e:
             # Take part anyway, so that peers fail with a mismatch instead of
@@ -386,6 +394,38 @@ class Communicator:
             raise
         stream = _raw_stream(self._device_index)
         _lib.check(self._all_reduce(h, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream))
+
+    def memory_channels(self, tensor: torch.Tensor):
+        """Collective. ``MemoryChannel`` handles over ``tensor`` (from :meth:`empty` or registered) to
+        every rank of this node (peer memory over CUDA IPC): see :mod:`p2pcomm.channels`."""
+        from .channels import MemoryChannels
+
+        self._check_tensor(tensor)
+        return MemoryChannels(self, tensor)
+
+    def port_channels(self, tensor: torch.Tensor):
+        """Collective. ``PortChannel`` handles over ``tensor`` (from :meth:`empty` or registered) to
+        every rank: the proxy carries their puts (the copy engine inside a node, UCX between nodes).
+        Usable from the host too: see :mod:`p2pcomm.channels`."""
+        from .channels import PortChannels
+
+        self._check_tensor(tensor)
+        return PortChannels(self, tensor)
+
+    @property
+    def nodes(self) -> list:
+        """The ranks of each node (a host, or a group of ``P2PCOMM_LOCAL_SIZE`` consecutive ranks)."""
+        node_of = (ctypes.c_int32 * self.world_size)()
+        _lib.check(_lib.lib().p2p_topology(self._h(), node_of, self.world_size))
+        nodes: dict = {}
+        for r, n in enumerate(node_of):
+            nodes.setdefault(n, []).append(r)
+        return [nodes[n] for n in sorted(nodes)]
+
+    @property
+    def node(self) -> int:
+        """This rank's node: an index into :attr:`nodes`."""
+        return next(i for i, ranks in enumerate(self.nodes) if self.rank in ranks)
 
     def peer_tensor(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s copy of ``tensor`` (from :meth:`empty`, or registered
@@ -474,15 +514,16 @@ class Communicator:
         """Whether :meth:`all_reduce` accepts ``tensor`` (device, dtype, layout,
         alignment), so callers can route others elsewhere without an exception."""
         try:
-            self._check_tensor(tensor)
+            self._check_tensor(tensor, reduced=True)
         except P2PCommError:
             return False
         return bool(self._handle)
 
-    def _check_tensor(self, t: torch.Tensor) -> None:
+    def _check_tensor(self, t: torch.Tensor, reduced: bool = False) -> None:
+        """Raises unless t is a contiguous tensor on this device; ``reduced``: of a dtype all-reduce takes."""
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
+        if reduced and t.dtype not in _DTYPES:
             raise _unsupported_dtype(t.dtype)
         if not t.is_contiguous():
             raise InvalidArgumentError("tensor is not contiguous: call .contiguous() first")
@@ -532,7 +573,7 @@ class TorchFallbackCommunicator(Communicator):
         self._h()
         code = _parse_op(op)
         _parse_algorithm(algorithm)
-        self._check_tensor(tensor)
+        self._check_tensor(tensor, reduced=True)
         dist = self._dist
         table = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, ReduceOp.PROD: dist.ReduceOp.PRODUCT,
                  ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -579,6 +620,11 @@ class TorchFallbackCommunicator(Communicator):
 
     def peer_tensor(self, tensor, rank):
         raise UnsupportedError("peer memory is unavailable: this communicator fell back to torch.distributed")
+
+    def memory_channels(self, tensor):
+        raise UnsupportedError("channels need peer memory: this communicator fell back to torch.distributed")
+
+    port_channels = memory_channels
 
     def launch_kernel(self, *args, **kwargs):
         raise UnsupportedError("kernels need peer memory: this communicator fell back to torch.distributed")

@@ -115,3 +115,54 @@ def test_library_reports_its_abi_and_error_codes():
     # An unknown handle is a state error with a message, not a crash.
     with pytest.raises(p2pcomm.StateError, match="not open"):
         p2pcomm._lib.check(lib.p2p_barrier(12345))
+
+
+NEEDS_UCX = pytest.mark.skipif(__import__("importlib").util.find_spec("libucx") is None,
+                               reason="UCX not installed (pip install libucx-cu13)")
+
+
+@NEEDS_UCX
+def test_peer_killed_mid_put_makes_survivors_raise_naming_it():
+    """Three CPU ranks, each a node of its own: rank 2 dies while the others stream port-channel puts to it."""
+    script = """
+        import os, time, torch, p2pcomm
+        comm = p2pcomm.Communicator(device="cpu", bootstrap="tcp")
+        buf = comm.empty(8 << 20, dtype=torch.uint8)
+        port = comm.port_channels(buf)
+        comm.barrier()
+        if comm.rank == 2:
+            time.sleep(0.2)
+            os._exit(0)          # dies without a word, mid-stream
+        start = time.monotonic()
+        try:
+            for _ in range(200):
+                port.put(2, 0, 0, 8 << 20)
+                port.flush(2)
+            print("NO ERROR")
+        except p2pcomm.PeerTimeoutError as e:
+            print("RAISED", round(time.monotonic() - start, 2), e)
+    """
+    outs = launch(script, 3, env_per_rank={r: {"P2PCOMM_LOCAL_SIZE": "1"} for r in range(3)}, timeout=60)
+    for rank in (0, 1):
+        rc, out = outs[rank]
+        assert "RAISED" in out and "rank 2" in out, out
+        assert float(out.split("RAISED", 1)[1].split()[0]) < 6.0, out  # within P2PCOMM_TIMEOUT_MS (4 s)
+
+
+def test_ucx_absent_is_unsupported_on_every_rank():
+    script = """
+        import torch, p2pcomm
+        comm = p2pcomm.Communicator(device="cpu", bootstrap="tcp")
+        try:
+            comm.port_channels(comm.empty(64, dtype=torch.uint8))
+            print("NO ERROR")
+        except p2pcomm.UnsupportedError as e:
+            print("UNSUPPORTED", e)
+        print("STILL", comm.all_reduce(torch.ones(2)).tolist())
+    """
+    env = {"P2PCOMM_LOCAL_SIZE": "2", "P2PCOMM_UCX_LIB": "/nonexistent/libucp.so.0"}
+    outs = launch(script, 2, env_per_rank={0: env, 1: env}, timeout=60)
+    for rc, out in outs:
+        assert rc == 0, out
+        assert "UNSUPPORTED" in out and "libucx" in out, out
+        assert "STILL [2.0, 2.0]" in out, out
