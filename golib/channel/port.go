@@ -467,7 +467,7 @@ func (c *Channels) Wait(id uint64, peer int, count uint64) error {
 					"port wait on rank %d for rank %d: %d signals arrived, want %d, after %v (P2PCOMM_TIMEOUT_MS)",
 					c.rank, peer, seen, count, c.cfg.Timeout)
 			}
-			time.Sleep(20 * time.Microsecond)
+			proxy.Nap()
 		}
 	}
 }
@@ -580,11 +580,11 @@ func (r *router) Flush(peer int) error {
 
 // Progress advances UCX, whose targets move data only while they progress;
 // the copy engine needs none.
-func (r *router) Progress() error {
+func (r *router) Progress() (bool, error) {
 	if r.ucx != nil {
 		return r.ucx.Progress()
 	}
-	return nil
+	return false, nil
 }
 
 // Close does nothing: portState closes the transports after the proxies.

@@ -90,8 +90,8 @@ func (f *fakeTransport) Flush(peer int) error {
 	return nil
 }
 
-func (f *fakeTransport) Progress() error { return nil }
-func (f *fakeTransport) Close() error    { return nil }
+func (f *fakeTransport) Progress() (bool, error) { return false, nil }
+func (f *fakeTransport) Close() error            { return nil }
 
 func (f *fakeTransport) snapshot() []call {
 	f.mu.Lock()
@@ -132,5 +132,5 @@ func (c *countingTransport) Put(dst transport.Remote, dstOff uint64, src transpo
 }
 func (c *countingTransport) Signal(transport.Remote, uint64, uint64) error { return nil }
 func (c *countingTransport) Flush(int) error                               { return nil }
-func (c *countingTransport) Progress() error                               { return nil }
+func (c *countingTransport) Progress() (bool, error)                       { return false, nil }
 func (c *countingTransport) Close() error                                  { return nil }

@@ -279,7 +279,7 @@ func (nopTransport) Put(transport.Remote, uint64, transport.Local, uint64, uint6
 }
 func (nopTransport) Signal(transport.Remote, uint64, uint64) error { return nil }
 func (nopTransport) Flush(int) error                               { return nil }
-func (nopTransport) Progress() error                               { return nil }
+func (nopTransport) Progress() (bool, error)                       { return false, nil }
 func (nopTransport) Close() error                                  { return nil }
 func (nopTransport) Concurrent() bool                              { return true }
 

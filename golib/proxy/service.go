@@ -10,6 +10,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
@@ -228,9 +230,11 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 		if !ok {
 			idle++
 			if idle&63 == 0 {
-				s.progress()
+				if s.progress() {
+					last = time.Now()
+				}
 				if time.Since(last) > s.opts.IdleSpin {
-					time.Sleep(20 * time.Microsecond)
+					Nap()
 				} else {
 					runtime.Gosched()
 				}
@@ -249,16 +253,26 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 	}
 }
 
-func (s *Service) progress() {
+// progress advances the transport and reports whether it is active.
+func (s *Service) progress() bool {
 	if s.Err() != nil {
-		return
+		return false
 	}
 	s.lockTransport()
-	err := s.tr.Progress()
+	active, err := s.tr.Progress()
 	s.unlockTransport()
 	if err != nil {
 		s.fail(fmt.Errorf("proxy: %s progress: %w", s.tr.Name(), err))
 	}
+	return active
+}
+
+// Nap sleeps about 20 microseconds in the kernel: time.Sleep of so little
+// can take the runtime's timer granularity (up to a millisecond), and an
+// idle proxy (or a host waiting on a channel) still polls.
+func Nap() {
+	ts := unix.Timespec{Nsec: 20_000}
+	_ = unix.Nanosleep(&ts, nil)
 }
 
 func (s *Service) lockTransport() {

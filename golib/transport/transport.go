@@ -56,7 +56,9 @@ type Transport interface {
 	// sources reusable, data visible at the peer.
 	Flush(peer int) error
 	// Progress advances outstanding operations without blocking; the proxy
-	// calls it when it has nothing else to do.
-	Progress() error
+	// calls it when it has nothing else to do. active reports that something
+	// moved or is still under way (the proxy keeps polling then, instead of
+	// napping: a receiver's data may need it).
+	Progress() (active bool, err error)
 	Close() error
 }

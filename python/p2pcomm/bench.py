@@ -554,7 +554,7 @@ def init_distributed(device: torch.device) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m p2pcomm.bench",
                                 description="All-reduce latency and bus bandwidth of p2pcomm vs torch.distributed. "
-                                            "Subcommands: allreduce (default), moe.")
+                                            "Subcommands: allreduce (default), moe, p2p.")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="default float32 on CPU, bfloat16 on GPU")
@@ -584,8 +584,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     command = argv.pop(0) if argv and not argv[0].startswith("-") else "allreduce"
     if command == "moe":
         return run_moe(argv)
+    if command == "p2p":
+        from . import bench_p2p
+
+        return bench_p2p.bench_p2p(bench_p2p.parser().parse_args(argv))
     if command != "allreduce":
-        print(f"unknown subcommand {command!r}: use allreduce or moe", file=sys.stderr)
+        print(f"unknown subcommand {command!r}: use allreduce, moe or p2p", file=sys.stderr)
         return 2
     args = parser().parse_args(argv)
     from .communicator import ALGORITHMS

@@ -209,7 +209,7 @@ func (t *Transport) Flush(peer int) error {
 }
 
 // Progress does nothing: the copy engine needs no help.
-func (t *Transport) Progress() error { return nil }
+func (t *Transport) Progress() (bool, error) { return false, nil }
 
 // Close waits for queued work (bounded) and destroys the stream.
 func (t *Transport) Close() error {

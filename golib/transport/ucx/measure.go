@@ -96,7 +96,7 @@ func MeasurePutMemory(tr *Transport, bs bootstrap.Bootstrap, sizes []uint64, bud
 		done := (*uint64)(unsafe.Pointer(&word[0]))
 		deadline := time.Now().Add(tr.timeout + budget*time.Duration(len(sizes)+1))
 		for bs.Rank() == 1 && atomic.LoadUint64(done) == 0 {
-			if err := tr.Progress(); err != nil {
+			if _, err := tr.Progress(); err != nil {
 				return nil, 0, err
 			}
 			if time.Now().After(deadline) {

@@ -16,6 +16,8 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
@@ -290,8 +292,16 @@ func (i *idler) after(events C.uint) {
 	case now.Sub(i.since) < idleSpin:
 		runtime.Gosched()
 	default:
-		time.Sleep(20 * time.Microsecond)
+		nap()
 	}
+}
+
+// nap sleeps about 20 microseconds in the kernel: time.Sleep of so little
+// can take the runtime's timer granularity (up to a millisecond), which
+// would set the pace of a peer's transfer that needs this rank's progress.
+func nap() {
+	ts := unix.Timespec{Nsec: 20_000}
+	_ = unix.Nanosleep(&ts, nil)
 }
 
 // wait progresses the worker until req completes or deadline passes; req
@@ -483,25 +493,28 @@ func (t *Transport) flush(peer int) error {
 // Copier's CUDA context, and peers' staged puts advance only while this
 // rank calls Progress or waits in Flush. Failures toward one peer are
 // reported by the next operation on it; an error here is the Copier's.
-func (t *Transport) Progress() error {
+func (t *Transport) Progress() (bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
-		return status.Errorf(status.State, "UCX progress: transport closed")
+		return false, status.Errorf(status.State, "UCX progress: transport closed")
 	}
-	C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker)
+	active := C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker) != 0
 	for r := range t.peers {
 		if t.peers[r].err != nil {
 			continue
 		}
 		if t.stage != nil && t.stage.peers[r].on {
 			t.pump(r)
+			st := &t.stage.peers[r]
+			active = active || len(st.queue) > 0 || len(st.landed) > 0
 		}
 		if len(t.peers[r].pending) > 0 {
 			t.reap(r)
+			active = active || len(t.peers[r].pending) > 0
 		}
 	}
-	return t.serviceRings()
+	return active, t.serviceRings()
 }
 
 // Close releases every registration, remote key, endpoint, the worker and

@@ -369,7 +369,7 @@ func (j *job) load(off uint64) uint64 {
 func (j *job) await(off, want uint64, what string) error {
 	deadline := time.Now().Add(j.timeout)
 	for i := 0; j.load(off) < want; i++ {
-		if err := j.tr.Progress(); err != nil {
+		if _, err := j.tr.Progress(); err != nil {
 			return err
 		}
 		if i%256 == 255 {

@@ -221,7 +221,7 @@ def test_readme_all_gather_across_simulated_nodes(node_comm):
     with comm.memory_channels(comm.empty(64, dtype=torch.uint8)) as mem:  # no IPC across nodes
         with pytest.raises(p2pcomm.InvalidArgumentError, match="another node"):
             mem.handle((r + 1) % w)
-    kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port")
+    kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)  # another communicator shares the GPU
     for chunk in (8, 64 << 10, 5 << 20):
         out = comm.empty(w * chunk, dtype=torch.uint8)
         with comm.port_channels(out) as chans:

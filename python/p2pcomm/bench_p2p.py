@@ -1,0 +1,328 @@
+"""Channel benchmarks: ``python -m p2pcomm.bench p2p`` under torchrun, 2 ranks per pair measured.
+
+    torchrun --nproc_per_node=2 -m p2pcomm.bench p2p [--sections fifo,memory,ucx] [--out DIR]
+
+- fifo: a kernel's trigger through the proxy and back (``PortChannel.flush`` on a
+  channel with nothing to move): p50/p99 microseconds; and triggers per second
+  when 8 warps per block push zero-byte puts into 1, 2, 4 or 8 FIFOs (one
+  port-channel set each).
+- memory: ``MemoryChannel.put`` over NVLink, both ranks pushing at once, next
+  to the copy engine (a copy into the peer's memory mapped over CUDA IPC, what
+  cudaMemcpyPeer does) and to ``PortChannel.put`` on the copy engine.
+- ucx: each rank a node of its own (P2PCOMM_LOCAL_SIZE=1), so port channels go
+  through UCX, GPU buffers: one-way latency of an 8-byte putWithSignal
+  (half a ping-pong) and rank 0 -> 1 bandwidth, next to ``ucx_perftest``
+  (from the libucx wheel) with host and with GPU memory on the same
+  transports (UCX_TLS, default tcp: the network path, not shared memory).
+
+Rank 0 prints the tables; --out also writes them as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import socket
+import statistics
+import subprocess
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .bench import parse_bytes
+
+SOURCE = r"""
+#include "channel.cuh"
+extern "C" __global__ void mc_put(const MemoryChannel* ch, int peer, unsigned long long bytes) {
+  ch[peer].put(0, 0, bytes, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+}
+extern "C" __global__ void pc_put(const PortChannel* ch, int peer, unsigned long long bytes) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) { ch[peer].put(0, 0, bytes); ch[peer].flush(); }
+}
+extern "C" __global__ void pc_send(const PortChannel* ch, int peer, unsigned long long bytes, int reps) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (int r = 0; r < reps; ++r) ch[peer].put(0, 0, bytes);
+  ch[peer].signal();
+  ch[peer].flush();
+}
+extern "C" __global__ void pc_recv(const PortChannel* ch, int peer) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) ch[peer].wait();
+}
+extern "C" __global__ void pc_pingpong(const PortChannel* ch, int peer, int first, int iters,
+                                       unsigned long long* samples) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (int i = 0; i < iters; ++i) {
+    const unsigned long long t0 = global_timer_ns();
+    if (first) { ch[peer].putWithSignal(0, 0, 8); if (!ch[peer].wait()) return; }
+    else { if (!ch[peer].wait()) return; ch[peer].putWithSignal(0, 0, 8); }
+    samples[i] = global_timer_ns() - t0;
+  }
+}
+extern "C" __global__ void fifo_latency(const PortChannel* ch, int peer, int iters, unsigned long long* samples) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (int i = 0; i < iters; ++i) {
+    const unsigned long long t0 = global_timer_ns();
+    if (!ch[peer].flush()) return;
+    samples[i] = global_timer_ns() - t0;
+  }
+}
+// Lane 0 of each warp pushes iters zero-byte puts into its block's FIFO (set blockIdx % nsets),
+// then the block's first thread flushes once all have.
+extern "C" __global__ void fifo_rate(const unsigned long long* sets, int nsets, int peer, int iters) {
+  const PortChannel* ch = reinterpret_cast<const PortChannel*>(sets[blockIdx.x % nsets]);
+  if ((threadIdx.x & 31) == 0)
+    for (int i = 0; i < iters; ++i) ch[peer].put(0, 0, 0);
+  __syncthreads();
+  if (threadIdx.x == 0) ch[peer].flush();
+}
+"""
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+
+
+def label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
+
+
+def table(headers: list, rows: list) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
+
+
+class Bench:
+    def __init__(self, args):
+        from . import Communicator, Kernel
+
+        self.args = args
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.peer = (self.rank + 1) % self.world
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.comm = Communicator(group=dist.group.WORLD, device=self.device)
+        self.kernels = {n: Kernel(SOURCE, n, comm=self.comm) for n in
+                        ("mc_put", "pc_put", "pc_send", "pc_recv", "pc_pingpong", "fifo_latency", "fifo_rate")}
+        self.out: list[str] = []
+
+    def say(self, text: str = "") -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+            self.out.append(text)
+
+    def timed(self, fn, iters: int) -> float:
+        """Microseconds per call of fn (the slowest rank's median of 5 repetitions of iters calls)."""
+        fn()
+        torch.cuda.synchronize()
+        reps = []
+        for _ in range(5):
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            reps.append(start.elapsed_time(end) * 1e3 / iters)
+        t = torch.tensor([statistics.median(reps)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    # -- fifo ------------------------------------------------------------------------------------------
+
+    def fifo(self) -> None:
+        comm, k = self.comm, self.kernels
+        buf = comm.empty(1 << 20, dtype=torch.uint8)
+        samples = torch.zeros(20000, dtype=torch.int64, device=self.device)
+        sets = [comm.port_channels(buf)]
+        k["fifo_latency"](1, 32, sets[0], self.peer, samples.numel(), samples)
+        torch.cuda.synchronize()
+        lat = samples.double().div(1e3).sort().values
+        p50, p99 = lat[lat.numel() // 2].item(), lat[lat.numel() * 99 // 100].item()
+        self.say(f"\nFIFO round trip (trigger -> proxy -> completion seen by the GPU), rank 0, {samples.numel()} flushes: "
+                 f"p50 {p50:.2f} us, p99 {p99:.2f} us")
+        rows = []
+        iters, warps = 2000, 8
+        while len(sets) < 8:
+            sets.append(comm.port_channels(buf))
+        for n in (1, 2, 4, 8):
+            ptrs = torch.tensor([s.data_ptr() for s in sets[:n]], dtype=torch.int64, device=self.device)
+            us = self.timed(lambda: k["fifo_rate"](n, 32 * warps, ptrs, n, self.peer, iters), 1)
+            rows.append([n, f"{n * warps * iters / us:.2f}"])
+        self.say(table(["FIFOs", "M triggers/s"], rows))
+        torch.cuda.synchronize()
+        dist.barrier()
+        for s in sets:
+            s.close()
+
+    # -- memory ----------------------------------------------------------------------------------------
+
+    def memory(self) -> None:
+        comm, k = self.comm, self.kernels
+        top = max(self.args.sizes)
+        src = comm.empty(top, dtype=torch.uint8)
+        src.random_(0, 256)
+        mem, port = comm.memory_channels(src), comm.port_channels(src)
+        peer_view = comm.peer_tensor(src, self.peer)
+        local = torch.empty(top, dtype=torch.uint8, device=self.device).random_(0, 256)
+        rows = []
+        for size in self.args.sizes:
+            iters = max(3, min(200, (256 << 20) // size))
+            t_mc = self.timed(lambda: k["mc_put"](self.args.blocks, 512, mem, self.peer, size), iters)
+            t_ce = self.timed(lambda: peer_view[:size].copy_(local[:size]), iters)
+            t_pc = self.timed(lambda: k["pc_put"](1, 32, port, self.peer, size), iters)
+            gbs = lambda us: f"{size / us / 1e3:.1f}"  # noqa: E731
+            rows.append([label(size), f"{t_mc:.1f}", gbs(t_mc), f"{t_ce:.1f}", gbs(t_ce), f"{t_pc:.1f}", gbs(t_pc)])
+        self.say(f"\nPut to the next rank, all ranks at once, GB/s per GPU "
+                 f"(MemoryChannel on {self.args.blocks} blocks of 512 threads):")
+        self.say(table(["size", "MemoryChannel us", "GB/s", "copy engine us", "GB/s", "PortChannel (CE) us", "GB/s"],
+                       rows))
+        torch.cuda.synchronize()
+        dist.barrier()
+        mem.close()
+        port.close()
+
+    # -- ucx -------------------------------------------------------------------------------------------
+
+    def ucx(self) -> None:
+        from . import Communicator
+
+        os.environ.setdefault("UCX_TLS", "tcp,cuda_copy,self")
+        os.environ["P2PCOMM_LOCAL_SIZE"] = "1"
+        comm = Communicator(group=dist.group.WORLD, device=self.device)
+        del os.environ["P2PCOMM_LOCAL_SIZE"]
+        k = {n: type(v)(v.source, v.name, comm=comm) for n, v in self.kernels.items()}
+        top = max(self.args.sizes)
+        buf = comm.empty(top, dtype=torch.uint8)
+        buf.random_(0, 256)
+        chans = comm.port_channels(buf)
+        # One-way latency: half an 8-byte ping-pong between ranks 0 and 1.
+        samples = torch.zeros(2000, dtype=torch.int64, device=self.device)
+        dist.barrier()
+        if self.rank < 2:
+            k["pc_pingpong"](1, 32, chans, 1 - self.rank, int(self.rank == 0), samples.numel(), samples)
+        torch.cuda.synchronize()
+        lat = samples[10:].double().div(2e3).median().item()
+        dist.barrier()
+        rows = []
+        for size in self.args.sizes:
+            reps = max(2, min(100, (64 << 20) // size))
+
+            def step():
+                if self.rank == 0:
+                    k["pc_send"](1, 32, chans, 1, size, reps)
+                elif self.rank == 1:
+                    k["pc_recv"](1, 32, chans, 0)
+
+            us = self.timed(step, 1)
+            rows.append([label(size), f"{size * reps / us / 1e3:.2f}"])
+        perf = self.perftest()
+        for row in rows:
+            row += perf.get(row[0], ["n/a", "n/a"])
+        tls = os.environ["UCX_TLS"]
+        self.say(f"\nPortChannel over UCX between simulated nodes (UCX_TLS={tls}; GPU buffers), rank 0 -> 1:"
+                 f" 8-byte putWithSignal one way {lat:.1f} us (median of half ping-pongs);"
+                 f" ucx_perftest ucp_put_lat 8 B: host {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
+        self.say(table(["size", "PortChannel GB/s", "ucx_perftest host GB/s", "ucx_perftest GPU GB/s"], rows))
+        torch.cuda.synchronize()
+        dist.barrier()
+        chans.close()
+        comm.close()
+
+    def perftest(self) -> dict:
+        """ucx_perftest's put bandwidth and latency between ranks 0 (server) and 1 (client), on host
+        and GPU memory, with this process's UCX_TLS; {} where the wheel's binary is absent."""
+        spec = importlib.util.find_spec("libucx")
+        exe = os.path.join(os.path.dirname(spec.origin), "bin", "ucx_perftest") if spec else ""
+        have = torch.tensor([int(os.path.exists(exe))])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if not have.item() or self.world < 2:
+            return {}
+        env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(exe), "..", "lib"))
+        got: dict = {}
+        port = 13000 + int(time.time()) % 2000
+        for mem in ("host", "cuda"):
+            tls = env["UCX_TLS"] if mem == "cuda" else ",".join(t for t in env["UCX_TLS"].split(",") if "cuda" not in t)
+            for test, size in [("ucp_put_lat", 8)] + [("ucp_put_bw", s) for s in self.args.sizes]:
+                port += 1
+                extra = ["-m", "cuda"] if mem == "cuda" else []
+                iters = str(max(10, min(2000, (256 << 20) // size)))
+                res = self.perftest_pair(exe, dict(env, UCX_TLS=tls), port, ["-t", test, "-s", str(size), "-n", iters]
+                                         + extra)
+                if res is None:
+                    continue
+                if test == "ucp_put_lat":
+                    got[f"lat_{mem}"] = f"{res[0]:.1f}"
+                else:
+                    got.setdefault(label(size), ["n/a", "n/a"])[0 if mem == "host" else 1] = f"{res[1] / 1e3:.2f}"
+        return got
+
+    def perftest_pair(self, exe, env, port, args) -> Optional[tuple]:
+        """(p50 latency us, overall MB/s) of one ucx_perftest run, on rank 0."""
+        out = None
+        if self.rank == 0:
+            server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)
+        dist.barrier()
+        if self.rank == 1:
+            try:
+                out = subprocess.run([exe, "127.0.0.1", "-p", str(port), *args], env=env, capture_output=True, text=True,
+                                     timeout=120).stdout
+            except subprocess.TimeoutExpired:
+                out = ""
+        dist.barrier()
+        if self.rank == 0:
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        parsed = torch.full((2,), -1.0, dtype=torch.float64)
+        for line in (out or "").splitlines():
+            if line.startswith("Final:"):
+                f = line.split()
+                parsed[0], parsed[1] = float(f[2]), float(f[6])
+        dist.broadcast(parsed, src=1)
+        return None if parsed[0] < 0 else (parsed[0].item(), parsed[1].item())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m p2pcomm.bench p2p", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default="fifo,memory,ucx", help="comma-separated: fifo, memory, ucx")
+    p.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x], default=SIZES,
+                   help="comma-separated sizes, e.g. 4K,1M,256M (default 4 KiB .. 256 MiB)")
+    p.add_argument("--blocks", type=int, default=32, help="MemoryChannel kernel blocks (default 32)")
+    p.add_argument("--out", default=None, help="directory for p2p.md (default: print only)")
+    return p
+
+
+def bench_p2p(args) -> int:
+    if not torch.cuda.is_available():
+        print("p2p benchmarks need GPUs (port channels on CPU ranks are covered by the tests)")
+        return 2
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # control only: every exchange here is of CPU tensors
+    b = Bench(args)
+    b.say(f"p2pcomm p2p benchmarks: {b.world} ranks, {torch.cuda.get_device_name()}, host {socket.gethostname()}")
+    for section in args.sections.split(","):
+        getattr(b, section.strip())()
+    if args.out and b.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "p2p.md"), "w") as f:
+            f.write("\n".join(b.out) + "\n")
+    dist.barrier()
+    b.comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from .bench import main
+
+    sys.exit(main(["p2p", *sys.argv[1:]]))
