@@ -23,6 +23,7 @@ import (
 type portState struct {
 	svc    *proxy.Service
 	ucx    *ucx.Transport
+	copier *ucx.CUDACopier // stages device memory for UCX; nil on CPU
 	ipc    *cudaipc.Transport
 	router *router
 }
@@ -40,6 +41,9 @@ func (p *portState) close() error {
 	}
 	if p.ucx != nil {
 		errs = append(errs, p.ucx.Close())
+	}
+	if p.copier != nil {
+		errs = append(errs, p.copier.Close())
 	}
 	if p.ipc != nil {
 		errs = append(errs, p.ipc.Close())
@@ -91,8 +95,25 @@ func (c *Channels) ensurePort() error {
 		if err := bootstrap.Agree(bs, ucx.Available(c.cfg.UCXDirs)); err != nil {
 			return fmt.Errorf("port channels to peers on other nodes need UCX: %w", err)
 		}
-		tr, err := ucx.Open(bs, c.ucxOptions())
+		opts := c.ucxOptions()
+		if c.onGPU() {
+			// UCX over tcp reaches device memory only through slow bounce
+			// buffers: the transport stages it through pinned host memory
+			// with this copier (its own stream on this GPU).
+			g := c.cfg.GPU
+			err := g.Driver.EnsureContext(g.Device)
+			if err == nil {
+				st.copier, err = ucx.NewCUDACopier(g.Driver)
+			}
+			if err = bootstrap.Agree(bs, err); err != nil {
+				st.close()
+				return fmt.Errorf("port channels: UCX staging: %w", err)
+			}
+			opts.Copier = st.copier
+		}
+		tr, err := ucx.Open(bs, opts)
 		if err != nil {
+			st.close()
 			return fmt.Errorf("port channels: %w", err)
 		}
 		st.ucx = tr
