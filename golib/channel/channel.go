@@ -36,6 +36,10 @@ type Config struct {
 	ForceUCX bool
 	// UCXDirs are searched for libucp.so.0 (ucx.Options.LibraryDirs).
 	UCXDirs []string
+	// UCXStageChunk and UCXStageSlots size UCX's staging ring (ucx.Options
+	// ChunkBytes, RingChunks); 0 takes its defaults.
+	UCXStageChunk uint64
+	UCXStageSlots int
 	// GPU is set on the GPU backend; Host on the CPU backend.
 	GPU  *GPU
 	Host Host
@@ -236,7 +240,8 @@ func (c *Channels) onGPU() bool { return c.cfg.GPU != nil }
 
 // ucxOptions are the UCX transport's options for this communicator.
 func (c *Channels) ucxOptions() ucx.Options {
-	return ucx.Options{Timeout: c.cfg.Timeout, LibraryDirs: c.cfg.UCXDirs}
+	return ucx.Options{Timeout: c.cfg.Timeout, LibraryDirs: c.cfg.UCXDirs, ChunkBytes: c.cfg.UCXStageChunk,
+		RingChunks: c.cfg.UCXStageSlots}
 }
 
 // newIPC creates the copy-engine transport on this rank's GPU.

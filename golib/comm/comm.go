@@ -51,15 +51,13 @@ var hostKey = func(Config) []byte { return topo.HostKey() }
 
 // Comm is one communicator.
 type Comm struct {
-	mu      sync.Mutex
-	bs      bootstrap.Bootstrap
-	backend collective.Backend
-	device  int
-	topo    *topo.Topology
-	timeout time.Duration
-	// forceUCX: port channels use UCX for peers of this node too
-	// (channel.PortTransportEnv).
-	forceUCX bool
+	mu       sync.Mutex
+	bs       bootstrap.Bootstrap
+	backend  collective.Backend
+	device   int
+	topo     *topo.Topology
+	timeout  time.Duration
+	port     portConfig
 	channels *channel.Channels // created at the first channel call
 	closed   bool
 }
@@ -76,7 +74,7 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		bs.Close()
 		return nil, err
 	}
-	forceUCX, err := portTransport(cfg)
+	port, err := portSettings(cfg)
 	if err != nil {
 		bs.Close()
 		return nil, err
@@ -105,21 +103,39 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		return nil, err
 	}
 	return &Comm{bs: bs, backend: be, device: cfg.Device, topo: top, timeout: time.Duration(timeoutMs) * time.Millisecond,
-		forceUCX: forceUCX}, nil
+		port: port}, nil
 }
 
-// portTransport reads P2PCOMM_PORT_TRANSPORT: "ucx" sends port channels to
-// peers of this node over UCX too; "auto" (or unset) uses the copy engine
-// for them on GPUs.
-func portTransport(cfg Config) (bool, error) {
+// portConfig is how port channels are built: P2PCOMM_PORT_TRANSPORT=ucx
+// sends peers of this node over UCX too ("auto", or unset, uses the copy
+// engine for them on GPUs); P2PCOMM_UCX_STAGE_CHUNK and _SLOTS size the ring
+// that stages device memory through host memory for UCX (bytes per chunk,
+// chunks in flight per peer; 0 takes the transport's defaults).
+type portConfig struct {
+	forceUCX   bool
+	stageChunk uint64
+	stageSlots int
+}
+
+func portSettings(cfg Config) (portConfig, error) {
+	var p portConfig
 	switch v := cfg.Env[channel.PortTransportEnv]; v {
 	case "", "auto":
-		return false, nil
 	case "ucx":
-		return true, nil
+		p.forceUCX = true
 	default:
-		return false, status.Errorf(status.InvalidArgument, "%s=%q: want auto or ucx", channel.PortTransportEnv, v)
+		return p, status.Errorf(status.InvalidArgument, "%s=%q: want auto or ucx", channel.PortTransportEnv, v)
 	}
+	chunk, err := cfg.int64Env("P2PCOMM_UCX_STAGE_CHUNK", 0)
+	if err != nil {
+		return p, err
+	}
+	slots, err := cfg.int64Env("P2PCOMM_UCX_STAGE_SLOTS", 0)
+	if err != nil {
+		return p, err
+	}
+	p.stageChunk, p.stageSlots = uint64(chunk), int(slots)
+	return p, nil
 }
 
 // discover learns which ranks share a host (one all-gather) and groups
@@ -224,7 +240,8 @@ func (c *Comm) Do(f func(collective.Backend) error) error {
 func (c *Comm) WithChannels(f func(*channel.Channels) error) error {
 	return c.Do(func(b collective.Backend) error {
 		if c.channels == nil {
-			cfg := channel.Config{Bootstrap: c.bs, Topology: c.topo, Timeout: c.timeout, ForceUCX: c.forceUCX}
+			cfg := channel.Config{Bootstrap: c.bs, Topology: c.topo, Timeout: c.timeout, ForceUCX: c.port.forceUCX,
+				UCXStageChunk: c.port.stageChunk, UCXStageSlots: c.port.stageSlots}
 			switch be := b.(type) {
 			case *gpucoll.Backend:
 				_, errWord, _ := be.WaitInfo()

@@ -218,7 +218,7 @@ class Bench:
 
             us = self.timed(step, 1)
             rows.append([label(size), f"{size * reps / us / 1e3:.2f}"])
-        perf = self.perftest()
+        perf = self.perftest() if self.args.perftest else {}
         for row in rows:
             row += perf.get(row[0], ["n/a", "n/a"])
         tls = os.environ["UCX_TLS"]
@@ -295,6 +295,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x], default=SIZES,
                    help="comma-separated sizes, e.g. 4K,1M,256M (default 4 KiB .. 256 MiB)")
     p.add_argument("--blocks", type=int, default=32, help="MemoryChannel kernel blocks (default 32)")
+    p.add_argument("--perftest", action=argparse.BooleanOptionalAction, default=True,
+                   help="run ucx_perftest beside the UCX rows (default on)")
     p.add_argument("--out", default=None, help="directory for p2p.md (default: print only)")
     return p
 
