@@ -2,20 +2,17 @@ package channel_test
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 	"unsafe"
 
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap/bootstraptest"
 	"github.com/p2pcomm/p2pcomm/golib/channel"
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/comm"
@@ -46,61 +43,17 @@ func needUCX(t *testing.T) {
 	}
 }
 
-type result struct {
-	rank           int
-	stdout, stderr string
-	err            error
-}
-
 // runJob starts size ranks in role and waits for all, killing them after
 // limit.
-func runJob(t *testing.T, role string, size int, limit time.Duration, env ...string) []result {
+func runJob(t *testing.T, role string, size int, limit time.Duration, env ...string) []bootstraptest.Rank {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), limit)
-	defer cancel()
-	out := make([]result, size)
-	var wg sync.WaitGroup
-	for rank := range size {
-		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), roleEnv+"="+role,
-			"P2PCOMM_RANK="+strconv.Itoa(rank), "P2PCOMM_WORLD_SIZE="+strconv.Itoa(size),
-			"P2PCOMM_MASTER_ADDR=127.0.0.1", "P2PCOMM_MASTER_PORT="+strconv.Itoa(port),
-			"P2PCOMM_JOB_TOKEN="+strings.ReplaceAll(t.Name(), "/", "."), "P2PCOMM_TIMEOUT_MS="+strconv.Itoa(timeoutMS))
-		cmd.Env = append(cmd.Env, env...)
-		var stdout, stderr bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &stdout, &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatalf("start rank %d: %v", rank, err)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			err := cmd.Wait()
-			out[rank] = result{rank, stdout.String(), stderr.String(), err}
-		}()
-	}
-	wg.Wait()
-	return out
+	env = append([]string{"P2PCOMM_TIMEOUT_MS=" + strconv.Itoa(timeoutMS)}, env...)
+	return bootstraptest.RunJob(t, roleEnv, role, size, limit, env...)
 }
 
-func expectOK(t *testing.T, results []result, skip ...int) {
+func expectOK(t *testing.T, results []bootstraptest.Rank, skip ...int) {
 	t.Helper()
-	for _, res := range results {
-		if len(skip) > 0 && res.rank == skip[0] {
-			continue
-		}
-		if res.err != nil || !strings.Contains(res.stdout, "DONE") {
-			t.Errorf("rank %d: %v\nstdout: %s\nstderr: %s", res.rank, res.err, res.stdout, res.stderr)
-		} else {
-			t.Logf("rank %d: %s", res.rank, res.stdout)
-		}
-	}
+	bootstraptest.ExpectDone(t, results, skip...)
 }
 
 // Every rank its own node, so every peer is reached over UCX: random pieces

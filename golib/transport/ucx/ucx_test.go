@@ -2,15 +2,11 @@ package ucx
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -18,6 +14,7 @@ import (
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap/bootstraptest"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
@@ -45,65 +42,18 @@ func needUCX(t *testing.T) {
 	}
 }
 
-// freePort returns a loopback port that was free a moment ago.
-func freePort(t *testing.T) int {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("listen: %v", err)
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
-}
-
-type childResult struct {
-	rank           int
-	stdout, stderr string
-	err            error
-}
-
 // runJob starts size ranks in role and waits for all, killing them after
 // limit.
-func runJob(t *testing.T, role string, size int, limit time.Duration, extraEnv ...string) []childResult {
+func runJob(t *testing.T, role string, size int, limit time.Duration, extraEnv ...string) []bootstraptest.Rank {
 	t.Helper()
-	port := freePort(t)
-	ctx, cancel := context.WithTimeout(context.Background(), limit)
-	defer cancel()
-	results := make([]childResult, size)
-	var wg sync.WaitGroup
-	for rank := range size {
-		cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), childRoleEnv+"="+role,
-			"P2PCOMM_RANK="+strconv.Itoa(rank), "P2PCOMM_WORLD_SIZE="+strconv.Itoa(size),
-			"P2PCOMM_MASTER_ADDR=127.0.0.1", "P2PCOMM_MASTER_PORT="+strconv.Itoa(port),
-			"P2PCOMM_JOB_TOKEN="+t.Name(), "P2PCOMM_TIMEOUT_MS="+strconv.Itoa(timeoutMS))
-		cmd.Env = append(cmd.Env, extraEnv...)
-		var stdout, stderr bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &stdout, &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatalf("start rank %d: %v", rank, err)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			err := cmd.Wait()
-			results[rank] = childResult{rank, stdout.String(), stderr.String(), err}
-		}()
-	}
-	wg.Wait()
-	return results
+	env := append([]string{"P2PCOMM_TIMEOUT_MS=" + strconv.Itoa(timeoutMS)}, extraEnv...)
+	return bootstraptest.RunJob(t, childRoleEnv, role, size, limit, env...)
 }
 
 // expectOK fails the test for every rank that did not exit cleanly.
-func expectOK(t *testing.T, results []childResult) {
+func expectOK(t *testing.T, results []bootstraptest.Rank) {
 	t.Helper()
-	for _, res := range results {
-		if res.err != nil || !strings.Contains(res.stdout, "DONE") {
-			t.Errorf("rank %d: %v\nstdout: %s\nstderr: %s", res.rank, res.err, res.stdout, res.stderr)
-		} else {
-			t.Logf("rank %d: %s%s", res.rank, res.stdout, res.stderr)
-		}
-	}
+	bootstraptest.ExpectDone(t, results)
 }
 
 func TestPutsVerified(t *testing.T) {
@@ -163,12 +113,7 @@ func TestPeerKilled(t *testing.T) {
 	start := time.Now()
 	results := runJob(t, "kill", size, 30*time.Second, victimEnv+"="+strconv.Itoa(victim))
 	t.Logf("job took %v", time.Since(start))
-	for _, res := range results {
-		if res.rank == victim {
-			continue
-		}
-		expectOK(t, []childResult{res})
-	}
+	bootstraptest.ExpectDone(t, results, victim)
 }
 
 // ---- the ranks ----
