@@ -287,7 +287,6 @@ DINLINE void oneshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
 template <typename T, typename O>
 DINLINE void twoshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
   constexpr int P = PackOf<T>::kElems;
-  const i64 nbytes = p.count * (i64)sizeof(T);
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
   const char* src = (const char*)p.local_src;
   const int divisor = p.op == kOpAvg ? p.world : 0;

@@ -83,8 +83,10 @@ func TestEveryKernelCompiles(t *testing.T) {
 						t.Errorf("%s: instantiation %q lowered to %q, want a mangled name", name, e, l)
 					}
 				}
-				if strings.Contains(res.Log, "warning") {
-					t.Logf("%s sm_%d warnings:\n%s", name, arch, res.Log)
+				for _, line := range strings.Split(res.Log, "\n") {
+					if strings.Contains(line, "warning") {
+						t.Logf("%s sm_%d: %s", name, arch, line)
+					}
 				}
 				if !noSpills {
 					return
