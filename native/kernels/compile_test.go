@@ -2,11 +2,14 @@ package kernels_test
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -54,6 +57,26 @@ func TestEveryKernelCompiles(t *testing.T) {
 		t.Fatal("kThreads not found in p2p_common.cuh")
 	}
 	threads, _ := strconv.Atoi(m[1])
+	// Builds take up to a minute each on a small machine: say every 20 s
+	// which are still running, so that a long stretch is never silent.
+	var running sync.Map
+	start := time.Now()
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop) }) // after the parallel subtests
+	go func() {
+		for tick := time.NewTicker(20 * time.Second); ; {
+			select {
+			case <-stop:
+				tick.Stop()
+				return
+			case <-tick.C:
+				var now []string
+				running.Range(func(k, _ any) bool { now = append(now, k.(string)); return true })
+				sort.Strings(now)
+				fmt.Printf("    still compiling at %.0f s: %s\n", time.Since(start).Seconds(), strings.Join(now, ", "))
+			}
+		}
+	}()
 	for _, name := range names {
 		src, err := kernels.Source(name)
 		if err != nil {
@@ -64,6 +87,9 @@ func TestEveryKernelCompiles(t *testing.T) {
 		for _, arch := range []int{80, 90} {
 			t.Run(name+"/sm_"+strconv.Itoa(arch), func(t *testing.T) {
 				t.Parallel() // NVRTC compiles are independent: use every core
+				key := name + "/sm_" + strconv.Itoa(arch)
+				running.Store(key, true)
+				defer running.Delete(key)
 				start := time.Now()
 				res, err := n.CompileCached(cuda.CompileRequest{Name: name, Source: src, Headers: headers, Arch: arch,
 					Options: []string{"-std=c++17", "-default-device", "--ptxas-options=-v"}, NameExpressions: exprs})
