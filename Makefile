@@ -24,7 +24,7 @@ export NCCL_NVLS_ENABLE := 0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST := 1
 export NVSHMEM_DISABLE_NVLS := 1
 
-.PHONY: setup lib test test-go test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
+.PHONY: setup lib test test-go test-go-race test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
 
 setup: $(PY_ENV) build/gomod
 
@@ -50,18 +50,25 @@ vet:
 	$(GO) vet ./...
 	@test -z "$$(gofmt -l golib native tests/go)" || { gofmt -l golib native tests/go; echo "gofmt needed"; exit 1; }
 
-# Every package under the race detector, while native/kernels' NVRTC builds of
-# every kernel (minutes on 2 cores, C++ that the race detector does not see)
-# run beside them, through the kernel cache, each build reported as it ends.
+# native/kernels' NVRTC builds of every kernel (minutes on 2 cores when the
+# kernel cache is cold; C++ that the race detector does not see) run beside
+# the other tests, each build reported as it ends.
 KERNEL_TEST_LOG := build/logs/kernels.log
+KERNEL_TEST = $(GO) test -count=1 -timeout 30m -v ./native/kernels > $(KERNEL_TEST_LOG) 2>&1
+KERNEL_REPORT = tail -n +1 -f $(KERNEL_TEST_LOG) --pid=$$kernels | grep --line-buffered -vE '^(=== (RUN|PAUSE|CONT|NAME)|\s*--- PASS|PASS$$)'
+# BESIDE_KERNELS cmd: runs cmd while the kernel builds run, then their report.
+BESIDE_KERNELS = @mkdir -p build/logs; set -o pipefail; \
+	$(KERNEL_TEST) & kernels=$$!; \
+	echo "kernel builds run beside the other tests: $(KERNEL_TEST_LOG)"; \
+	$(1); rest=$$?; \
+	$(KERNEL_REPORT); wait $$kernels; kern=$$?; \
+	test $$rest -eq 0 && test $$kern -eq 0 || { echo "failed: tests $$rest, kernel builds $$kern ($(KERNEL_TEST_LOG))"; exit 1; }
+
+test-go-race:
+	$(GO) test -race -count=1 -timeout 30m $$($(GO) list ./... | grep -v '/native/kernels$$')
+
 test-go: $(PY_ENV)
-	@mkdir -p build/logs
-	@set -o pipefail; \
-	$(GO) test -count=1 -timeout 30m -v ./native/kernels > $(KERNEL_TEST_LOG) 2>&1 & kernels=$$!; \
-	$(GO) test -race -count=1 -timeout 30m $$($(GO) list ./... | grep -v '/native/kernels$$'); race=$$?; \
-	tail -n +1 -f $(KERNEL_TEST_LOG) --pid=$$kernels | grep --line-buffered -vE '^(=== (RUN|PAUSE|CONT|NAME)|\s*--- PASS|PASS$$)'; \
-	wait $$kernels; kern=$$?; \
-	test $$race -eq 0 && test $$kern -eq 0 || { echo "test-go failed (race tests $$race, kernels $$kern: $(KERNEL_TEST_LOG))"; exit 1; }
+	$(call BESIDE_KERNELS,$(MAKE) --no-print-directory test-go-race)
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzDecode -fuzztime 300000x ./golib/bootstrap
@@ -69,7 +76,7 @@ fuzz:
 test-mpi:
 	@command -v mpirun >/dev/null || { echo "SKIP test-mpi: the MPI tests need Open MPI (apt-get install openmpi-bin)"; exit 0; }; \
 	set -e; \
-	$(GO) test -c -o build/mpi.test ./tests/go/mpi
+	$(GO) test -c -o build/mpi.test ./tests/go/mpi; \
 	$(GO) test -c -o build/bootstrap.test ./golib/bootstrap; \
 	mpirun --allow-run-as-root --oversubscribe -np 2 build/mpi.test -test.v -test.count=1; \
 	mpirun --allow-run-as-root --oversubscribe -np 2 build/bootstrap.test -test.run MPI -test.v -test.count=1
@@ -87,7 +94,8 @@ test-dist: lib $(PY_ENV)
 	$(call RANKS,3) -m pytest -q -x tests/python/dist/test_moe.py
 	$(call RANKS,8) -m pytest -q -x tests/python/dist/test_moe.py
 
-test: vet test-go fuzz test-mpi test-python test-dist
+test: lib $(PY_ENV)
+	$(call BESIDE_KERNELS,$(MAKE) --no-print-directory vet test-go-race fuzz test-mpi test-python test-dist)
 
 gpu-test: lib $(PY_ENV)
 	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }

@@ -8,8 +8,8 @@ Rank 0's output is printed as it comes; every rank's output goes to
 DIR/rank<r>.log, and a rank that fails has its log printed at the end. When a
 rank fails, the others get a grace period to fail on their own (they raise
 naming it) before they are ended; the whole job is bounded by --timeout.
-Nothing is silent for long: after 30 s without output a line says which
-ranks are still running.
+Nothing is silent for long: after 30 s without output from rank 0 a line
+says which ranks are still running.
 """
 
 from __future__ import annotations
@@ -60,10 +60,12 @@ def main(argv=None) -> int:
     last = [time.monotonic()]
 
     def echo_rank0():
-        for line in iter(procs[0].stdout.readline, b""):
-            files[0].write(line)
+        # Bytes as they come, not lines: pytest's progress dots share a line.
+        fd = procs[0].stdout.fileno()
+        for chunk in iter(lambda: os.read(fd, 65536), b""):
+            files[0].write(chunk)
             files[0].flush()
-            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.write(chunk)
             sys.stdout.flush()
             last[0] = time.monotonic()
 
