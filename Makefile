@@ -17,6 +17,8 @@ GO_SOURCES := $(shell find golib native -name '*.go' -o -name '*.cu' -o -name '*
 NPROC_GPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 export P2PCOMM_LIB ?= $(CURDIR)/$(LIB)
+# Tests use the UCX that requirements-dev.txt installs, not whatever the system has.
+export P2PCOMM_UCX_LIB ?= $(wildcard $(VENV)/lib/python3*/site-packages/libucx/lib/libucp.so.0)
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 # Never let NCCL, torch or NVSHMEM use NVLink multicast on shared machines.

@@ -403,7 +403,9 @@ func (t *Transport) pump(r int) error {
 			break
 		}
 		if err := t.issue(r, c, ring); err != nil {
-			st.queue = st.queue[n+1:]
+			if len(st.queue) > n { // a failure toward r already dropped the queue
+				st.queue = st.queue[n+1:]
+			}
 			return err
 		}
 	}
