@@ -49,6 +49,9 @@ func (a Algorithm) String() string {
 	return algoNames[a]
 }
 
+// AlgorithmNames lists every algorithm's name, in ABI order.
+func AlgorithmNames() []string { return append([]string(nil), algoNames[:]...) }
+
 // ParseAlgorithm maps a name ("oneshot", "ring", ...) to its Algorithm.
 func ParseAlgorithm(name string) (Algorithm, bool) {
 	for i, n := range algoNames {

@@ -163,7 +163,8 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration, top *topo
 	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {
 		algo, ok := collective.ParseAlgorithm(name)
 		if !ok {
-			return nil, status.Errorf(status.InvalidArgument, "P2PCOMM_ALGO=%q: want one of auto, oneshot, twoshot, ring, recursive_doubling", name)
+			return nil, status.Errorf(status.InvalidArgument, "P2PCOMM_ALGO=%q: want one of %s", name,
+				strings.Join(collective.AlgorithmNames(), ", "))
 		}
 		opts.ForceAlgo = algo
 	}

@@ -31,3 +31,30 @@ def test_algorithms_match_collective_algorithm():
              for k, v in names.items()}
     for code, name in enumerate(communicator.ALGORITHMS):
         assert names.get(name) == code, f"algorithm {name!r} is {code} in Python, {names.get(name)} in Go"
+
+
+def test_status_codes_match_status_code():
+    from p2pcomm import errors
+
+    codes = go_consts("status/status.go", "Code")
+    assert codes, "no Code constants found in golib/status/status.go"
+    by_name = {"InvalidArgument": errors.InvalidArgumentError, "Unsupported": errors.UnsupportedError,
+               "Capacity": errors.CapacityError, "State": errors.StateError, "Mismatch": errors.MismatchError,
+               "Timeout": errors.PeerTimeoutError, "Bootstrap": errors.BootstrapError, "CUDA": errors.CUDAError,
+               "Fork": errors.ForkError, "Internal": errors.InternalError,
+               "PeerUnavailable": errors.PeerUnavailableError}
+    assert set(codes) - {"OK"} == set(by_name), "a status code without its exception, or the other way round"
+    for name, cls in by_name.items():
+        assert cls.code == codes[name], f"{cls.__name__}.code = {cls.code}, Go's {name} = {codes[name]}"
+        assert errors.error_for(codes[name], "x").__class__ is cls
+
+
+def test_dtype_and_op_codes_match_reduce():
+    import torch
+
+    dtypes = go_consts("reduce/reduce.go", "DType")
+    want = {"Float32": torch.float32, "Float64": torch.float64, "Float16": torch.float16, "BFloat16": torch.bfloat16,
+            "Int32": torch.int32, "Int64": torch.int64}
+    assert {communicator._DTYPES[t]: n for n, t in want.items()} == {v: k for k, v in dtypes.items()}
+    ops = go_consts("reduce/reduce.go", "Op")
+    assert {o.name.capitalize(): o.value for o in communicator.ReduceOp} == ops
