@@ -1,10 +1,8 @@
 package kernels_test
 
 import (
-	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"regexp"
 	"sort"
 	"strconv"
@@ -14,21 +12,14 @@ import (
 	"time"
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/cuda/cudatest"
 	"github.com/p2pcomm/p2pcomm/native/kernels"
 )
 
 // TestMain points the NVRTC search at the local Python's nvidia wheels when
 // nothing else says where NVRTC is, as the Python package does at run time.
 func TestMain(m *testing.M) {
-	if os.Getenv(cuda.EnvNVRTC) == "" && os.Getenv(cuda.EnvNVIDIAPaths) == "" {
-		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-		out, err := exec.CommandContext(ctx, "python3", "-c",
-			"import nvidia; print(':'.join(nvidia.__path__))").Output()
-		cancel()
-		if err == nil {
-			os.Setenv(cuda.EnvNVIDIAPaths, strings.TrimSpace(string(out)))
-		}
-	}
+	cudatest.UsePythonWheels()
 	os.Exit(m.Run())
 }
 
