@@ -83,16 +83,16 @@ static inline int p2p_ucx_worker_address(void* f, void* worker, void** address, 
 	return st;
 }
 
-// p2p_ucx_ep_create connects to a peer's worker address with peer failure
-// handling: a dead peer fails the endpoint's operations instead of aborting
-// the process, and the first failure lands in *slot.
-static inline int p2p_ucx_ep_create(void* f, void* worker, const void* address, int* slot, void** ep) {
+// p2p_ucx_ep_create connects to a peer's worker address with err_mode
+// (UCP_ERR_HANDLING_MODE_*); with peer failure handling the first failure
+// lands in *slot.
+static inline int p2p_ucx_ep_create(void* f, void* worker, const void* address, int err_mode, int* slot, void** ep) {
 	p2p_ucp_ep_params p;
 	memset(&p, 0, sizeof p);
 	p.field_mask = P2P_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | P2P_UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
 			P2P_UCP_EP_PARAM_FIELD_ERR_HANDLER;
 	p.address = address;
-	p.err_mode = P2P_UCP_ERR_HANDLING_MODE_PEER;
+	p.err_mode = err_mode;
 	p.err_handler.cb = (void*)p2p_ucx_ep_failed;
 	p.err_handler.arg = slot;
 	return ((int (*)(void*, const p2p_ucp_ep_params*, void**))f)(worker, &p, ep);

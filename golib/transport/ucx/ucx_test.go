@@ -107,13 +107,30 @@ func TestStrayConnection(t *testing.T) {
 	expectOK(t, runJob(t, "stray", 2, 30*time.Second))
 }
 
+// TestPeerKilled: survivors of a killed rank report it, with and without
+// UCX's peer failure handling.
 func TestPeerKilled(t *testing.T) {
 	needUCX(t)
 	const size, victim = 3, 2
-	start := time.Now()
-	results := runJob(t, "kill", size, 30*time.Second, victimEnv+"="+strconv.Itoa(victim))
-	t.Logf("job took %v", time.Since(start))
-	bootstraptest.ExpectDone(t, results, victim)
+	for _, mode := range []string{"fast", "peer"} {
+		t.Run(mode, func(t *testing.T) {
+			start := time.Now()
+			results := runJob(t, "kill", size, 30*time.Second, victimEnv+"="+strconv.Itoa(victim), ErrorsEnv+"="+mode)
+			t.Logf("job took %v", time.Since(start))
+			bootstraptest.ExpectDone(t, results, victim)
+		})
+	}
+}
+
+func TestParseErrorMode(t *testing.T) {
+	for in, want := range map[string]ErrorMode{"": ErrorsFast, "fast": ErrorsFast, " Peer ": ErrorsPeer} {
+		if got, err := ParseErrorMode(in); err != nil || got != want {
+			t.Errorf("ParseErrorMode(%q) = %v, %v; want %v", in, got, err, want)
+		}
+	}
+	if _, err := ParseErrorMode("none"); err == nil || !strings.Contains(err.Error(), ErrorsEnv) {
+		t.Errorf("ParseErrorMode(none) error %v does not name %s", err, ErrorsEnv)
+	}
 }
 
 // ---- the ranks ----
