@@ -88,8 +88,9 @@ func (f *FIFO) Push(op Op) (uint64, error) {
 		}
 	}
 	slot := &f.ring[pos&(f.slots-1)]
-	atomic.StoreUint64(&slot.Fst, t.Fst)
-	atomic.StoreUint64(&slot.Snd, t.Snd|lap(pos, f.slots))
+	l := lap(pos, f.slots)
+	atomic.StoreUint64(&slot.Fst, t.Fst|l<<fstLapBit)
+	atomic.StoreUint64(&slot.Snd, t.Snd|l<<lapBit)
 	return pos, nil
 }
 
@@ -134,11 +135,15 @@ func (f *FIFO) Flush(channel uint32) error {
 func (f *FIFO) pop() (Trigger, uint64, bool) {
 	pos := f.tail
 	slot := &f.ring[pos&(f.slots-1)]
+	l := lap(pos, f.slots)
 	snd := atomic.LoadUint64(&slot.Snd)
-	if snd&(1<<lapBit) != lap(pos, f.slots) {
+	if snd>>lapBit != l {
 		return Trigger{}, 0, false
 	}
 	t := Trigger{Fst: atomic.LoadUint64(&slot.Fst), Snd: snd}
+	if !fresh(t, l) {
+		return Trigger{}, 0, false // the first word is still on its way
+	}
 	f.tail = pos + 1
 	atomic.StoreUint64(&f.hw.Tail, f.tail)
 	return t, pos, true

@@ -11,12 +11,13 @@ const (
 
 // Field widths and limits of a trigger (channel.cuh's kTrigger* constants).
 const (
-	sizeBits    = 32
+	sizeBits    = 31
 	offsetBits  = 32
 	memoryBits  = 8
 	typeBits    = 3
 	channelBits = 10
 	lapBit      = 63
+	fstLapBit   = 31 // the lap bit's copy in the first word
 
 	MaxMemories = 1 << memoryBits  // ids of registered memories, per direction
 	MaxChannels = 1 << channelBits // channels of one Service
@@ -71,7 +72,7 @@ func (op Op) Encode() (Trigger, error) {
 
 func field(v uint64, shift, bits int) uint64 { return v >> shift & (1<<bits - 1) }
 
-// Decode unpacks a trigger; the lap bit is ignored.
+// Decode unpacks a trigger; the lap bits are ignored.
 func Decode(t Trigger) Op {
 	return Op{
 		Size:      field(t.Fst, 0, sizeBits),
@@ -86,7 +87,11 @@ func Decode(t Trigger) Op {
 
 // lap is the lap bit an entry at position pos carries: set on even laps, so
 // zeroed memory never looks fresh.
-func lap(pos, slots uint64) uint64 { return (pos/slots&1 ^ 1) << lapBit }
+func lap(pos, slots uint64) uint64 { return pos/slots&1 ^ 1 }
+
+// fresh reports whether both words of an entry carry lap l: the device
+// stores them with one 16-byte store, which need not reach the host as one.
+func fresh(t Trigger, l uint64) bool { return t.Snd>>lapBit == l && t.Fst>>fstLapBit&1 == l }
 
 // deviceWords mirrors FifoDeviceWords (device memory: pushers' atomics).
 type deviceWords struct {

@@ -57,6 +57,7 @@ func TestConstantsMatchHeader(t *testing.T) {
 		{"kTriggerTypeBits", typeBits, constant(t, src, "kTriggerTypeBits")},
 		{"kTriggerChannelBits", channelBits, constant(t, src, "kTriggerChannelBits")},
 		{"kTriggerLapBit", lapBit, constant(t, src, "kTriggerLapBit")},
+		{"kTriggerFstLapBit", fstLapBit, constant(t, src, "kTriggerFstLapBit")},
 		{"kErrProxy", ErrCodeProxy, constant(t, src, "kErrProxy")},
 		{"kPhaseChannelWait", PhaseChannelWait, phase("kPhaseChannelWait")},
 		{"kPhaseFifoPush", PhaseFifoPush, phase("kPhaseFifoPush")},

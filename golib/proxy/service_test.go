@@ -32,20 +32,43 @@ func mustID(t *testing.T) func(uint32, error) uint32 {
 	}
 }
 
+// TestTornEntryWaits: an entry whose second word shows the expected lap
+// while its first still holds the last lap's is not taken until both agree.
+func TestTornEntryWaits(t *testing.T) {
+	s := newService(t, &fakeTransport{}, Options{Slots: 2})
+	f, err := newFIFO(s, 0, 2) // no proxy goroutine: the test pops
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.free()
+	want, _ := Op{Type: TriggerPut, Size: 5, SrcOffset: 7}.Encode()
+	slot := &f.ring[0]
+	slot.Snd = want.Snd | lap(0, 2)<<lapBit
+	if _, _, ok := f.pop(); ok {
+		t.Fatal("pop took an entry whose first word is from the last lap")
+	}
+	slot.Fst = want.Fst | lap(0, 2)<<fstLapBit
+	got, pos, ok := f.pop()
+	if !ok || pos != 0 || Decode(got) != Decode(want) {
+		t.Fatalf("pop = %+v, %d, %v; want %+v at 0", Decode(got), pos, ok, Decode(want))
+	}
+}
+
 func TestEncodeDecodeRandom(t *testing.T) {
 	rng := rand.New(rand.NewSource(1))
 	for i := 0; i < 100000; i++ {
 		op := Op{Type: uint32(1 + rng.Intn(7)), Channel: uint32(rng.Intn(MaxChannels)),
 			DstMemory: uint32(rng.Intn(MaxMemories)), SrcMemory: uint32(rng.Intn(MaxMemories)),
-			DstOffset: uint64(rng.Uint32()), SrcOffset: uint64(rng.Uint32()), Size: uint64(rng.Uint32())}
+			DstOffset: uint64(rng.Uint32()), SrcOffset: uint64(rng.Uint32()), Size: uint64(rng.Uint32() >> 1)}
 		tr, err := op.Encode()
 		if err != nil {
 			t.Fatalf("Encode(%+v): %v", op, err)
 		}
-		if tr.Snd>>61 != 0 {
-			t.Fatalf("Encode(%+v) sets bits 61..63: %#x", op, tr.Snd)
+		if tr.Snd>>61 != 0 || tr.Fst>>fstLapBit&1 != 0 {
+			t.Fatalf("Encode(%+v) sets a lap bit or bits 61..62: %#x %#x", op, tr.Fst, tr.Snd)
 		}
 		tr.Snd |= 1 << lapBit
+		tr.Fst |= 1 << fstLapBit
 		if got := Decode(tr); got != op {
 			t.Fatalf("Decode(Encode(%+v)) = %+v", op, got)
 		}

@@ -43,22 +43,25 @@ constexpr u32 kTriggerFlush = 4;
 
 // Field widths of a trigger (see Trigger); the host refuses registrations
 // that do not fit.
-constexpr int kTriggerSizeBits = 32;
+constexpr int kTriggerSizeBits = 31;
 constexpr int kTriggerOffsetBits = 32;
 constexpr int kTriggerMemoryBits = 8;
 constexpr int kTriggerTypeBits = 3;
 constexpr int kTriggerChannelBits = 10;
 constexpr int kTriggerLapBit = 63;
+constexpr int kTriggerFstLapBit = 31;
 constexpr u32 kMaxMemories = 1u << kTriggerMemoryBits;
 constexpr u32 kMaxChannels = 1u << kTriggerChannelBits;
 static_assert(kTriggerOffsetBits + 2 * kTriggerMemoryBits + kTriggerTypeBits + kTriggerChannelBits <= kTriggerLapBit,
               "the second word's fields end below the lap bit");
+static_assert(kTriggerSizeBits == kTriggerFstLapBit, "the first word's lap bit sits between size and src_offset");
 
 // ---------------------------------------------------------------- layouts shared with Go
 
 // Trigger is one FIFO entry, two 64-bit words:
 //
-//   fst  bits  0..31  size        bytes to put
+//   fst  bits  0..30  size        bytes to put
+//        bit  31      lap         a copy of snd's lap bit
 //        bits 32..63  src_offset  bytes into the source memory
 //   snd  bits  0..31  dst_offset  bytes into the destination memory
 //        bits 32..39  src_memory  id of a local memory registered with the proxy
@@ -68,9 +71,10 @@ static_assert(kTriggerOffsetBits + 2 * kTriggerMemoryBits + kTriggerTypeBits + k
 //        bits 61..62  0
 //        bit  63      lap         1 on even laps of the ring, 0 on odd ones
 //
-// snd is stored last with a release store, so an entry whose lap bit
-// matches the lap the proxy expects is complete; a slot is never cleared
-// because the previous lap's entry carries the other bit.
+// The device stores both words with one 16-byte store; the lap bit is in
+// each word, so the proxy takes an entry only once both words show the lap
+// it expects, whether or not the store reaches the host as one. A slot is
+// never cleared because the previous lap's entry carries the other bit.
 struct alignas(16) Trigger {
   u64 fst;
   u64 snd;
@@ -188,22 +192,23 @@ DINLINE Trigger make_trigger(u32 type, u32 channel, u32 dst_memory, u64 dst_offs
   return t;
 }
 
-// lap_bit is the lap bit an entry at position pos carries: 1 on the first
+// lap_of is the lap bit an entry at position pos carries: 1 on the first
 // lap, so zeroed memory never looks fresh.
-DINLINE u64 lap_bit(u64 pos, u32 slots) { return (((pos / slots) & 1ull) ^ 1ull) << kTriggerLapBit; }
+DINLINE u64 lap_of(u64 pos, u32 slots) { return ((pos / slots) & 1ull) ^ 1ull; }
 
 // ---------------------------------------------------------------- FIFO push
 
 // fifo_push claims the next position, waits (bounded) until its slot is
 // free, writes the entry and returns the position, or ~0 after a timeout or
 // a proxy failure (recorded in err). Any thread may call it, concurrently.
-// The trigger's release store makes this thread's earlier writes visible to
-// the proxy (and the copy it starts); call __syncthreads first when other
-// threads of the block wrote the data a put reads.
+// A put's or signal's store is a release: this thread's earlier writes are
+// visible to the proxy (and the copy it starts); call __syncthreads first
+// when other threads of the block wrote the data a put reads. A bare flush
+// publishes nothing and is stored relaxed: the proxy runs entries in order.
 template <typename P>
 DINLINE u64 fifo_push(const FifoHandle& f, const P& w, int peer, Trigger t) {
   const u64 pos = atomicAdd(reinterpret_cast<unsigned long long*>(&f.dev->head), 1ull);
-  if (pos >= ld_flag_acquire(&f.dev->tail_cache) + f.slots) {
+  if (pos >= *reinterpret_cast<volatile const u64*>(&f.dev->tail_cache) + f.slots) {
     u64 tail = 0;
     const bool free = spin_until(w, [&] {
       tail = ld_flag_acquire(&f.host->tail);
@@ -217,8 +222,13 @@ DINLINE u64 fifo_push(const FifoHandle& f, const P& w, int peer, Trigger t) {
     atomicMax(reinterpret_cast<unsigned long long*>(&f.dev->tail_cache), (unsigned long long)tail);
   }
   Trigger* slot = &f.ring[pos & (f.slots - 1)];
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(&slot->fst), "l"(t.fst) : "memory");
-  st_flag_release(&slot->snd, t.snd | lap_bit(pos, f.slots));
+  const u64 lap = lap_of(pos, f.slots);
+  const u64 fst = t.fst | lap << kTriggerFstLapBit, snd = t.snd | lap << kTriggerLapBit;
+  if (((t.snd >> 48) & (kTriggerPut | kTriggerSignal)) != 0) {
+    asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" :: "l"(slot), "l"(fst), "l"(snd) : "memory");
+  } else {
+    asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" :: "l"(slot), "l"(fst), "l"(snd) : "memory");
+  }
   return pos;
 }
 
@@ -290,7 +300,7 @@ struct PortChannel {
   }
 
   // put asks the proxy to copy bytes from src_offset of the local memory to
-  // dst_offset of the peer's (offsets and bytes below 4 GiB). One thread
+  // dst_offset of the peer's (offsets below 4 GiB, bytes below 2 GiB). One thread
   // calls it; it returns at once. Returns the FIFO position.
   DMETHOD u64 put(u64 dst_offset, u64 src_offset, u64 bytes) const {
     return push(kTriggerPut, dst_offset, src_offset, bytes);
