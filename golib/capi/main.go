@@ -33,7 +33,6 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/comm"
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
-	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
 	"github.com/p2pcomm/p2pcomm/golib/proxy"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -249,36 +248,40 @@ func withPeerMemory(h C.uint64_t, f func(collective.PeerMemory) error) C.int {
 	})
 }
 
+// withLauncher runs f on the backend's kernel launcher; what names the
+// call in the error of backends without one.
+func withLauncher(h C.uint64_t, what string, f func(comm.KernelLauncher) error) C.int {
+	return withBackend(h, func(b collective.Backend) error {
+		l, ok := b.(comm.KernelLauncher)
+		if !ok {
+			return status.Errorf(status.Unsupported, "%s need the GPU backend", what)
+		}
+		return f(l)
+	})
+}
+
 // p2p_launch runs kernel expr of native/kernels/<file> on stream with the
 // nbytes of params as its one by-value argument (GPU backend only).
 //
 //export p2p_launch
 func p2p_launch(h C.uint64_t, file, expr *C.char, params unsafe.Pointer, nbytes C.int64_t, grid, block, shared C.uint32_t, stream C.uint64_t) C.int {
-	return withBackend(h, func(b collective.Backend) error {
-		g, ok := b.(*gpucoll.Backend)
-		if !ok {
-			return status.Errorf(status.Unsupported, "kernel launches need the GPU backend")
-		}
+	return withLauncher(h, "kernel launches", func(l comm.KernelLauncher) error {
 		if nbytes < 0 || nbytes > 4096 || (nbytes > 0 && params == nil) {
 			return status.Errorf(status.InvalidArgument, "kernel parameters of %d bytes", nbytes)
 		}
 		args := C.GoBytes(params, C.int(nbytes))
-		return g.Launch(C.GoString(file), C.GoString(expr), uint32(grid), uint32(block), uint32(shared), uintptr(stream), args)
+		return l.Launch(C.GoString(file), C.GoString(expr), uint32(grid), uint32(block), uint32(shared), uintptr(stream), args)
 	})
 }
 
 // p2p_prepare_kernel compiles and loads native/kernels/<file> (which
 // declares expr) and the stream barrier's kernel (GPU backend only; see
-// gpucoll.Backend.Prepare).
+// comm.KernelLauncher).
 //
 //export p2p_prepare_kernel
 func p2p_prepare_kernel(h C.uint64_t, file, expr *C.char) C.int {
-	return withBackend(h, func(b collective.Backend) error {
-		g, ok := b.(*gpucoll.Backend)
-		if !ok {
-			return status.Errorf(status.Unsupported, "kernels need the GPU backend")
-		}
-		return g.Prepare(C.GoString(file), C.GoString(expr))
+	return withLauncher(h, "kernels", func(l comm.KernelLauncher) error {
+		return l.Prepare(C.GoString(file), C.GoString(expr))
 	})
 }
 
@@ -288,8 +291,8 @@ func p2p_prepare_kernel(h C.uint64_t, file, expr *C.char) C.int {
 func p2p_device_info(h C.uint64_t, sms *C.int32_t) C.int {
 	return withBackend(h, func(b collective.Backend) error {
 		*sms = 0
-		if g, ok := b.(*gpucoll.Backend); ok {
-			*sms = C.int32_t(g.SMCount())
+		if l, ok := b.(comm.KernelLauncher); ok {
+			*sms = C.int32_t(l.SMCount())
 		}
 		return nil
 	})
@@ -302,12 +305,8 @@ func p2p_device_info(h C.uint64_t, sms *C.int32_t) C.int {
 //
 //export p2p_wait_info
 func p2p_wait_info(h C.uint64_t, signal, errWord, timeoutNs *C.uint64_t) C.int {
-	return withBackend(h, func(b collective.Backend) error {
-		g, ok := b.(*gpucoll.Backend)
-		if !ok {
-			return status.Errorf(status.Unsupported, "device waits need the GPU backend")
-		}
-		s, e, t := g.WaitInfo()
+	return withLauncher(h, "device waits", func(l comm.KernelLauncher) error {
+		s, e, t := l.WaitInfo()
 		*signal, *errWord, *timeoutNs = C.uint64_t(s), C.uint64_t(e), C.uint64_t(t)
 		return nil
 	})
@@ -586,11 +585,11 @@ func withChannels(h C.uint64_t, f func(*channel.Channels) error) C.int {
 //
 //export p2p_kernel_compile
 func p2p_kernel_compile(h C.uint64_t, source, name *C.char, kernel *C.uint64_t) C.int {
-	return withGPU(h, func(g *gpucoll.Backend) error {
+	return withUserKernels(h, func(u comm.UserKernels) error {
 		if source == nil || name == nil || kernel == nil {
 			return status.Errorf(status.InvalidArgument, "kernel compile: null argument")
 		}
-		id, err := g.CompileKernel(C.GoString(source), C.GoString(name))
+		id, err := u.CompileKernel(C.GoString(source), C.GoString(name))
 		*kernel = C.uint64_t(id)
 		return err
 	})
@@ -601,11 +600,11 @@ func p2p_kernel_compile(h C.uint64_t, source, name *C.char, kernel *C.uint64_t) 
 //
 //export p2p_kernel_params
 func p2p_kernel_params(h, kernel C.uint64_t, offsets, sizes *C.uint64_t, maxParams C.int32_t, n *C.int32_t) C.int {
-	return withGPU(h, func(g *gpucoll.Backend) error {
+	return withUserKernels(h, func(u comm.UserKernels) error {
 		if n == nil || maxParams < 0 || (maxParams > 0 && (offsets == nil || sizes == nil)) {
 			return status.Errorf(status.InvalidArgument, "kernel params: bad output arrays")
 		}
-		params, err := g.KernelParams(uint64(kernel))
+		params, err := u.KernelParams(uint64(kernel))
 		if err != nil {
 			return err
 		}
@@ -630,7 +629,7 @@ func p2p_kernel_params(h, kernel C.uint64_t, offsets, sizes *C.uint64_t, maxPara
 //export p2p_kernel_launch
 func p2p_kernel_launch(h, kernel C.uint64_t, gx, gy, gz, bx, by, bz, shared C.uint32_t, stream C.uint64_t,
 	params unsafe.Pointer, paramsLen C.uint64_t) C.int {
-	return withGPU(h, func(g *gpucoll.Backend) error {
+	return withUserKernels(h, func(u comm.UserKernels) error {
 		if paramsLen > 1<<20 || (paramsLen > 0 && params == nil) {
 			return status.Errorf(status.InvalidArgument, "kernel launch: %d bytes of parameters at %p", paramsLen, params)
 		}
@@ -640,16 +639,16 @@ func p2p_kernel_launch(h, kernel C.uint64_t, gx, gy, gz, bx, by, bz, shared C.ui
 		}
 		cfg := cuda.LaunchConfig{Grid: [3]uint32{uint32(gx), uint32(gy), uint32(gz)},
 			Block: [3]uint32{uint32(bx), uint32(by), uint32(bz)}, SharedBytes: uint32(shared), Stream: uintptr(stream)}
-		return g.LaunchKernel(uint64(kernel), cfg, buf)
+		return u.LaunchKernel(uint64(kernel), cfg, buf)
 	})
 }
 
-func withGPU(h C.uint64_t, f func(*gpucoll.Backend) error) C.int {
+func withUserKernels(h C.uint64_t, f func(comm.UserKernels) error) C.int {
 	return withBackend(h, func(b collective.Backend) error {
-		g, ok := b.(*gpucoll.Backend)
+		u, ok := b.(comm.UserKernels)
 		if !ok {
 			return status.Errorf(status.Unsupported, "user kernels need the GPU backend")
 		}
-		return f(g)
+		return f(u)
 	})
 }
