@@ -167,24 +167,47 @@ class Communicator:
     RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; see README). ``device`` is
     "cpu", "cuda", "cuda:N", an int or a torch.device; None picks the GPU of
     LOCAL_RANK when CUDA is available, else the CPU backend.
+
+    ``Communicator(...)`` is a factory: with ``fallback="torch"`` and a
+    group, ranks whose GPUs cannot reach each other's memory (every rank
+    learns it alike) get a :class:`TorchFallbackCommunicator` instead of
+    ``PeerUnavailableError``.
     """
 
-    def __init__(self, group=None, device=None, *, bootstrap: str = "auto", fallback: Optional[str] = None):
+    def __new__(cls, group=None, device=None, *, bootstrap: str = "auto", fallback: Optional[str] = None):
         _lib.check_not_forked()
         if fallback not in (None, "torch"):
             raise InvalidArgumentError(f"fallback={fallback!r}: use None (raise) or 'torch'")
-        self._handle = 0
-        self._pid = os.getpid()
-        self.device = _parse_device(device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        env = {k: v for k, v in os.environ.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
-        torch_bs = None
+        device = _parse_device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         import torch.distributed as dist
 
         if group is None and bootstrap in ("auto", "torch") and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
+        try:
+            return cls._open(group, device, bootstrap)
+        except PeerUnavailableError as e:
+            if fallback != "torch" or group is None:
+                raise
+            # Every rank sees the failure (it is exchanged), so all fall back.
+            warnings.warn(f"p2pcomm: {e}; all-reduce goes through torch.distributed instead (fallback='torch')",
+                          stacklevel=2)
+            return TorchFallbackCommunicator._open(group, device, bootstrap)
+
+    @classmethod
+    def _open(cls, group, device: torch.device, bootstrap: str) -> "Communicator":
+        """The native communicator over ``group`` (or the bootstrap's ranks
+        when None); raises PeerUnavailableError on every rank alike."""
+        self = object.__new__(cls)
+        self._handle = 0
+        self._pid = os.getpid()
+        self.device = device
+        env = {k: v for k, v in os.environ.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
+        torch_bs = None
         if group is not None:
+            import torch.distributed as dist
+
             torch_bs = _TorchBootstrap(group)
             env["P2PCOMM_GROUP_RANK"] = str(dist.get_rank(group))
             env["P2PCOMM_GROUP_SIZE"] = str(dist.get_world_size(group))
@@ -194,17 +217,7 @@ class Communicator:
             if default_path().exists():
                 env["P2PCOMM_TUNE_FILE"] = str(default_path())
         config = {"bootstrap": bootstrap, "device": self.device.index if self.device.type == "cuda" else -1, "env": env}
-        try:
-            self._handle = self._native_init(config, torch_bs)
-        except PeerUnavailableError as e:
-            if fallback != "torch" or group is None:
-                raise
-            # Every rank sees the failure (it is exchanged), so all fall back.
-            warnings.warn(f"p2pcomm: {e}; all-reduce goes through torch.distributed instead (fallback='torch')",
-                          stacklevel=2)
-            self.__class__ = TorchFallbackCommunicator
-            self._start_fallback(group)
-            return
+        self._handle = self._native_init(config, torch_bs)
         lib = _lib.lib()
         self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
         self._bootstrap = torch_bs  # the callbacks must outlive the handle
@@ -219,6 +232,7 @@ class Communicator:
 
         ops.track(self)
         _OPEN.add(self)
+        return self
 
     @staticmethod
     def _native_init(config: dict, torch_bs) -> int:
@@ -550,18 +564,26 @@ def _finalize(handle: int, pid: int) -> None:
 
 
 class TorchFallbackCommunicator(Communicator):
-    """What ``Communicator(..., fallback="torch")`` becomes when the GPUs of
+    """What ``Communicator(..., fallback="torch")`` returns when the GPUs of
     the group cannot access each other's memory: the same API over
     ``torch.distributed`` on the given group. Peer memory (``peer_tensor``,
-    kernels) is not available."""
+    kernels) is not available. Constructed directly, it takes a group (or
+    the initialized default group) and never tries peer memory."""
 
-    def _start_fallback(self, group) -> None:
+    @classmethod
+    def _open(cls, group, device: torch.device, bootstrap: str) -> "TorchFallbackCommunicator":
         import torch.distributed as dist
 
+        if group is None:
+            raise InvalidArgumentError("TorchFallbackCommunicator needs a torch.distributed group")
+        self = object.__new__(cls)
+        self._pid = os.getpid()
+        self.device = device
         self._dist, self._group = dist, group
         self._handle = -1  # open, but no native communicator behind it
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self._device_index = self.device.index if self.device.type == "cuda" else -1
+        return self
 
     def close(self) -> None:
         self._handle = 0
