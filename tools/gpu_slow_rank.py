@@ -12,7 +12,7 @@ import os, time, faulthandler, sys
 faulthandler.dump_traceback_later(int(os.environ.get("DUMP_S", "60")), exit=True)
 import torch, torch.distributed as dist
 import p2pcomm
-from p2pcomm.bench import init_distributed
+from p2pcomm.bench.harness import init_distributed
 from p2pcomm.communicator import local_cuda_index
 dev = torch.device("cuda", local_cuda_index())
 init_distributed(dev)

@@ -13,8 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from p2pcomm.bench import init_distributed
-from p2pcomm.bench_moe import routing
+from p2pcomm.bench.harness import init_distributed
+from p2pcomm.bench.moe import routing
 from p2pcomm.communicator import Communicator
 from p2pcomm.moe import ExpertParallel
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from p2pcomm.bench import init_distributed
+from p2pcomm.bench.harness import init_distributed
 from p2pcomm.communicator import local_cuda_index
-from p2pcomm.bench_moe import routing
+from p2pcomm.bench.moe import routing
 
 E, H, K, ITERS = 256, 7168, 8, 60
 

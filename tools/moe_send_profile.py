@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from p2pcomm.bench import init_distributed
+from p2pcomm.bench.harness import init_distributed
 from p2pcomm.communicator import local_cuda_index
-from p2pcomm.bench_moe import aligned_start, routing
+from p2pcomm.bench.moe import aligned_start, routing
 
 E, H, K, REPS = 256, 7168, 8, 40
 STEPS = ("count", "gap", "sums", "slots", "pair ranks", "barrier", "meta+end", "span")

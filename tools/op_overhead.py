@@ -12,8 +12,8 @@ import os, statistics, time
 import torch, torch.distributed as dist
 import p2pcomm
 from p2pcomm import ops
-from p2pcomm.bench import init_distributed
-from p2pcomm.bench_moe import routing
+from p2pcomm.bench.harness import init_distributed
+from p2pcomm.bench.moe import routing
 
 @torch.library.custom_op("abtest::moe_dispatch", mutates_args=())
 def ab_dispatch(x: torch.Tensor, i: torch.Tensor, w: torch.Tensor, key: torch.Tensor, cap: bool, rows: int,

@@ -24,7 +24,6 @@ import argparse
 import importlib.util
 import os
 import socket
-import statistics
 import subprocess
 import time
 from typing import Optional
@@ -32,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .bench import parse_bytes
+from .harness import Timer, fmt_bytes, md_table, parse_bytes, slowest_median
 
 SOURCE = r"""
 #include "channel.cuh"
@@ -83,20 +82,9 @@ extern "C" __global__ void fifo_rate(const unsigned long long* sets, int nsets, 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
 
-def label(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB" if n >= 1 << 10 else f"{n} B"
-
-
-def table(headers: list, rows: list) -> str:
-    cells = [headers] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells[1:]])
-
-
 class Bench:
     def __init__(self, args):
-        from . import Communicator, Kernel
+        from .. import Communicator, Kernel
 
         self.args = args
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -116,19 +104,8 @@ class Bench:
         """Microseconds per call of fn (the slowest rank's median of 5 repetitions of iters calls)."""
         fn()
         torch.cuda.synchronize()
-        reps = []
-        for _ in range(5):
-            dist.barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            reps.append(start.elapsed_time(end) * 1e3 / iters)
-        t = torch.tensor([statistics.median(reps)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        timer = Timer(self.device, None, 5)
+        return slowest_median([timer.run(fn, iters) * 1e6 / iters for _ in range(5)], None)
 
     # -- fifo ------------------------------------------------------------------------------------------
 
@@ -151,7 +128,7 @@ class Bench:
             ptrs = torch.tensor([s.data_ptr() for s in sets[:n]], dtype=torch.int64, device=self.device)
             us = self.timed(lambda: k["fifo_rate"](n, 32 * warps, ptrs, n, self.peer, iters), 1)
             rows.append([n, f"{n * warps * iters / us:.2f}"])
-        self.say(table(["FIFOs", "M triggers/s"], rows))
+        self.say(md_table(["FIFOs", "M triggers/s"], rows, numeric=(0, 1)))
         torch.cuda.synchronize()
         dist.barrier()
         for s in sets:
@@ -174,11 +151,11 @@ class Bench:
             t_ce = self.timed(lambda: peer_view[:size].copy_(local[:size]), iters)
             t_pc = self.timed(lambda: k["pc_put"](1, 32, port, self.peer, size), iters)
             gbs = lambda us: f"{size / us / 1e3:.1f}"  # noqa: E731
-            rows.append([label(size), f"{t_mc:.1f}", gbs(t_mc), f"{t_ce:.1f}", gbs(t_ce), f"{t_pc:.1f}", gbs(t_pc)])
+            rows.append([fmt_bytes(size), f"{t_mc:.1f}", gbs(t_mc), f"{t_ce:.1f}", gbs(t_ce), f"{t_pc:.1f}", gbs(t_pc)])
         self.say(f"\nPut to the next rank, all ranks at once, GB/s per GPU "
                  f"(MemoryChannel on {self.args.blocks} blocks of 512 threads):")
-        self.say(table(["size", "MemoryChannel us", "GB/s", "copy engine us", "GB/s", "PortChannel (CE) us", "GB/s"],
-                       rows))
+        self.say(md_table(["size", "MemoryChannel us", "GB/s", "copy engine us", "GB/s", "PortChannel (CE) us", "GB/s"],
+                          rows, numeric=range(1, 7)))
         torch.cuda.synchronize()
         dist.barrier()
         mem.close()
@@ -187,7 +164,7 @@ class Bench:
     # -- ucx -------------------------------------------------------------------------------------------
 
     def ucx(self) -> None:
-        from . import Communicator
+        from .. import Communicator
 
         os.environ.setdefault("UCX_TLS", "tcp,cuda_copy,self")
         os.environ["P2PCOMM_LOCAL_SIZE"] = "1"
@@ -217,7 +194,7 @@ class Bench:
                     k["pc_recv"](1, 32, chans, 0)
 
             us = self.timed(step, 1)
-            rows.append([label(size), f"{size * reps / us / 1e3:.2f}"])
+            rows.append([fmt_bytes(size), f"{size * reps / us / 1e3:.2f}"])
         perf = self.perftest() if self.args.perftest else {}
         for row in rows:
             row += perf.get(row[0], ["n/a", "n/a"])
@@ -225,7 +202,8 @@ class Bench:
         self.say(f"\nPortChannel over UCX between simulated nodes (UCX_TLS={tls}; GPU buffers), rank 0 -> 1:"
                  f" 8-byte putWithSignal one way {lat:.1f} us (median of half ping-pongs);"
                  f" ucx_perftest ucp_put_lat 8 B: host {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
-        self.say(table(["size", "PortChannel GB/s", "ucx_perftest host GB/s", "ucx_perftest GPU GB/s"], rows))
+        self.say(md_table(["size", "PortChannel GB/s", "ucx_perftest host GB/s", "ucx_perftest GPU GB/s"], rows,
+                          numeric=range(1, 4)))
         torch.cuda.synchronize()
         dist.barrier()
         chans.close()
@@ -256,7 +234,7 @@ class Bench:
                 if test == "ucp_put_lat":
                     got[f"lat_{mem}"] = f"{res[0]:.1f}"
                 else:
-                    got.setdefault(label(size), ["n/a", "n/a"])[0 if mem == "host" else 1] = f"{res[1] / 1e3:.2f}"
+                    got.setdefault(fmt_bytes(size), ["n/a", "n/a"])[0 if mem == "host" else 1] = f"{res[1] / 1e3:.2f}"
         return got
 
     def perftest_pair(self, exe, env, port, args) -> Optional[tuple]:
@@ -301,7 +279,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def bench_p2p(args) -> int:
+def run(args) -> int:
+    """The benchmarks for parser()'s args."""
     if not torch.cuda.is_available():
         print("p2p benchmarks need GPUs (port channels on CPU ranks are covered by the tests)")
         return 2
@@ -321,10 +300,3 @@ def bench_p2p(args) -> int:
     b.comm.close()
     return 0
 
-
-if __name__ == "__main__":
-    import sys
-
-    from .bench import main
-
-    sys.exit(main(["p2p", *sys.argv[1:]]))

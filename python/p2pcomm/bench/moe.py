@@ -41,18 +41,16 @@ phase is the slowest rank's median, so phases need not add up to the total.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import os
-import statistics
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .bench import _DTYPES, header_lines, init_distributed, md_table, say
-from .communicator import gpus_shared, local_cuda_index
+from ..communicator import gpus_shared, local_cuda_index
+from .harness import DTYPES, Clock, agree_all, header_lines, init_distributed, md_table, mean_over_ranks, na, say, \
+    slowest_median, slowest_medians, sync_all, text_table, write_csv
 
 
 @dataclasses.dataclass
@@ -105,40 +103,11 @@ def _num(v: Optional[float], places: int) -> str:
     return "-" if v is None else f"{v:.{places}f}"
 
 
-def text_table(headers: list[str], rows: list[list[str]], numeric, min_widths: Optional[list[int]] = None) -> str:
-    """Aligned columns; min_widths keeps tables printed piecewise aligned."""
-    min_widths = min_widths or [0] * len(headers)
-    widths = [max([len(h), m] + [len(r[i]) for r in rows]) for i, (h, m) in enumerate(zip(headers, min_widths))]
-    line = lambda cells: "  ".join(c.rjust(w) if i in numeric else c.ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def routing(T: int, E: int, K: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]  # K distinct experts per token
     w = torch.softmax(torch.randn(T, K, generator=g), dim=1)
     return idx.to(device), w.to(device), g.initial_seed()
-
-
-class Clock:
-    """Start/stop marks that read the same on CPU and GPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, a, b) -> float:
-        if self.cuda:
-            b.synchronize()
-            return a.elapsed_time(b) / 1e3
-        return b - a
 
 
 # Graph replays start after a sleep kernel of this many clock cycles (~75 us
@@ -163,31 +132,6 @@ def aligned_start(comm, graphs: bool) -> Callable:
             torch.cuda._sleep(_LAUNCH_SLACK_CYCLES)
         comm.stream_barrier()
     return align
-
-
-def sync_all(device, ctl) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier(group=ctl)
-
-
-def slowest_median(times: list[float], ctl) -> float:
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctl)
-    return t.item()
-
-
-def slowest_medians(times: dict, names: list[str], ctl) -> dict:
-    """{name: slowest rank's median seconds, None where no rank has it}."""
-    t = torch.tensor([statistics.median(times[n]) if times.get(n) else -1.0 for n in names], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctl)
-    return {n: (v if v >= 0 else None) for n, v in zip(names, t.tolist())}
-
-
-def mean_over_ranks(v: float, ctl) -> float:
-    t = torch.tensor([v], dtype=torch.float64)
-    dist.all_reduce(t, group=ctl)
-    return t.item() / dist.get_world_size()
 
 
 def time_pair(dispatch: Callable, combine: Callable, reps: int, warmup: int, device, ctl,
@@ -316,7 +260,7 @@ def _graph_phase_times(ep, x, idx, w, reps: int, device, ctl) -> dict:
         captured = e
     finally:
         ep._on_phase = None
-    if not _agree(captured is None, ctl):
+    if not agree_all(captured is None, ctl):
         raise RuntimeError(f"graph capture with phase events failed on some rank: {captured!r}")
     sync_all(device, ctl)
     times: dict = {}
@@ -418,7 +362,7 @@ def combine_dtypes(choice: str, dtype: torch.dtype) -> Optional[list]:
         return [torch.float32] + ([dtype] if dtype != torch.float32 else [])
     if choice == "dtype":
         return [dtype]
-    named = _DTYPES[choice]
+    named = DTYPES[choice]
     return [named] if named in (torch.float32, dtype) else None
 
 
@@ -426,9 +370,9 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def bench_moe(args) -> int:
-    """The benchmark; tears the process group down on the way out, as the
-    all-reduce benchmark does."""
+def run(args) -> int:
+    """The benchmark for parser()'s args; tears the process group down on the
+    way out, as the all-reduce benchmark does."""
     try:
         return _bench_moe(args)
     finally:
@@ -439,10 +383,10 @@ def bench_moe(args) -> int:
 def _bench_moe(args) -> int:
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{local_cuda_index()}")
     init_distributed(device)
-    from .communicator import Communicator
+    from ..communicator import Communicator
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     transits = combine_dtypes(args.combine_dtype, dtype)
     if transits is None:
         say(f"--combine-dtype {args.combine_dtype}: use float32, {args.dtype} (= dtype) or both")
@@ -500,7 +444,7 @@ def _bench_moe(args) -> int:
             new.append(MoeRow(T, base_name, "eager", args.dtype, td * 1e6, base_bytes / td / 1e9, tc * 1e6,
                               base_bytes / tc / 1e9))
         except Exception as e:  # noqa: BLE001 - reported as a row
-            new.append(MoeRow(T, base_name, "eager", args.dtype, status=_na(e)))
+            new.append(MoeRow(T, base_name, "eager", args.dtype, status=na(e)))
             if cuda:
                 torch.cuda.synchronize()
         run = P2PRun(comm, args, T, hidden, dtype, (x, idx, w), ref, p2p_rows, device, ctl)
@@ -554,14 +498,14 @@ class P2PRun:
         return x, idx, w
 
     def bench(self, transit: torch.dtype) -> tuple[list[MoeRow], list[PhaseRow]]:
-        from .moe import ExpertParallel
+        from ..moe import ExpertParallel
 
         a, T, label = self.args, self.tokens, _name(transit)
         try:
             ep = ExpertParallel(self.comm, num_experts=a.experts, hidden=self.hidden, max_tokens_per_rank=T,
                                 topk=a.topk, dtype=self.dtype, num_sms=a.num_sms, combine_dtype=transit)
         except Exception as e:  # noqa: BLE001 - reported as rows
-            return [MoeRow(T, "p2pcomm", m, label, status=_na(e)) for m in self.modes()], []
+            return [MoeRow(T, "p2pcomm", m, label, status=na(e)) for m in self.modes()], []
         rows = [self.time_mode(ep, mode, transit) for mode in self.modes()]
         phases = [self.time_phases(ep, mode, label) for mode in self.phase_modes()] if a.breakdown else []
         del ep
@@ -582,7 +526,7 @@ class P2PRun:
         except Exception as e:  # noqa: BLE001 - reported as a row
             times, failure = {}, e
             self._settle()
-        if not _agree(failure is None, self.ctl):
+        if not agree_all(failure is None, self.ctl):
             return PhaseRow(self.tokens, mode, label, {}, status=_na(failure) if failure else "n/a: failed elsewhere")
         medians = slowest_medians(times, PHASE_COLUMNS, self.ctl)
         return PhaseRow(self.tokens, mode, label, {n: (v * 1e6 if v is not None else None) for n, v in medians.items()})
@@ -599,7 +543,7 @@ class P2PRun:
                 y = _round(ep, x, idx, w, capturable)
                 dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
                 combine = lambda r: ep.combine(r.x, r)  # noqa: E731
-            ok = _agree(self.ref is None or _close(y, self.ref, self.dtype, transit), self.ctl)
+            ok = agree_all(self.ref is None or _close(y, self.ref, self.dtype, transit), self.ctl)
             if mode.startswith("graph"):
                 td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl, aligned_start(self.comm, True),
                                      back_to_back=mode.endswith("b2b"))
@@ -611,7 +555,7 @@ class P2PRun:
                           tc * 1e6, sent * transit.itemsize / tc / 1e9, "ok" if ok else "WRONG")
         except Exception as e:  # noqa: BLE001
             self._settle()
-            return MoeRow(self.tokens, "p2pcomm", mode, label, status=_na(e))
+            return MoeRow(self.tokens, "p2pcomm", mode, label, status=na(e))
 
     def _settle(self) -> None:
         if self.device.type == "cuda":
@@ -626,50 +570,30 @@ def _close(y, ref, dtype, transit) -> bool:
     return bool(torch.allclose(y.double(), ref.double(), rtol=rtol, atol=2 * eps))
 
 
-def _agree(ok: bool, ctl) -> bool:
-    t = torch.tensor([int(ok)], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctl)
-    return bool(t.item())
-
-
-def _na(e: BaseException) -> str:
-    msg = str(e).splitlines()[0][:100] if str(e) else ""
-    return f"n/a: {type(e).__name__}: {msg}"
-
-
 def write_outputs(out_dir: str, stem: str, header: list[str], rows: list[MoeRow],
                   phase_rows: list[PhaseRow]) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, stem + ".csv")]
-    _write_csv(paths[0], header, ["tokens_per_rank", "impl", "mode", "partials", "dispatch_us", "dispatch_gbps",
+    write_csv(paths[0], header, ["tokens_per_rank", "impl", "mode", "partials", "dispatch_us", "dispatch_gbps",
                                   "combine_us", "combine_gbps", "status"],
                [[r.tokens, r.impl, r.mode, r.partials] + [_csv_num(v) for v in (r.dispatch_us, r.dispatch_gbps,
                                                                                 r.combine_us, r.combine_gbps)]
                 + [r.status] for r in rows])
     if phase_rows:
         paths.append(os.path.join(out_dir, stem + "_phases.csv"))
-        _write_csv(paths[-1], header, ["tokens_per_rank", "mode", "partials"]
+        write_csv(paths[-1], header, ["tokens_per_rank", "mode", "partials"]
                    + [c.replace(" ", "_") + "_us" for c in PHASE_COLUMNS] + ["status"],
                    [[r.tokens, r.mode, r.partials] + [_csv_num(r.us.get(c)) for c in PHASE_COLUMNS] + [r.status]
                     for r in phase_rows])
     md_path = os.path.join(out_dir, stem + ".md")
     with open(md_path, "w") as f:
         f.write("# p2pcomm MoE dispatch/combine benchmark\n\n" + "\n".join(f"- {line}" for line in header) + "\n\n")
-        f.write(md_table(HEADERS, [r.cells() for r in rows]) + "\n")
+        f.write(md_table(HEADERS, [r.cells() for r in rows], _NUMERIC) + "\n")
         if phase_rows:
             f.write("\n## Per phase, µs\n\nRanks aligned by a stream barrier first; each phase is the slowest rank's "
                     "median (d. dispatch, c. combine).\n\n")
-            f.write(md_table(PHASE_HEADERS, [r.cells() for r in phase_rows]) + "\n")
+            f.write(md_table(PHASE_HEADERS, [r.cells() for r in phase_rows], _PHASE_NUMERIC) + "\n")
     return paths + [md_path]
-
-
-def _write_csv(path: str, header: list[str], columns: list[str], rows: list[list]) -> None:
-    with open(path, "w", newline="") as f:
-        for line in header:
-            f.write(f"# {line}\n")
-        wr = csv.writer(f)
-        wr.writerow(columns)
-        wr.writerows(rows)
 
 
 def _csv_num(v: Optional[float]) -> str:
@@ -680,8 +604,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m p2pcomm.bench moe",
                                 description="MoE dispatch/combine of p2pcomm.ExpertParallel vs all_to_all_single.")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    p.add_argument("--combine-dtype", choices=("both", "dtype") + tuple(sorted(_DTYPES)), default="both",
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--combine-dtype", choices=("both", "dtype") + tuple(sorted(DTYPES)), default="both",
                    help="combine transit: float32, the --dtype itself ('dtype' or its name), or both (default)")
     p.add_argument("--experts", type=int, default=256, help="num_experts E (divisible by the world size)")
     p.add_argument("--hidden", type=int, default=None, help="default 7168 on GPU, 256 on CPU")
@@ -700,10 +624,3 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for the CSV and markdown (default: print only)")
     return p
 
-
-if __name__ == "__main__":
-    import sys
-
-    from .bench import main
-
-    sys.exit(main(["moe", *sys.argv[1:]]))

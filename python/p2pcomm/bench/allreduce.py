@@ -1,7 +1,7 @@
-"""Benchmarks p2pcomm against torch.distributed; run under torchrun.
+"""All-reduce latency and bus bandwidth of p2pcomm against torch.distributed
+(NCCL on GPU, gloo on CPU) and torch SymmetricMemory; run under torchrun.
 
     torchrun --nproc_per_node=2 -m p2pcomm.bench [allreduce] [--device cpu|cuda] [--dtype float32] ...
-    torchrun --nproc_per_node=8 -m p2pcomm.bench moe ...     # p2pcomm.bench_moe, when present
 
 Every rank runs it; rank 0 prints a table, then a summary (the last thing
 printed), and writes CSV, markdown and a PNG plot into --out.
@@ -9,64 +9,20 @@ printed), and writes CSV, markdown and a PNG plot into --out.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
 import os
+import time
+from typing import Callable, Optional
 
-# Never let NCCL, torch or NVSHMEM use NVLink multicast on shared machines;
-# set before torch.distributed reads them.
-for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
+import torch
+import torch.distributed as dist
 
-import argparse  # noqa: E402
-import csv  # noqa: E402
-import dataclasses  # noqa: E402
-import datetime  # noqa: E402
-import importlib  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Callable, Optional  # noqa: E402
+from .harness import DTYPES, Timer, fmt_bytes, header_lines, init_distributed, md_table, na, parse_bytes, rank0, say, \
+    text_table, write_csv
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from .communicator import gpus_shared  # noqa: E402
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
-
-
-# -- small helpers ---------------------------------------------------------------------------------
-
-def parse_bytes(text: str) -> int:
-    """'4096', '4K', '64KiB', '1M' -> bytes (binary units)."""
-    s = text.strip().upper()
-    i = len(s)
-    while i and not s[i - 1].isdigit():
-        i -= 1
-    if s[i:] not in _UNITS or not s[:i]:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4096, 64K, 1M")
-    return int(s[:i]) * _UNITS[s[i:]]
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div} {unit}"
-    return f"{n} B"
-
-
-def rank0() -> bool:
-    return dist.get_rank() == 0
-
-
-def say(*a, **k) -> None:
-    if rank0():
-        print(*a, **k, flush=True)
-
+# -- data ----------------------------------------------------------------------------------------------
 
 def tolerances(dtype: torch.dtype, world: int) -> tuple[float, float]:
     """(rtol, atol) for comparing sums of `world` standard normals reduced in
@@ -115,104 +71,7 @@ class Row:
 
 
 HEADERS = ["size", "impl", "algorithm", "latency us", "busBW GB/s", "vs baseline", "status"]
-
-
-def text_table(headers: list[str], rows: list[list[str]], min_widths: Optional[list[int]] = None) -> str:
-    widths = [max([len(h), (min_widths or [0] * len(headers))[i]] + [len(r[i]) for r in rows])
-              for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) if i in (0, 3, 4, 5) else c.ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def md_table(headers: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
-# -- the timing harness ----------------------------------------------------------------------------
-
-class Timer:
-    """Times `n` back-to-back calls of a function, the same way on every rank,
-    and agrees on iteration counts and results over a CPU (gloo) group."""
-
-    def __init__(self, device: torch.device, ctl_group, reps: int):
-        self.device, self.ctl, self.reps = device, ctl_group, reps
-        self.cuda = device.type == "cuda"
-
-    def _barrier(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        dist.barrier(group=self.ctl)
-
-    def agree_max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
-        return t.tolist()
-
-    def agree_all(self, ok: bool) -> bool:
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.ctl)
-        return bool(t.item())
-
-    def run(self, fn: Callable[[], object], n: int, graph: bool = False,
-            after_capture: Optional[Callable[[], object]] = None) -> float:
-        """Seconds for n calls (graph: one replay of n captured calls, after
-        after_capture(), e.g. p2pcomm's register_graph_buffers)."""
-        if graph:
-            g = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()  # warm up on the side stream, as capture requires
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                for _ in range(n):
-                    fn()
-            if after_capture is not None:
-                after_capture()
-            g.replay()
-            self._barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        self._barrier()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return time.perf_counter() - t0
-
-    def measure(self, fn: Callable[[], object], refill: Callable[[], None], *, iters: Optional[int],
-                warmup: Optional[int], rep_seconds: float, cap: int, graph: bool = False,
-                after_capture: Optional[Callable[[], object]] = None) -> tuple[float, int]:
-        """Median seconds per call over self.reps repetitions, and the call count
-        per repetition. Data is refilled (untimed) before each repetition."""
-        refill()
-        for _ in range(warmup if warmup is not None else 2):
-            fn()
-        if iters is None:
-            refill()
-            probe = self.agree_max([self.run(fn, 2)])[0] / 2
-            iters = int(rep_seconds / max(probe, 1e-7))
-        n = max(1, min(iters, cap))
-        times = []
-        for _ in range(self.reps):
-            refill()
-            times.append(self.run(fn, n, graph, after_capture) / n)
-        return statistics.median(self.agree_max(times)), n
+_NUMERIC = (0, 3, 4, 5)  # right-justified columns of HEADERS (and of the summary)
 
 
 # -- implementations -------------------------------------------------------------------------------
@@ -247,7 +106,7 @@ def build_impls(args, device: torch.device, dtype: torch.dtype, max_numel: int, 
 
     comm, why = None, ""
     try:
-        from .communicator import Communicator
+        from ..communicator import Communicator
 
         comm = Communicator(group=dist.group.WORLD, device=device)
     except Exception as e:  # noqa: BLE001 - reported as a row, not fatal
@@ -359,9 +218,9 @@ def bench_size(args, timer: Timer, impls: list[Impl], size: int, dtype, device, 
                 except Exception as e:  # noqa: BLE001
                     if mode == "eager":
                         raise
-                    rows.append(Row(size, impl.name, impl.algorithm, mode=mode, status=_na(e)))
+                    rows.append(Row(size, impl.name, impl.algorithm, mode=mode, status=na(e)))
         except Exception as e:  # noqa: BLE001 - one failing impl should not end the run
-            rows.append(Row(size, impl.name, impl.algorithm, status=_na(e)))
+            rows.append(Row(size, impl.name, impl.algorithm, status=na(e)))
             if device.type == "cuda":
                 torch.cuda.synchronize()
     base = {r.mode: r.latency_us for r in rows if r.impl in ("gloo", "nccl") and r.latency_us}
@@ -370,40 +229,6 @@ def bench_size(args, timer: Timer, impls: list[Impl], size: int, dtype, device, 
         if r.latency_us and base_eager:
             r.speedup = base_eager / r.latency_us
     return rows
-
-
-def _na(e: BaseException) -> str:
-    msg = str(e).splitlines()[0][:100] if str(e) else ""
-    return f"n/a: {type(e).__name__}: {msg}"
-
-
-def header_lines(args, device, dtype, world) -> list[str]:
-    if device.type == "cuda":
-        dev_name = torch.cuda.get_device_name(device)
-    else:
-        dev_name = _cpu_name() + f" ({os.cpu_count()} cores)"
-    from . import __version__
-
-    return [
-        f"date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"host: {socket.gethostname()}",
-        f"device: {device.type} — {dev_name}",
-        f"world size: {world}",
-        f"dtype: {str(dtype).replace('torch.', '')}",
-        f"torch: {torch.__version__}, p2pcomm: {__version__}, python: {platform.python_version()}",
-        f"command: {' '.join([os.path.basename(sys.executable), '-m', 'p2pcomm.bench'] + sys.argv[1:])}",
-    ]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def summary(rows: list[Row], base_name: str) -> tuple[list[str], list[list[str]]]:
@@ -430,20 +255,16 @@ def write_outputs(out_dir: str, stem: str, header: list[str], rows: list[Row]) -
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     csv_path = os.path.join(out_dir, stem + ".csv")
-    with open(csv_path, "w", newline="") as f:
-        for line in header:
-            f.write(f"# {line}\n")
-        w = csv.writer(f)
-        w.writerow(["size_bytes", "impl", "algorithm", "mode", "latency_us", "busbw_gbps", "speedup", "iters", "status"])
-        for r in rows:
-            w.writerow([r.size, r.impl, r.algorithm, r.mode,
-                        f"{r.latency_us:.3f}" if r.latency_us else "", f"{r.busbw_gbps:.4f}" if r.busbw_gbps else "",
-                        f"{r.speedup:.4f}" if r.speedup else "", r.iters, r.status])
+    write_csv(csv_path, header,
+              ["size_bytes", "impl", "algorithm", "mode", "latency_us", "busbw_gbps", "speedup", "iters", "status"],
+              [[r.size, r.impl, r.algorithm, r.mode,
+                f"{r.latency_us:.3f}" if r.latency_us else "", f"{r.busbw_gbps:.4f}" if r.busbw_gbps else "",
+                f"{r.speedup:.4f}" if r.speedup else "", r.iters, r.status] for r in rows])
     paths.append(csv_path)
     md_path = os.path.join(out_dir, stem + ".md")
     with open(md_path, "w") as f:
         f.write("# p2pcomm all-reduce benchmark\n\n" + "\n".join(f"- {line}" for line in header) + "\n\n")
-        f.write(md_table(HEADERS, [r.cells() for r in rows]) + "\n")
+        f.write(md_table(HEADERS, [r.cells() for r in rows], _NUMERIC) + "\n")
     paths.append(md_path)
     png = plot(os.path.join(out_dir, stem + ".png"), header, rows)
     if png:
@@ -489,12 +310,12 @@ def plot(path: str, header: list[str], rows: list[Row]) -> Optional[str]:
 
 
 def bench_allreduce(args) -> int:
-    from .communicator import local_cuda_index
+    from ..communicator import local_cuda_index
 
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{local_cuda_index()}")
     init_distributed(device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = _DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     if args.max_bytes is None:
         args.max_bytes = (256 << 20) if device.type == "cuda" else (64 << 20)
     # A gloo group carries the harness's own agreement, and is the CPU baseline.
@@ -516,11 +337,11 @@ def bench_allreduce(args) -> int:
     rows: list[Row] = []
     start = time.perf_counter()
     widths = [7, 24, 18, 10, 10, 11, 6]  # fixed, so rows printed as they come line up
-    say(text_table(HEADERS, [], widths))
+    say(text_table(HEADERS, [], _NUMERIC, widths))
     for size in sizes:
         new = bench_size(args, timer, impls, size, dtype, device, world, rank)
         rows += new
-        say("\n".join(text_table(HEADERS, [r.cells() for r in new], widths).splitlines()[2:]))
+        say("\n".join(text_table(HEADERS, [r.cells() for r in new], _NUMERIC, widths).splitlines()[2:]))
     say(f"\n({time.perf_counter() - start:.1f} s)")
     if rank0() and args.out:
         stem = f"allreduce_{device.type}_{args.dtype or str(dtype).replace('torch.', '')}_w{world}"
@@ -528,25 +349,11 @@ def bench_allreduce(args) -> int:
             print(f"wrote {p}")
         h, s = summary(rows, base_name)
         print(f"\nsummary: best p2pcomm vs {base_name} ({str(dtype).replace('torch.', '')}, {world} ranks, {device.type})")
-        print(text_table(h, s), flush=True)
+        print(text_table(h, s, _NUMERIC), flush=True)
     if comm is not None:
         dist.barrier(group=ctl)
         comm.close()
     return 0
-
-
-def init_distributed(device: torch.device) -> None:
-    """Initialize torch.distributed from torchrun's environment when the
-    caller has not: NCCL for GPU, else (CPU, shared GPUs) gloo."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-        nccl = device.type == "cuda" and not gpus_shared()  # NCCL refuses ranks sharing a GPU
-        kw = {"device_id": device} if nccl else {}
-        dist.init_process_group(backend="nccl" if nccl else "gloo", **kw)
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -556,7 +363,7 @@ def parser() -> argparse.ArgumentParser:
                                 description="All-reduce latency and bus bandwidth of p2pcomm vs torch.distributed. "
                                             "Subcommands: allreduce (default), moe, p2p.")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default float32 on CPU, bfloat16 on GPU")
     p.add_argument("--min-bytes", type=parse_bytes, default=4096)
     p.add_argument("--max-bytes", type=parse_bytes, default=None, help="default 64 MiB on CPU, 256 MiB on GPU")
@@ -579,20 +386,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and not argv[0].startswith("-") else "allreduce"
-    if command == "moe":
-        return run_moe(argv)
-    if command == "p2p":
-        from . import bench_p2p
-
-        return bench_p2p.bench_p2p(bench_p2p.parser().parse_args(argv))
-    if command != "allreduce":
-        print(f"unknown subcommand {command!r}: use allreduce, moe or p2p", file=sys.stderr)
-        return 2
-    args = parser().parse_args(argv)
-    from .communicator import ALGORITHMS
+def run(args) -> int:
+    """The benchmark for parser()'s args; tears the process group down on the way out."""
+    from ..communicator import ALGORITHMS
 
     if args.algorithms is None:
         args.algorithms = ["auto", "oneshot", "twoshot"] if args.device == "cpu" else [
@@ -608,23 +404,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def run_moe(argv: list[str]) -> int:
-    """Extension point: `python -m p2pcomm.bench moe ...` runs
-    p2pcomm.bench_moe.bench_moe(args), whose module also owns its parser
-    (a `parser()` function, when it has one)."""
-    try:
-        mod = importlib.import_module(".bench_moe", __package__)
-    except ImportError as e:
-        if getattr(e, "name", "") not in (f"{__package__}.bench_moe", "bench_moe"):
-            raise
-        if os.environ.get("RANK", "0") == "0":
-            print("moe benchmark not available in this build (p2pcomm.bench_moe is missing)")
-        return 2
-    args = mod.parser().parse_args(argv) if hasattr(mod, "parser") else argparse.Namespace(argv=argv)
-    return mod.bench_moe(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
