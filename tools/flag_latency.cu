@@ -14,7 +14,7 @@
 // p2p_common.cuh uses), relaxed.sys / relaxed.sys (volatile-like), and
 // release.sys / relaxed.sys polls then one fence.acq_rel.sys.
 //
-// Build and run on the device machine:
+// Build and run on a GPU host (two or more GPUs with peer access):
 //   nvcc -O3 -arch=sm_90 -o /tmp/flag_latency tools/flag_latency.cu && /tmp/flag_latency
 // Prints us per round trip (pingpong) or per barrier, median of 5 runs of
 // 2000 rounds, GPU 0's %globaltimer.

@@ -3,18 +3,18 @@
 # (P2PCOMM_SHARE_GPUS=1) under MPS, so that their kernels run side by side
 # and can wait for each other. For correctness; timings here are not NVLink's
 # (the ranks share one GPU's memory and SMs).
-# Uses $P2PCOMM_LIB, else the library built without MPI in .devbuild/
-# (see tools/gpu_session.sh); `make gpu-test-shared NPROC=8` runs the GPU suite.
+# Uses $P2PCOMM_LIB, else build/libp2pcomm.so (`make lib`); needs
+# nvidia-cuda-mps-control. `make gpu-test-shared NPROC=8` runs the GPU suite.
 #   tools/gpu_shared.sh SECONDS NPROC PYTEST-ARGS...
 #   tools/gpu_shared.sh SECONDS NPROC -m MODULE ARGS...  or  SCRIPT.py ARGS... (not test_*.py)
 #   (e.g. -m p2pcomm.bench moe; NCCL refuses shared GPUs, so it has no NCCL baseline)
-# Logs land under $OUT ($LOG.txt, default shared<NPROC>.txt; mps/).
+# Logs land under $OUT, default build/logs ($LOG.txt, default shared<NPROC>.txt; mps/).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export P2PCOMM_TEST_GPU=1 P2PCOMM_SHARE_GPUS=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python"
-export P2PCOMM_LIB=${P2PCOMM_LIB:-$PWD/.devbuild/libp2pcomm.so} P2PCOMM_CACHE_DIR=${P2PCOMM_CACHE_DIR:-/tmp/p2pcomm-cache}
+export P2PCOMM_LIB=${P2PCOMM_LIB:-$PWD/build/libp2pcomm.so}
 export P2PCOMM_TIMEOUT_MS=${P2PCOMM_TIMEOUT_MS:-20000}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/mps"
+OUT=${OUT:-$PWD/build/logs}; mkdir -p "$OUT/mps"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
 t=$1 n=$2; shift 2
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY"

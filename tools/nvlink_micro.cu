@@ -14,7 +14,7 @@
 //             region while push-lsu / pull-lsu move the rest at the same
 //             time: whether the engines add to what the SMs reach
 //
-// Build and run on the device machine:
+// Build and run on a GPU host (two or more GPUs with peer access):
 //   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_micro tools/nvlink_micro.cu && /tmp/nvlink_micro
 // Prints one row per (mode, SMs): GB/s per GPU of bytes moved (remote bytes
 // for push/pull), the slowest GPU's median over repetitions. Every mode's

@@ -8,7 +8,7 @@
 //
 // Variants: threads per block (512 as the kernels, or 1024), the store's
 // cache operator (default .wb, .cs streaming, L1::no_allocate), SM count.
-// Build and run on the device machine:
+// Build and run on a GPU host:
 //   nvcc -O3 -arch=sm_90 -o /tmp/store_micro tools/store_micro.cu && /tmp/store_micro
 // A second table: the combine send's reads (gather: 4 rows summed into 1)
 // beside the expand's stores, at 128 and 4096 tokens' rows.
