@@ -13,8 +13,8 @@ import (
 // one round of flags over NVLink. That is a whole barrier: a peer's flag
 // arrives only after every kernel it enqueued earlier has finished (stream
 // order), and flags only grow with the epoch, so no end barrier is needed
-// before the slots are reused (the non-deferred one-shot's second round trip
-// cost ~3 us per barrier, four per MoE dispatch and combine).
+// before the slots are reused, and a second round trip would only add a
+// flag's flight to every barrier.
 // Capturable in CUDA graphs; bounded like every wait. Its kernel is the
 // one-shot's of barrierDType (Prepare builds it ahead).
 func (b *Backend) StreamBarrier(stream uintptr, call collective.Call) error {

@@ -61,8 +61,9 @@ const flagFence = 1
 // (p2p_common.cuh kCallShift); its waits report step = -1 - call.
 const callShift = 8
 
-// flagPull makes two-shot gather by reading peers; pullMinBytes is where it
-// starts to win (measured on 4x H200: 12% at 256 MiB, slower below 8 MiB).
+// flagPull makes two-shot gather by reading peers, at the cost of an end
+// barrier that pushing does not need: it pays only for large payloads, and
+// pullMinBytes is where it starts to (docs/BENCHMARKS.md).
 const (
 	flagPull     = 2
 	pullMinBytes = 8 << 20
@@ -83,8 +84,8 @@ const (
 	llHeaderBytes = kMaxBlocks * kMaxRanks * 16
 	llSlotBytes   = 2 << 20
 	llMaxPayload  = llSlotBytes / 2
-	// LL grids by payload (measured on 4 x H200: small calls are faster on
-	// fewer blocks). Blocks also announce the call in the header rows of
+	// LL grids by payload: small calls are faster on fewer blocks, since
+	// every block exchanges a header with every peer. Blocks also announce the call in the header rows of
 	// larger grids, so ranks whose calls differ in size still see a mismatch.
 	llSmallBytes = 64 << 10
 	llSmallGrid  = 16

@@ -202,9 +202,10 @@ func (s *Space) mapPeers(recs [][]byte, shareGPUs bool) error {
 		}
 		s.peers[r] = p
 	}
-	// Two ranks on one GPU are refused up front, as NCCL does: run that way
-	// (8 ranks on 4 H200s), the MoE tests' barriers timed out and reported
-	// mismatches after P2PCOMM_TIMEOUT_MS instead of saying why.
+	// Two ranks on one GPU are refused up front, as NCCL does: without MPS
+	// their kernels do not run side by side, so a kernel waiting for the
+	// other rank's would end in a timeout or a mismatch after
+	// P2PCOMM_TIMEOUT_MS instead of an error that says why.
 	for a := 0; a < len(s.peers) && !shareGPUs; a++ {
 		for b := a + 1; b < len(s.peers); b++ {
 			if s.mapped[a] && s.mapped[b] && s.peers[a].UUID == s.peers[b].UUID {

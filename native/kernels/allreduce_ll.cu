@@ -384,8 +384,9 @@ __global__ void __launch_bounds__(kThreads) allreduce_twoshot_ll(const AllReduce
 // out with a release store, as the flag that its data has landed. One
 // one-way trip per exchange, no barrier round trip, no staging copy: for
 // messages too large for LL's doubled bytes and too small for the barrier
-// algorithms to amortize their syncs. (A full system fence before the
-// header instead of the release cost ~4 us on H200.)
+// algorithms to amortize their syncs. The header's release store, after
+// the block's barrier, is what publishes the block's data: no full system
+// fence before it.
 // Block b moves the same block_range of each run on every rank.
 
 // p2pcomm:instantiate allreduce_oneshot_push<float>

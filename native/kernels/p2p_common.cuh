@@ -300,10 +300,8 @@ template <typename T> union Pack {
 // widen gives the floats of one pack of T (exact), narrow rounds floats
 // to one pack of T with the bits of Num<T>::from: the pack-wide forms of
 // Num's conversions, for kernels bound by issuing instructions (the MoE
-// combine: Nsight Compute on moe_combine_send, 4 x H200, an instruction
-// issued on 65% of a scheduler's cycles, mostly fixed-latency waits and the
-// math pipe). bf16 widens by one shift or mask per element, where
-// Num<bf16>::to on an extracted half took two.
+// combine's send). bf16 widens by one shift or mask per element, where
+// Num<bf16>::to on an extracted half takes two.
 template <typename T>
 DINLINE void widen(V16 raw, float (&f)[PackOf<T>::kElems]) {
   Pack<T> in;

@@ -6,9 +6,8 @@ method it stands for, so every check and error is the same compiled or not.
 
 The ops are defined with a schema and one CompositeExplicitAutograd kernel
 each, not with ``torch.library.custom_op``, whose wrapper (an autograd layer,
-an output-aliasing check) doubled the host cost of a small call: an 8 KiB
-all-reduce through the op, back to back on 4 x H200, 30.0 us per call that
-way against 14.4 (10.7 without any op).
+an output-aliasing check) doubles the host cost of a small call
+(docs/BENCHMARKS.md).
 
 A communicator is named by its integer handle, an ExpertParallel by a
 one-element tensor of its own (``ep``; the kernel finds the ep by that

@@ -18,9 +18,8 @@ rows, local permute into expert-major order, and the reverse for combine).
 The first table times each call after a host barrier and then a stream
 barrier (not timed), so that the ranks' streams start the call together
 (graph replays after a sleep kernel and then the barrier: see
-_LAUNCH_SLACK_CYCLES); with the host barrier alone, a dispatch also absorbed
-up to ~100 us of the ranks' launch skew, which made its figures vary from
-run to run. Mode "graph+buf b2b" replays the graphs back to back after one
+_LAUNCH_SLACK_CYCLES); with the host barrier alone, a dispatch would also
+absorb the ranks' launch skew, which varies from run to run. Mode "graph+buf b2b" replays the graphs back to back after one
 alignment, as a captured model runs its layers. With --compile, modes
 "compiled" (eager calls inside torch.compile) and "compiled graph"
 (capturable calls under mode="reduce-overhead") time the custom-op path. The phase table (on by
@@ -110,17 +109,16 @@ def routing(T: int, E: int, K: int, seed: int, device) -> tuple[torch.Tensor, to
     return idx.to(device), w.to(device), g.initial_seed()
 
 
-# Graph replays start after a sleep kernel of this many clock cycles (~75 us
-# on an H200) and then a stream barrier: the sleep gives this rank's host
-# time to launch the barrier and the replay behind it (~25 us), and the
-# barrier, which ends on every GPU within a flag's flight (~1-2 us) of the
-# last arrival, lines the GPUs up whatever their clocks. The first version
-# slept after the barrier instead, and the sleep's length varies with each
-# GPU's clock: the dispatch's in-kernel start barrier then waited 15-22 us
-# for the slowest GPU (tools/moe_send_profile.py), which every other rank's
-# time included. Without any sleep the replays measured up to ~45 us of host
-# launch skew at 4096 tokens. Eager calls get no sleep: their host time is
-# part of their cost.
+# Graph replays start after a sleep kernel of this many clock cycles (tens
+# of microseconds) and then a stream barrier: the sleep gives this rank's
+# host time to launch the barrier and the replay behind it, and the barrier,
+# which ends on every GPU within a flag's flight of the last arrival, lines
+# the GPUs up whatever their clocks. The sleep comes first because its
+# length follows each GPU's clock: after the barrier it would skew the GPUs
+# again, and the dispatch's in-kernel start barrier would add the slowest
+# GPU's lag to every other rank's time. Without any sleep the replays would
+# measure the host's launch skew. Eager calls get no sleep: their host time
+# is part of their cost.
 _LAUNCH_SLACK_CYCLES = 150_000
 
 
