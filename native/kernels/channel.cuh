@@ -207,8 +207,11 @@ DINLINE u64 lap_of(u64 pos, u32 slots) { return ((pos / slots) & 1ull) ^ 1ull; }
 // publishes nothing and is stored relaxed: the proxy runs entries in order.
 template <typename P>
 DINLINE u64 fifo_push(const FifoHandle& f, const P& w, int peer, Trigger t) {
+  // The cache only grows, so reading it first is safe, and the two loads
+  // overlap instead of following each other.
+  const u64 cached = *reinterpret_cast<volatile const u64*>(&f.dev->tail_cache);
   const u64 pos = atomicAdd(reinterpret_cast<unsigned long long*>(&f.dev->head), 1ull);
-  if (pos >= *reinterpret_cast<volatile const u64*>(&f.dev->tail_cache) + f.slots) {
+  if (pos >= cached + f.slots) {
     u64 tail = 0;
     const bool free = spin_until(w, [&] {
       tail = ld_flag_acquire(&f.host->tail);

@@ -175,14 +175,18 @@ func Open(bs bootstrap.Bootstrap, opts Options) (*Transport, error) {
 	return t, nil
 }
 
-// safeDefaults are UCP settings applied unless the user set the UCX_
-// variable: buffers here are registered explicitly with their memory type,
-// so UCX needs no registration or memory-type cache, and without those it
-// installs no malloc/mmap hooks into a process that also runs the Go
-// runtime and torch's allocators.
-var safeDefaults = [][2]string{
+// defaults are UCP settings applied unless the user set the UCX_ variable.
+// Buffers here are registered explicitly with their memory type, so UCX
+// needs no registration or memory-type cache, and without those it installs
+// no malloc/mmap hooks into a process that also runs the Go runtime and
+// torch's allocators. Fences here only order a staging entry's sequence word
+// after its data on one endpoint: a weak fence orders without waiting, where
+// the strong one UCX picks for tcp flushes the endpoint, a round trip per
+// entry.
+var defaults = [][2]string{
 	{"RCACHE_ENABLE", "n"},
 	{"MEMTYPE_CACHE", "n"},
+	{"FENCE_MODE", "weak"},
 }
 
 func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
@@ -202,7 +206,7 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	if s := C.p2p_ucx_config_read(f.configRead, &config); s != C.P2P_UCS_OK {
 		return t.ucsError(s, "read UCX configuration")
 	}
-	for _, kv := range safeDefaults {
+	for _, kv := range defaults {
 		if _, set := os.LookupEnv("UCX_" + kv[0]); set {
 			continue
 		}
@@ -566,6 +570,30 @@ func (t *Transport) Progress() (bool, error) {
 	return active, t.serviceRings()
 }
 
+// closeGrace bounds how long Close progresses to let operations already
+// under way finish (a staging receiver's credit puts, say): a zero-copy put
+// cancelled in flight stays with UCP past the worker's end.
+const closeGrace = 200 * time.Millisecond
+
+// settle progresses until no healthy peer has operations pending, for at
+// most closeGrace.
+func (t *Transport) settle() {
+	deadline := time.Now().Add(min(closeGrace, t.timeout))
+	for {
+		busy := false
+		for r := range t.peers {
+			if t.peers[r].err == nil && len(t.peers[r].pending) > 0 {
+				t.reap(r)
+				busy = busy || len(t.peers[r].pending) > 0
+			}
+		}
+		if !busy || time.Now().After(deadline) {
+			return
+		}
+		C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker)
+	}
+}
+
 // Close releases every registration, remote key, endpoint, the worker and
 // the context. Outstanding operations are cancelled; call Flush first to
 // complete them. Close is idempotent.
@@ -577,6 +605,7 @@ func (t *Transport) Close() error {
 	}
 	t.closed = true
 	f := &t.lib.fn
+	t.settle()
 	for r := range t.peers {
 		p := &t.peers[r]
 		t.cancelPending(r)
