@@ -42,8 +42,14 @@ func LoadTable(path string, world int) (Table, error) {
 	}
 	t := f.Tables[fmt.Sprint(world)]
 	for _, e := range t {
-		if a, ok := collective.ParseAlgorithm(e.Algorithm); !ok || a == collective.Auto {
+		a, ok := collective.ParseAlgorithm(e.Algorithm)
+		if !ok || a == collective.Auto {
 			return nil, status.Errorf(status.InvalidArgument, "tune file %s: unknown algorithm %q", path, e.Algorithm)
+		}
+		if a == collective.Ring || a == collective.RecursiveDoubling {
+			// auto promises float16/bfloat16 rounded once.
+			return nil, status.Errorf(status.InvalidArgument,
+				"tune file %s: %s rounds 16-bit floats at every step; auto runs only algorithms that round once", path, a)
 		}
 	}
 	return t, nil

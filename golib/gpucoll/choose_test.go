@@ -2,6 +2,9 @@ package gpucoll
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
@@ -160,6 +163,26 @@ func TestSMsPerRank(t *testing.T) {
 	} {
 		if got := smsPerRank(c.sms, c.peers); got != c.want {
 			t.Errorf("smsPerRank(%d, %d ranks) = %d, want %d", c.sms, len(c.peers), got, c.want)
+		}
+	}
+}
+
+// TestLoadTableRefusesPerStepRounding: a tune file may not send auto to an
+// algorithm that rounds 16-bit floats at every step, and says why.
+func TestLoadTableRefusesPerStepRounding(t *testing.T) {
+	dir := t.TempDir()
+	for name, ok := range map[string]bool{"twoshot": true, "ring": false, "recursive_doubling": false, "bogus": false} {
+		path := filepath.Join(dir, name+".json")
+		body := `{"device": "x", "tables": {"2": [{"max_bytes": 4096, "algorithm": "` + name + `"}]}}`
+		if err := os.WriteFile(path, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		table, err := LoadTable(path, 2)
+		if ok != (err == nil) {
+			t.Errorf("%s: LoadTable = %v, %v", name, table, err)
+		}
+		if !ok && name != "bogus" && (err == nil || !strings.Contains(err.Error(), "every step")) {
+			t.Errorf("%s: error %v does not say why", name, err)
 		}
 	}
 }
