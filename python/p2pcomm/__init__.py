@@ -8,6 +8,7 @@
 from .communicator import ALGORITHMS, Communicator, ReduceOp, TorchFallbackCommunicator
 from .channels import Kernel, MemoryChannels, PortChannels
 from .moe import DispatchResult, ExpertParallel
+from .rmsnorm import RMSNormResult
 from .errors import (
     BootstrapError, CapacityError, CUDAError, ForkError, InternalError, InvalidArgumentError, MismatchError,
     P2PCommError, PeerTimeoutError, PeerUnavailableError, StateError, UnsupportedError,
@@ -18,5 +19,5 @@ __all__ = [
     "ALGORITHMS", "Communicator", "ReduceOp", "P2PCommError", "BootstrapError", "CapacityError", "CUDAError",
     "ForkError", "InternalError", "InvalidArgumentError", "MismatchError", "PeerTimeoutError",
     "PeerUnavailableError", "StateError", "UnsupportedError", "ExpertParallel", "DispatchResult",
-    "TorchFallbackCommunicator", "Kernel", "MemoryChannels", "PortChannels",
+    "TorchFallbackCommunicator", "Kernel", "MemoryChannels", "PortChannels", "RMSNormResult",
 ]

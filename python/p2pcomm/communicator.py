@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from . import _lib
+from . import rmsnorm as _rmsnorm
 from .errors import (BootstrapError, InvalidArgumentError, MismatchError, P2PCommError, PeerUnavailableError,
                      StateError, UnsupportedError)
 
@@ -409,6 +410,33 @@ class Communicator:
         stream = _raw_stream(self._device_index)
         _lib.check(self._all_reduce(h, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, stream))
 
+    def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                    eps: float = 1e-6, *, residual_out: Optional[torch.Tensor] = None,
+                                    normed_out: Optional[torch.Tensor] = None,
+                                    algorithm: str = "auto") -> "_rmsnorm.RMSNormResult":
+        """Collective. The all-reduce (sum) of ``x``, plus ``residual``, then
+        RMSNorm over the last dimension times ``weight``, in one kernel on GPU:
+        returns ``(normed, residual_out)`` (an :class:`RMSNormResult`) with
+
+            residual_out = round(float(all_reduce(x)) + float(residual))
+            normed       = round(float(residual_out) * rsqrt(mean(float(residual_out)**2) + eps) * float(weight))
+
+        per row, in float32; ``all_reduce(x)`` is :meth:`all_reduce`'s result
+        bit for bit (float32 in rank order, rounded once), and ranks with the
+        same residual get the same bits. ``x`` and ``residual``: [..., hidden],
+        ``weight``: [hidden], all float16 or all bfloat16, contiguous, on this
+        communicator's device; hidden a multiple of 8, at most 16384; any
+        number of rows. ``residual_out`` / ``normed_out``: tensors to write
+        into (shaped like x) instead of new ones; ``residual_out=residual``
+        updates the residual in place. ``algorithm``: auto, oneshot_ll or
+        twoshot (CPU: the all-reduce's one-shot or two-shot). CUDA graphs and
+        torch.compile (the custom ops ``torch.ops.p2pcomm.all_reduce_residual_rmsnorm``
+        and ``all_reduce_residual_rmsnorm_``) work as for :meth:`all_reduce`;
+        bad arguments raise on every rank."""
+        if torch.compiler.is_compiling():
+            return _rmsnorm.traced(self, x, residual, weight, eps, residual_out, normed_out, algorithm)
+        return _rmsnorm.eager(self, x, residual, weight, eps, residual_out, normed_out, algorithm)
+
     def memory_channels(self, tensor: torch.Tensor):
         """Collective. ``MemoryChannel`` handles over ``tensor`` (from :meth:`empty` or registered) to
         every rank of this node (peer memory over CUDA IPC): see :mod:`p2pcomm.channels`."""
@@ -610,6 +638,10 @@ class TorchFallbackCommunicator(Communicator):
     def empty(self, shape, dtype=torch.float32):
         self._h()
         return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def all_reduce_residual_rmsnorm(self, x, residual, weight, eps: float = 1e-6, *, residual_out=None,
+                                    normed_out=None, algorithm: str = "auto"):
+        return _rmsnorm.fallback(self, x, residual, weight, eps, residual_out, normed_out, algorithm)
 
     def register_buffer(self, tensor) -> None:
         self._h()

@@ -1,6 +1,8 @@
 """torch.library custom ops, so that torch.compile(fullgraph=True) can trace
 p2pcomm calls: ``torch.ops.p2pcomm.all_reduce`` (out of place),
-``torch.ops.p2pcomm.all_reduce_`` (in place), and MoE's
+``torch.ops.p2pcomm.all_reduce_`` (in place), the fused
+``all_reduce_residual_rmsnorm`` / ``all_reduce_residual_rmsnorm_`` (residual
+in place), and MoE's
 ``torch.ops.p2pcomm.moe_dispatch`` / ``moe_combine``. Each op's body is the
 method it stands for, so every check and error is the same compiled or not.
 
@@ -87,6 +89,28 @@ def _all_reduce_(x, handle, op, algorithm) -> None:
 _op("all_reduce_(Tensor(a!) x, int handle, str op, str algorithm) -> ()", _all_reduce_,
     lambda x, handle, op, algorithm: None)
 
+
+# The fused all-reduce + residual add + RMSNorm (rmsnorm.py): new outputs, or residual_out into residual.
+def _rmsnorm(x, residual, weight, eps, handle, algorithm):
+    from .rmsnorm import eager
+
+    return tuple(eager(_comm(handle), x, residual, weight, eps, None, None, algorithm))
+
+
+def _rmsnorm_(x, residual, weight, eps, handle, algorithm):
+    from .rmsnorm import eager
+
+    return eager(_comm(handle), x, residual, weight, eps, residual, None, algorithm).normed
+
+
+_op("all_reduce_residual_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, int handle, str algorithm) "
+    "-> (Tensor, Tensor)", _rmsnorm,
+    lambda x, residual, weight, eps, handle, algorithm: (torch.empty_like(x, memory_format=torch.contiguous_format),
+                                                        torch.empty_like(residual,
+                                                                         memory_format=torch.contiguous_format)))
+_op("all_reduce_residual_rmsnorm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps, int handle, str algorithm) "
+    "-> Tensor", _rmsnorm_,
+    lambda x, residual, weight, eps, handle, algorithm: torch.empty_like(x, memory_format=torch.contiguous_format))
 
 def _refuse_constant_eps() -> None:
     """UnsupportedError, at trace time, under settings that make an ep's

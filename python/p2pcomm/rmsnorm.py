@@ -1,0 +1,174 @@
+"""The fused all-reduce + residual add + RMSNorm of tensor-parallel inference,
+behind :meth:`Communicator.all_reduce_residual_rmsnorm`. Per row of the last
+dimension (``hidden``), in float32:
+
+    sum          = all_reduce(x)                       rounded once to the dtype: comm.all_reduce's bits
+    residual_out = round(float(sum) + float(residual))
+    normed       = round(float(residual_out) * rsqrt(mean(float(residual_out)^2) + eps) * float(weight))
+
+One kernel on GPU (native/kernels/allreduce_rmsnorm.cu), the all-reduce then a
+host pass on CPU (golib/hostcoll). Checks that need no numbers from Go are made
+here; the library checks the rest (dtype, row length, eps, algorithm) and, like
+these, takes part in the call for a rank that fails them, so every rank raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _lib
+from .errors import InvalidArgumentError, P2PCommError, UnsupportedError
+
+# Algorithms of the fused call: the LL one-shot (no barrier; up to 1 MiB of x
+# per rank) and the two-shot; auto takes the one-shot up to 256 KiB.
+ALGORITHMS = ("auto", "oneshot_ll", "twoshot")
+# Their C ABI codes are golib/collective's Algorithm numbers.
+_ALGO_CODES = {"auto": 0, "oneshot_ll": 5, "twoshot": 2}
+_DTYPES = {torch.float16: 2, torch.bfloat16: 3}
+
+
+class RMSNormResult(NamedTuple):
+    """What :meth:`Communicator.all_reduce_residual_rmsnorm` returns (a tuple:
+    ``normed, residual_out = comm.all_reduce_residual_rmsnorm(...)``)."""
+
+    normed: torch.Tensor  # rmsnorm(residual_out) * weight
+    residual: torch.Tensor  # residual_out: all_reduce(x) + residual
+
+
+def _stream(comm) -> int:
+    i = comm._device_index
+    return torch._C._cuda_getCurrentRawStream(i) if i >= 0 else 0
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    pa, pb = a.data_ptr(), b.data_ptr()
+    return pa < pb + b.numel() * b.element_size() and pb < pa + a.numel() * a.element_size()
+
+
+def _check_out(comm, out, x, name: str, inputs) -> None:
+    if out is None:
+        return
+    try:
+        comm._check_tensor(out)
+    except P2PCommError as e:
+        raise type(e)(f"{name}: {e}") from None
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise InvalidArgumentError(f"{name} is {tuple(out.shape)} {out.dtype}, x {tuple(x.shape)} {x.dtype}")
+    for other_name, other in inputs:
+        if other is not None and out.numel() and other.numel() and _overlap(out, other):
+            raise InvalidArgumentError(f"{name} overlaps {other_name}")
+
+
+def check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm) -> tuple:
+    """Raise the P2PCommError of the first argument the call cannot take;
+    return (rows, hidden, dtype code, algorithm code)."""
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        try:
+            comm._check_tensor(t)
+        except P2PCommError as e:
+            raise type(e)(f"{name}: {e}") from None
+    if x.dtype not in _DTYPES:
+        raise UnsupportedError(f"all_reduce_residual_rmsnorm takes float16 or bfloat16, not {x.dtype}")
+    if residual.dtype != x.dtype or weight.dtype != x.dtype:
+        raise InvalidArgumentError(f"x, residual and weight must share a dtype: {x.dtype}, {residual.dtype}, "
+                                   f"{weight.dtype}")
+    if x.dim() < 1:
+        raise InvalidArgumentError("x has no dimension: want [..., hidden]")
+    hidden = x.shape[-1]
+    if residual.shape != x.shape:
+        raise InvalidArgumentError(f"residual is {tuple(residual.shape)}, x {tuple(x.shape)}: want the same shape")
+    if weight.shape != (hidden,):
+        raise InvalidArgumentError(f"weight is {tuple(weight.shape)}, want ({hidden},): the hidden size of x")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise InvalidArgumentError(f"eps must be a number, not {type(eps).__name__}")
+    if algorithm not in _ALGO_CODES:
+        raise UnsupportedError(f"unknown algorithm {algorithm!r} for all_reduce_residual_rmsnorm: "
+                               f"use one of {', '.join(ALGORITHMS)}")
+    if residual_out is not None and residual_out is not residual:
+        _check_out(comm, residual_out, x, "residual_out", (("x", x), ("weight", weight), ("residual", residual)))
+    elif residual_out is residual and _overlap(residual, x) and x.numel():
+        raise InvalidArgumentError("residual_out (residual, in place) overlaps x")
+    _check_out(comm, normed_out, x, "normed_out", (("x", x), ("weight", weight), ("residual", residual),
+                                                    ("residual_out", residual_out)))
+    rows = x.numel() // hidden if hidden else 0
+    return rows, hidden, _DTYPES[x.dtype], _ALGO_CODES[algorithm]
+
+
+def reject(comm, error: P2PCommError, x, algorithm) -> None:
+    """Take part in the call for a rank whose arguments failed the checks, so
+    that its peers raise MismatchError instead of waiting; rows, hidden and
+    dtype, as far as x tells them, pick the kernel they run."""
+    h = comm._h()
+    rows = hidden = 0
+    dcode = 3
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] > 0:
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        dcode = _DTYPES.get(x.dtype, 3)
+    rc = _lib.lib().p2p_all_reduce_rmsnorm_reject(h, error.code, str(error).encode(), rows, hidden, dcode,
+                                                   _ALGO_CODES.get(algorithm, 0), _stream(comm))
+    if rc not in (0, error.code):
+        comm._check(rc)
+
+
+def eager(comm, x, residual, weight, eps, residual_out=None, normed_out=None, algorithm="auto") -> RMSNormResult:
+    """The call itself (also the body of the torch.library ops)."""
+    try:
+        rows, hidden, dcode, acode = check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+    except P2PCommError as e:
+        reject(comm, e, x, algorithm)
+        raise
+    normed = normed_out if normed_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = residual_out if residual_out is not None else torch.empty_like(residual,
+                                                                          memory_format=torch.contiguous_format)
+    rc = _lib.lib().p2p_all_reduce_rmsnorm(comm._h(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                          normed.data_ptr(), out.data_ptr(), rows, hidden, dcode, float(eps), acode,
+                                          _stream(comm))
+    if rc:
+        comm._check(rc)
+    return RMSNormResult(normed, out)
+
+
+def traced(comm, x, residual, weight, eps, residual_out=None, normed_out=None, algorithm="auto") -> RMSNormResult:
+    """The call under torch.compile: the custom ops p2pcomm::all_reduce_residual_rmsnorm
+    (new outputs) and all_reduce_residual_rmsnorm_ (residual_out into residual);
+    outputs into other given tensors are copies there."""
+    eps = float(eps)
+    if residual_out is residual:
+        normed = torch.ops.p2pcomm.all_reduce_residual_rmsnorm_(x, residual, weight, eps, comm._handle, algorithm)
+        out = residual
+    else:
+        normed, out = torch.ops.p2pcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps, comm._handle, algorithm)
+        if residual_out is not None:
+            residual_out.copy_(out)
+            out = residual_out
+    if normed_out is not None:
+        normed_out.copy_(normed)
+        normed = normed_out
+    return RMSNormResult(normed, out)
+
+
+def reference(summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> RMSNormResult:
+    """The residual add and RMSNorm of an all-reduce's result, with torch ops
+    and the same rounding points (the fallback communicator's, and tests')."""
+    out = (summed.float() + residual.float()).to(residual.dtype)
+    v = out.float()
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return RMSNormResult(normed.to(residual.dtype), out)
+
+
+def fallback(comm, x, residual, weight, eps, residual_out=None, normed_out=None, algorithm="auto") -> RMSNormResult:
+    """TorchFallbackCommunicator's call: all-reduce over torch.distributed, then
+    reference(); the same checks, but no limit on the row length."""
+    comm._h()
+    check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+    res = reference(comm.all_reduce(x), residual, weight, float(eps))
+    normed, out = res
+    if residual_out is not None:
+        out = residual_out.copy_(out)
+    if normed_out is not None:
+        normed = normed_out.copy_(normed)
+    return RMSNormResult(normed, out)
