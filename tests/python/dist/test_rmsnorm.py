@@ -48,25 +48,26 @@ def bits(t):
     return t.contiguous().view(torch.int16)
 
 
-def check_result(comm, x, residual, weight, normed, residual_out, seed, same_residual=False):
+def check_result(comm, x, residual, weight, normed, residual_out, seed, same_residual=False, rounded_once=True):
     """Every element of (normed, residual_out) against the library's
-    all-reduce and float64 (see the module doc)."""
+    all-reduce and float64 (see the module doc); rounded_once: the
+    all-reduce's sum is checked against float64 too."""
     dtype = x.dtype
     rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
     summed = comm.all_reduce(x)
     _, want_out = reference(summed, residual, weight, EPS)
     assert torch.equal(bits(residual_out), bits(want_out)), \
         f"{(bits(residual_out) != bits(want_out)).sum().item()} residual_out elements differ from all_reduce + residual"
-    # The sum itself against float64 (every rank's inputs, rebuilt here).
-    dev = x.device
-    xs = torch.stack([rank_data(seed, q, rows, hidden, dtype, dev, same_residual)[0].double()
-                      for q in range(comm.world_size)])
-    exact = xs.sum(0).view(x.shape) + residual.double()
-    scale = xs.abs().sum(0).view(x.shape) + residual.double().abs()
     fi = torch.finfo(dtype)
-    err = (residual_out.double() - exact).abs()
-    bad = (err > (fi.eps + 1e-5) * scale + fi.tiny).sum().item()  # two roundings of the dtype's
-    assert bad == 0, f"{bad} residual_out elements off the float64 sum; worst {err.max().item():.3g}"
+    if rounded_once:  # the sum itself against float64 (every rank's inputs, rebuilt here)
+        dev = x.device
+        xs = torch.stack([rank_data(seed, q, rows, hidden, dtype, dev, same_residual)[0].double()
+                          for q in range(comm.world_size)])
+        exact = xs.sum(0).view(x.shape) + residual.double()
+        scale = xs.abs().sum(0).view(x.shape) + residual.double().abs()
+        err = (residual_out.double() - exact).abs()
+        bad = (err > (fi.eps + 1e-5) * scale + fi.tiny).sum().item()  # two roundings of the dtype's
+        assert bad == 0, f"{bad} residual_out elements off the float64 sum; worst {err.max().item():.3g}"
     v = residual_out.double()
     ref = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
     err = (normed.double() - ref).abs()
@@ -231,6 +232,29 @@ def test_opcheck(comms, op):
     x, residual = rank_data(5, comm.rank, 3, 64, torch.bfloat16, "cpu")
     weight = weight_for(5, 64, torch.bfloat16, "cpu")
     torch.library.opcheck(getattr(torch.ops.p2pcomm, op).default, (x, residual, weight, EPS, comm._handle, "auto"))
+
+
+def test_torch_fallback(group, monkeypatch):
+    """The communicator that Communicator(fallback="torch") returns runs the
+    same call over torch.distributed with the same rounding points after its
+    all-reduce (gloo's or NCCL's, which may round per step) and the same
+    checks."""
+    def no_peer_access(config, torch_bs):
+        raise p2pcomm.PeerUnavailableError("no peer access (simulated)")
+
+    monkeypatch.setattr(p2pcomm.Communicator, "_native_init", staticmethod(no_peer_access))
+    with pytest.warns(UserWarning, match="fallback='torch'"):
+        comm = p2pcomm.Communicator(group, device="cpu", fallback="torch")
+    x, residual = rank_data(21, comm.rank, 5, 128, torch.bfloat16, "cpu")
+    weight = weight_for(21, 128, torch.bfloat16, "cpu")
+    normed, out = comm.all_reduce_residual_rmsnorm(x, residual, weight, EPS)
+    check_result(comm, x, residual, weight, normed, out, 21, rounded_once=False)
+    inplace = residual.clone()
+    res = comm.all_reduce_residual_rmsnorm(x, inplace, weight, EPS, residual_out=inplace)
+    assert res.residual is inplace and torch.equal(bits(inplace), bits(out))
+    with pytest.raises(p2pcomm.InvalidArgumentError, match="weight"):
+        comm.all_reduce_residual_rmsnorm(x, residual, weight[:64], EPS)
+    comm.close()
 
 
 # -- bad input ----------------------------------------------------------------------------------
