@@ -23,19 +23,19 @@ func TestAllReduceRMSNorm(t *testing.T) {
 	ptr := func(b []byte) uintptr { return uintptr(unsafe.Pointer(&b[0])) }
 	errs := run(t, world, Options{}, func(c *Comm) error {
 		rng := rand.New(rand.NewSource(int64(c.rank)))
-		x, res, w := make([]byte, 2*n), make([]byte, 2*n), make([]byte, 2*hidden)
+		x, res, w := heapBytes(2*n), heapBytes(2*n), heapBytes(2*hidden)
 		fill(rng, x, d)
 		fill(rng, res, d)
 		fill(rng, w, d)
-		sum := make([]byte, 2*n)
+		sum := heapBytes(2 * n)
 		if err := c.AllReduce(collective.AllReduce{Src: ptr(x), Dst: ptr(sum), Count: n, DType: d, Op: reduce.Sum}); err != nil {
 			return err
 		}
-		wantRes, wantNormed := make([]byte, 2*n), make([]byte, 2*n)
+		wantRes, wantNormed := heapBytes(2*n), heapBytes(2*n)
 		copy(wantNormed, sum)
 		reduce.ResidualRMSNorm(unsafe.Pointer(&wantNormed[0]), unsafe.Pointer(&wantRes[0]), unsafe.Pointer(&wantNormed[0]),
 			unsafe.Pointer(&res[0]), unsafe.Pointer(&w[0]), rows, hidden, true, 1e-6)
-		normed, resOut := make([]byte, 2*n), make([]byte, 2*n)
+		normed, resOut := heapBytes(2*n), heapBytes(2*n)
 		req := collective.RMSNorm{X: ptr(x), Residual: ptr(res), Weight: ptr(w), Normed: ptr(normed),
 			ResidualOut: ptr(resOut), Rows: rows, Hidden: hidden, DType: d, Eps: 1e-6}
 		if err := c.AllReduceRMSNorm(req); err != nil {
@@ -72,3 +72,9 @@ func TestAllReduceRMSNorm(t *testing.T) {
 		}
 	}
 }
+
+// heapBytes allocates on the heap: the test passes buffers by address as
+// the C ABI does, and a buffer on a goroutine's stack could move meanwhile.
+//
+//go:noinline
+func heapBytes(n int) []byte { return make([]byte, n) }
