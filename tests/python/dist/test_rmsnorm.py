@@ -12,6 +12,7 @@ What is checked, element by element, on outputs poisoned first:
 - with the same residual on every rank, both outputs bit-identical on all.
 """
 
+import time
 import zlib
 
 import pytest
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 import p2pcomm
 from conftest import DEVICES, GPU_ONLY, same_on_all_ranks
+from p2pcomm.communicator import local_cuda_index
 from p2pcomm.rmsnorm import reference
 
 DTYPES = [torch.bfloat16, torch.float16]
@@ -366,3 +368,27 @@ def test_can_follow_and_precede_all_reduce(comms, device):
         assert torch.equal(y.cpu(), torch.full((5000,), float(sum(range(1, comm.world_size + 1)))))
         still_works(comm, device)
     dist.barrier()
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("rows", [4, 300], ids=["oneshot_ll", "twoshot"])
+def test_rank_that_never_arrives(group, monkeypatch, rows):
+    """Rank 1 skips a call: the others' kernels give up after
+    P2PCOMM_TIMEOUT_MS and raise PeerTimeoutError naming it."""
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
+    torch.cuda.set_device(local_cuda_index())
+    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
+    x, residual = rank_data(12, comm.rank, rows, 8192, torch.bfloat16, "cuda")
+    weight = weight_for(12, 8192, torch.bfloat16, "cuda")
+    comm.all_reduce_residual_rmsnorm(x, residual, weight)  # every rank has its kernels loaded
+    torch.cuda.synchronize()
+    dist.barrier()
+    if comm.rank != 1:
+        start = time.monotonic()
+        comm.all_reduce_residual_rmsnorm(x, residual, weight)
+        torch.cuda.synchronize()
+        assert time.monotonic() - start < 20
+        with pytest.raises(p2pcomm.PeerTimeoutError, match="rank 1 never arrived"):
+            comm.check()
+    dist.barrier()
+    comm.close()
