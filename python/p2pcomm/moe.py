@@ -7,7 +7,7 @@ memory (CPU: shared memory; GPU: CUDA IPC peer mappings over NVLink).
     y = ep.combine(expert_out, recv)                   # back on the source rank, weighted
 
 On GPU (bfloat16, float16, float32; see :attr:`ExpertParallel.uses_kernels`)
-dispatch and combine are five fused kernels of native/kernels/moe.cu (the
+dispatch and combine are five fused kernels of native/kernels/moe_*.cu (the
 count kernel only for larger batches), on at most ``num_sms`` blocks each,
 with the same barriers, buffers and results contract as below:
 
@@ -28,8 +28,8 @@ with the same barriers, buffers and results contract as below:
   NVLink (a pull) and stored once per local expert, so rows cross NVLink
   once per destination and land straight in their final places. Eager mode
   reads ``hdr`` once (the host sync) to size the result exactly.
-- Barriers: in capturable calls they are steps inside the kernels (moe.cu
-  MoeSync), not barrier kernels: the send kernel's block 0 trades start
+- Barriers: in capturable calls they are steps inside the kernels
+  (moe_common.cuh MoeSync), not barrier kernels: the send kernel's block 0 trades start
   flags with every peer before any block writes into them (not needed, and
   skipped, when this rank has passed the other kind's middle barrier since
   the previous call of this kind: a dispatch after a combine, a combine
@@ -210,10 +210,10 @@ def _rows_key(x: torch.Tensor) -> tuple:
 
 _OK, _INVALID, _UNSUPPORTED = 0, 1, 2
 
-# -- GPU kernels (native/kernels/moe.cu) ------------------------------------------------------------
+# -- GPU kernels (native/kernels/moe_dispatch.cu, moe_combine.cu) ---------------------------------
 # ctypes mirrors of the kernels' by-value parameter structs; the sizes are
-# pinned by static_asserts in moe.cu and checked here at import.
-_KERNEL_FILE = "moe.cu"
+# pinned by static_asserts in moe_common.cuh and checked here at import.
+_DISPATCH_FILE, _COMBINE_FILE = "moe_dispatch.cu", "moe_combine.cu"
 _KERNEL_TYPES = {torch.bfloat16: "bf16", torch.float16: "half16", torch.float32: "float"}
 _MAX_RANKS, _MAX_TOPK, _MAX_EXPERTS, _THREADS = 8, 32, 4096, 512
 _DEFAULT_SMS = 24
@@ -232,7 +232,7 @@ _Ptrs = ctypes.c_uint64 * _MAX_RANKS
 _DISPATCH_KERNELS = ("moe_dispatch_count", "moe_dispatch_send", "moe_dispatch_expand")
 _PLAIN_KERNELS = ("moe_post_status", "moe_stage_gate", "moe_stage_done")  # not templated
 _COMBINE_KERNELS = ("moe_combine_send", "moe_combine_reduce", "moe_combine_reduce_self")  # on <T, transit type>
-# A world of 2 with topk up to _SELF_LOCAL_MAX_TOPK (moe.cu's kCombWide) may combine "self-local": the
+# A world of 2 with topk up to _SELF_LOCAL_MAX_TOPK (moe_combine.cu's kCombWide) may combine "self-local": the
 # send kernel pushes only the peer's partials and moe_combine_reduce_self sums this rank's own rows
 # itself. It does so when the partials travel in the ep's dtype and the batch has at least
 # _SELF_LOCAL_MIN_TOKENS tokens. 2 x H200, E=256, H=7168, K=8, 4096 tokens, graph: bf16 partials
@@ -243,7 +243,7 @@ _SELF_LOCAL_MAX_TOPK = 8
 _SELF_LOCAL_MIN_TOKENS = 1024
 
 
-# World sizes whose combine reduce sums every rank's partials in one group (moe.cu's
+# World sizes whose combine reduce sums every rank's partials in one group (moe_combine.cu's
 # moe_combine_reduce<T, C, G> with G = the world size); others take groups of 4 (G = 0). 4 x H200,
 # 4096 tokens, bf16 partials: combine 660 -> 639 us; 3 measured only with ranks sharing GPUs under MPS
 # (docs/BENCHMARKS.md).
@@ -251,7 +251,7 @@ _REDUCE_ONE_GROUP_WORLDS = (2, 3, 4)
 
 
 def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype, world: int) -> str:
-    """The name expression of ``kernel`` as moe.cu instantiates it for a
+    """The name expression of ``kernel`` as moe_*.cu instantiate it for a
     world of ``world`` ranks."""
     t = _KERNEL_TYPES[dtype]
     if kernel in _PLAIN_KERNELS:
@@ -264,7 +264,7 @@ def _kernel_expr(kernel: str, dtype: torch.dtype, combine_dtype: torch.dtype, wo
 
 def kernel_expressions() -> set:
     """Every kernel name expression this module may launch (each must be a
-    ``// p2pcomm:instantiate`` line of moe.cu)."""
+    ``// p2pcomm:instantiate`` line of moe_dispatch.cu or moe_combine.cu)."""
     exprs = set()
     for dtype in _KERNEL_TYPES:
         for transit in {torch.float32, dtype}:
@@ -274,7 +274,7 @@ def kernel_expressions() -> set:
     return exprs
 
 
-# In-kernel barriers (moe.cu MoeSync): mode bits, kinds, flag words per rank, local state bytes.
+# In-kernel barriers (moe_common.cuh MoeSync): mode bits, kinds, flag words per rank, local state bytes.
 _SYNC_START, _SYNC_ARRIVE, _SYNC_WAIT, _SYNC_ARRIVE_FIRST, _SYNC_STAGE_GO, _SYNC_STAGED, _SYNC_POST_STAGED = \
     1, 2, 4, 8, 16, 32, 64
 _SYNC_MODES = 2 * _SYNC_POST_STAGED  # every combination of the bits above (a MoeSync built for each)
@@ -324,7 +324,7 @@ class _PostParams(ctypes.Structure):
                 ("pad", ctypes.c_int32)]
 
 
-# (struct, size, {field: offset}) as tabled in moe.cu.
+# (struct, size, {field: offset}) as tabled in moe_common.cuh.
 _PARAM_LAYOUTS = (
     (_Sync, 104, {"state": 64, "err": 80, "timeout_ns": 88, "mode": 96, "kind": 100}),
     (_DispatchParams, 312, {"peer_hdr": 64, "topk_idx": 128, "pair_rank": 152, "num_tokens": 160, "world": 184,
@@ -340,10 +340,10 @@ _PARAM_LAYOUTS = (
 def _check_param_layouts() -> None:
     for struct, size, offsets in _PARAM_LAYOUTS:
         if ctypes.sizeof(struct) != size:
-            raise ImportError(f"{struct.__name__} is {ctypes.sizeof(struct)} bytes; moe.cu says {size}")
+            raise ImportError(f"{struct.__name__} is {ctypes.sizeof(struct)} bytes; moe_common.cuh says {size}")
         for field, off in offsets.items():
             if getattr(struct, field).offset != off:
-                raise ImportError(f"{struct.__name__}.{field} at {getattr(struct, field).offset}; moe.cu says {off}")
+                raise ImportError(f"{struct.__name__}.{field} at {getattr(struct, field).offset}; moe_common.cuh says {off}")
 
 
 _check_param_layouts()
@@ -512,7 +512,7 @@ class ExpertParallel:
         rows = comm.empty((Tm, hidden) if self._kernels else (W, Tm, hidden), dtype)
         self._xs, self._recv_x = (rows, None) if self._kernels else (None, rows)
         self._local_xs = None  # get_dispatch_buffer's tensor on the torch-op path
-        # [source, slot]: local ids | weight bits | token | pair ranks (kernels only; see moe.cu)
+        # [source, slot]: local ids | weight bits | token | pair ranks (kernels only; see moe_common.cuh)
         self._meta = comm.empty((W, Tm, 3 * K + 1), torch.int32)
         self._counts = comm.empty(W, torch.int32)  # tokens sent by each source
         # Eager argument checks of each rank, one row per call parity (see _post_status).
@@ -522,7 +522,7 @@ class ExpertParallel:
         self._comb = comm.empty((W, Tm + 1, hidden), combine_dtype)
         # Kernels: per source, tokens sent, then pairs sent per local expert.
         self._hdr = comm.empty((W, self.num_local_experts + 1), torch.int32)
-        # Kernels: flags of the in-kernel barriers (moe.cu MoeSync), written by peers, only growing.
+        # Kernels: flags of the in-kernel barriers (moe_common.cuh MoeSync), written by peers, only growing.
         self._sync_flags = comm.empty(_SYNC_FLAG_WORDS, torch.int64) if self._kernels else None
         for t in (rows, self._meta, self._counts, self._status, self._comb, self._hdr, self._sync_flags):
             if t is not None:
@@ -557,7 +557,7 @@ class ExpertParallel:
     @property
     def uses_kernels(self) -> bool:
         """True when dispatch and combine run the fused GPU kernels of
-        native/kernels/moe.cu; False on the torch-op path (CPU; float64;
+        native/kernels/moe_*.cu; False on the torch-op path (CPU; float64;
         hidden * itemsize not a multiple of 16 bytes; world > 8; topk > 32;
         num_experts > 4096; or P2PCOMM_MOE_TORCH=1, which must then be set on
         every rank)."""
@@ -597,9 +597,8 @@ class ExpertParallel:
         dev = self.device
         # Local state: valid from one dispatch until the next (the DispatchResult contract).
         self._send_slot = torch.full((Tm, W), -1, dtype=torch.int32, device=dev)  # slot of token t on rank d
-        # Scratch: pair ranks (moe_dispatch_send), then each block's counts (moe_dispatch_count), then
-        # 8 stamps per block of a -DMOE_PROFILE=1 build (tools/moe_send_profile.py).
-        self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts + 8), dtype=torch.int32,
+        # Scratch: pair ranks (moe_dispatch_send), then each block's counts (moe_dispatch_count).
+        self._pair_rank = torch.empty(Tm * K + self._blocks * (W + self.num_experts), dtype=torch.int32,
                                       device=dev)
         self._comb_row_map = torch.full((W * Tm, K), -1, dtype=torch.int32, device=dev)  # (source, slot, k) -> row
         # In-kernel barriers: local state (call counters per send block, go, free_epoch; zeroed once) and
@@ -669,7 +668,8 @@ class ExpertParallel:
         if isinstance(self.comm, TorchFallbackCommunicator) or not self._kernels_usable(E, H, Tm, K, dtype):
             return None
         try:
-            self.comm.prepare_kernel(_KERNEL_FILE, "moe_post_status")
+            self.comm.prepare_kernel(_DISPATCH_FILE, "moe_post_status")
+            self.comm.prepare_kernel(_COMBINE_FILE, _kernel_expr("moe_combine_send", dtype, dtype, self.world_size))
         except P2PCommError as e:
             return e
         return None
@@ -1054,7 +1054,8 @@ class ExpertParallel:
 
     def _launch(self, kernel: str, params: ctypes.Structure, grid: int, shared_bytes: int = 0) -> None:
         expr = _kernel_expr(kernel, self.dtype, self.combine_dtype, self.world_size)
-        self.comm.launch_kernel(_KERNEL_FILE, expr, params, grid, _THREADS, shared_bytes)
+        file = _COMBINE_FILE if kernel in _COMBINE_KERNELS else _DISPATCH_FILE
+        self.comm.launch_kernel(file, expr, params, grid, _THREADS, shared_bytes)
 
     @staticmethod
     def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -1107,7 +1108,7 @@ class ExpertParallel:
         moe_dispatch_expand pulls the rows and builds the expert-major result
         here.
 
-        Capturable: the barriers are inside the kernels (moe.cu MoeSync): the
+        Capturable: the barriers are inside the kernels (moe_common.cuh MoeSync): the
         send kernel runs the start barrier, so x is staged only once past it
         (peers may read the previous rows until then): on a side stream, where
         moe_stage_gate waits for the send kernel's block 0 to pass it, so the
@@ -1170,10 +1171,10 @@ class ExpertParallel:
         if overlap:
             with torch.cuda.stream(self._side):
                 if capturable:
-                    self.comm.launch_kernel(_KERNEL_FILE, "moe_stage_gate", p, 1, 32, 0)
+                    self.comm.launch_kernel(_DISPATCH_FILE, "moe_stage_gate", p, 1, 32, 0)
                 self._stage(x)
                 if capturable:
-                    self.comm.launch_kernel(_KERNEL_FILE, "moe_stage_done", p, 1, 32, 0)
+                    self.comm.launch_kernel(_DISPATCH_FILE, "moe_stage_done", p, 1, 32, 0)
                 self._join.record(self._side)
             main.wait_event(self._join)  # the rows are staged before the mid barrier
         self._phase("send")
@@ -1214,7 +1215,7 @@ class ExpertParallel:
         """combine on the kernel path: moe_combine_send puts partials
         (float32 or dtype: combine_dtype) into the sources' comb, each of its
         blocks posts its mid barrier flags, and moe_combine_reduce waits for
-        every peer's, then sums the partials here (moe.cu MoeSync). The start
+        every peer's, then sums the partials here (moe_common.cuh MoeSync). The start
         barrier is the send kernel's own in capturable calls; eager calls
         come after _post_status's start barrier kernel and pass status and
         problem as in _dispatch_kernels, and end with the one host sync that

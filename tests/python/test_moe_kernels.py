@@ -1,6 +1,6 @@
-"""The ctypes mirrors of moe.cu's parameter structs (python/p2pcomm/moe.py)
-against the layout tables and static_asserts in native/kernels/moe.cu; the
-kernel names moe.py launches against moe.cu's instantiations; and the A/B
+"""The ctypes mirrors of the MoE kernels' parameter structs (python/p2pcomm/moe.py)
+against the layout tables and static_asserts in native/kernels/moe_common.cuh; the
+kernel names moe.py launches against moe_*.cu's instantiations; and the A/B
 knobs. (native/kernels' Go test compiles every kernel for sm_80 and sm_90 and
 checks that none spills.)"""
 
@@ -13,14 +13,15 @@ import pytest
 from p2pcomm import moe
 
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "native" / "kernels"
-MOE_CU = KERNELS / "moe.cu"
+MOE_CU = KERNELS / "moe_common.cuh"
+MOE_FILES = [KERNELS / "moe_dispatch.cu", KERNELS / "moe_combine.cu"]
 STRUCTS = {"MoeDispatchParams": moe._DispatchParams, "MoeExpandParams": moe._ExpandParams,
            "MoeCombineParams": moe._CombineParams, "MoePostParams": moe._PostParams, "MoeSync": moe._Sync}
 
 
 def layout_tables(src: str) -> dict:
     """{struct: ({field: (offset, size)}, total)} from the comment tables that
-    precede each struct in moe.cu."""
+    precede each struct in moe_common.cuh."""
     tables = {}
     for m in re.finditer(r"((?://[^\n]*\n)+)struct (\w+) \{", src):
         rows = re.findall(r"^//\s+(\d+)\s+(\d+)\s+(\w+)", m.group(1), re.M)
@@ -44,7 +45,7 @@ def test_ctypes_matches_table_and_static_assert(name):
     assert int(asserted.group(1)) == total == ctypes.sizeof(struct), (asserted.group(1), total,
                                                                       ctypes.sizeof(struct))
     got = {f: (getattr(struct, f).offset, getattr(struct, f).size) for f, _ in struct._fields_}
-    assert got == fields, f"{name}: ctypes {got} != moe.cu {fields}"
+    assert got == fields, f"{name}: ctypes {got} != moe_common.cuh {fields}"
 
 
 @pytest.mark.parametrize("name", sorted(STRUCTS))
@@ -76,7 +77,7 @@ def test_sync_constants_match():
 
 
 def instantiations() -> list:
-    return re.findall(r"^// p2pcomm:instantiate (.+)$", MOE_CU.read_text(), re.M)
+    return [e for f in MOE_FILES for e in re.findall(r"^// p2pcomm:instantiate (.+)$", f.read_text(), re.M)]
 
 
 def test_every_kernel_instantiated_for_each_type():
@@ -91,10 +92,10 @@ def test_every_kernel_instantiated_for_each_type():
 
 def test_self_local_topk_bound():
     """moe.py sends a world of 2 down the self-local combine only for topk up
-    to moe.cu's kCombWide (twice MOE_COMB_GROUP's default), the layouts
+    to moe_combine.cu's kCombWide (twice kCombGroup), the layouts
     moe_combine_reduce_self loads a token's own rows in."""
-    src = MOE_CU.read_text()
-    group = int(re.search(r"#define MOE_COMB_GROUP (\d+)", src).group(1))
+    src = MOE_FILES[1].read_text()
+    group = int(re.search(r"constexpr int kCombGroup = (\d+);", src).group(1))
     assert re.search(r"constexpr int kCombWide = 2 \* kCombGroup <= 32 \? 2 \* kCombGroup : 32;", src)
     assert moe._SELF_LOCAL_MAX_TOPK == min(2 * group, 32)
 
