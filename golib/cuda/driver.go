@@ -57,7 +57,7 @@ type driverFuncs struct {
 	moduleLoadData, moduleUnload, moduleGetFunction, funcSetAttribute, launchKernel   unsafe.Pointer
 	streamSynchronize, streamIsCapturing, streamGetCaptureInfo                        unsafe.Pointer
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
-	streamCreate, streamDestroy, streamQuery, streamWriteValue64                      unsafe.Pointer
+	streamCreate, streamDestroy, streamQuery, streamWriteValue64, streamWaitEvent     unsafe.Pointer
 	funcGetParamInfo                                                                  unsafe.Pointer
 }
 
@@ -126,6 +126,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuStreamDestroy", v, false, &f.streamDestroy},
 		{"cuStreamQuery", v, false, &f.streamQuery},
 		{"cuStreamWriteValue64", v, false, &f.streamWriteValue64},
+		{"cuStreamWaitEvent", v, false, &f.streamWaitEvent},
 	}
 }
 

@@ -58,3 +58,14 @@ func (d *Driver) StreamWriteValue64(stream uintptr, addr uintptr, value uint64) 
 	return d.check("cuStreamWriteValue64",
 		C.p2p_r_p_d_u64_u(d.fn.streamWriteValue64, ptr(stream), C.p2p_dptr(addr), C.uint64_t(value), 0))
 }
+
+// StreamWaitEvent makes work queued on stream after this call wait for the
+// completion of ev's latest record (on any stream). Ordered on the device;
+// the host does not wait. Inside a stream capture it adds the dependency to
+// the graph (a fork or join of streams).
+func (d *Driver) StreamWaitEvent(stream uintptr, ev Event) error {
+	if d.fn.streamWaitEvent == nil {
+		return fmt.Errorf("cuStreamWaitEvent: %w", ErrNotSupported)
+	}
+	return d.check("cuStreamWaitEvent", C.p2p_r_p_p_u(d.fn.streamWaitEvent, ptr(stream), ptr(uintptr(ev)), 0))
+}

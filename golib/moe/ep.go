@@ -1,0 +1,253 @@
+package moe
+
+import (
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// EP is one rank's expert-parallel engine: built collectively by NewGPU
+// or NewCPU, then used for dispatch and combine calls that every rank makes
+// in the same order. Not safe for concurrent use; the communicator
+// serializes calls.
+type EP struct {
+	plan
+	gpu    *gpuEngine
+	cpu    *cpuEngine
+	checks []int32 // every rank's check of the latest eager call
+	// pending: an eager dispatch has run up to the host's read of the counts
+	// and awaits Expand with pendingRows rows.
+	pending     bool
+	pendingRows int64
+	closed      bool
+}
+
+// Rows is where a dispatch's result goes (device or host addresses, as
+// the EP's path): X [Rows, H] of dtype, Info [4, Rows] int32 (local expert,
+// source rank, source token, weight bits) and Counts [L+1] int32 (rows per
+// local expert, then R).
+type Rows struct {
+	X, Info, Counts uintptr
+	Rows            int64
+}
+
+// DispatchArgs is one dispatch. TopkIdx is [T, K] of IdxBytes-byte
+// integers, TopkWeights [T, K] float32 and X [T, H] of dtype, all
+// contiguous (X 16-byte aligned on GPU). Check is this rank's verdict on
+// its arguments (0: passed, else the status code of its error): an eager
+// call still takes part with T = 0, so that every rank fails together.
+type DispatchArgs struct {
+	X, TopkIdx, TopkWeights uintptr
+	NumTokens, IdxBytes     int
+	Check                   int32
+	Capturable              bool
+	Stream                  uintptr // GPU: the caller's stream
+	Out                     Rows    // capturable: MaxRecvRows rows
+}
+
+// CombineArgs is one combine: ExpertOut [ExpertRows, H] of dtype in the
+// latest dispatch's row order, into Y [NumTokens, H] of dtype, NumTokens
+// being this rank's tokens in that dispatch. Check as in DispatchArgs.
+type CombineArgs struct {
+	ExpertOut  uintptr
+	ExpertRows int64
+	Y          uintptr
+	NumTokens  int
+	Check      int32
+	Capturable bool
+	Stream     uintptr
+}
+
+// NewGPU builds an EP on the GPU backend, collectively: every rank
+// resolves (and, the first time in a process, compiles) the kernels its
+// configuration needs before the ranks agree on it, so that no rank
+// compiles inside a call while its peers wait in their kernels; then the
+// buffers are allocated. A rank that cannot take the configuration makes
+// every rank fail: itself with its reason, the others with status.Mismatch
+// naming it.
+func NewGPU(g Group, dev GPU, c Config) (*EP, error) {
+	var problem error
+	var eng *gpuEngine
+	if c.Rejected {
+		problem = ErrRejected
+	} else if problem = c.check(); problem == nil {
+		eng, problem = newGPUEngine(dev, c, g.Size())
+	}
+	blocks, err := agree(g, c, problem, wantedBlocks(c.NumSMs, dev.SMCount()))
+	if err != nil {
+		return nil, err
+	}
+	e := &EP{plan: newPlan(c, g.Rank(), g.Size()), gpu: eng, checks: make([]int32, g.Size())}
+	e.blocks = blocks
+	if err := eng.setup(&e.plan); err != nil {
+		eng.close()
+		return nil, err
+	}
+	// Every rank's buffers are zeroed before any peer posts into them.
+	if err := g.Barrier(); err != nil {
+		eng.close()
+		return nil, err
+	}
+	return e, nil
+}
+
+// NewCPU builds an EP on the CPU backend, collectively (see NewGPU).
+func NewCPU(g Group, host Host, c Config) (*EP, error) {
+	var problem error
+	if c.Rejected {
+		problem = ErrRejected
+	} else {
+		problem = c.check()
+	}
+	if _, err := agree(g, c, problem, 0); err != nil {
+		return nil, err
+	}
+	e := &EP{plan: newPlan(c, g.Rank(), g.Size()), cpu: newCPUEngine(host), checks: make([]int32, g.Size())}
+	if err := e.cpu.setup(&e.plan); err != nil {
+		return nil, err
+	}
+	if err := g.Barrier(); err != nil {
+		return nil, err
+	}
+	return e, nil
+}
+
+// Info describes the EP to its caller.
+func (e *EP) Info() Info {
+	in := Info{Kernels: e.gpu != nil, Blocks: e.blocks, MaxRecvRows: e.maxRecvRows, SelfLocalMinTokens: SelfLocalMinTokens}
+	if e.gpu != nil {
+		in.Staging = e.gpu.xs
+	}
+	return in
+}
+
+// Checks is every rank's verdict in the latest eager call, by rank (0:
+// passed): when one is not 0 the call moved no data, and every rank's
+// caller raises (its own error, or one naming the ranks that failed).
+func (e *EP) Checks() []int32 { return e.checks }
+
+func (e *EP) usable() error {
+	if e.closed {
+		return status.Errorf(status.State, "ExpertParallel is closed")
+	}
+	var err error
+	if e.gpu != nil {
+		if err = e.gpu.dev.Check(); err == nil {
+			err = e.gpu.dev.EnsureContext()
+		}
+	} else {
+		err = e.cpu.host.Check()
+	}
+	return err
+}
+
+// Dispatch sends this rank's tokens to the ranks of their experts.
+// Capturable calls run entirely, into a.Out, and never wait on the host.
+// Eager calls agree on every rank's Check first (see Checks) and run up to
+// the point where this rank knows how many rows it receives, which they
+// return (0 when a rank failed): the caller sizes the outputs and calls
+// Expand. Work is ordered on a.Stream.
+func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
+	e.pending = false
+	if err := e.usable(); err != nil {
+		return 0, err
+	}
+	if a.Check != 0 || a.NumTokens < 0 {
+		a.X, a.TopkIdx, a.TopkWeights, a.NumTokens, a.IdxBytes = 0, 0, 0, 0, 4
+		if a.Check == 0 {
+			a.Check = int32(status.InvalidArgument)
+		}
+	}
+	if a.Check == 0 && (a.NumTokens > e.maxTokens || (a.IdxBytes != 4 && a.IdxBytes != 8)) {
+		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: %d tokens of %d-byte ids (at most %d tokens)",
+			a.NumTokens, a.IdxBytes, e.maxTokens)
+	}
+	if a.Capturable && a.Out.Rows != e.maxRecvRows {
+		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: a capturable dispatch returns %d rows, got room for %d",
+			e.maxRecvRows, a.Out.Rows)
+	}
+	clear(e.checks)
+	var rows int64
+	var err error
+	if e.gpu != nil {
+		rows, err = e.gpu.dispatch(a, e.checks)
+	} else {
+		rows, err = e.cpu.dispatch(a, e.checks)
+	}
+	if err != nil || a.Capturable {
+		return rows, err
+	}
+	for _, c := range e.checks {
+		if c != 0 {
+			return 0, nil
+		}
+	}
+	e.pending, e.pendingRows = true, rows
+	return rows, nil
+}
+
+// Expand finishes an eager dispatch: the rows Dispatch returned, with
+// their metadata, into out (out.Rows must be that number).
+func (e *EP) Expand(out Rows, stream uintptr) error {
+	if !e.pending {
+		return status.Errorf(status.State, "ExpertParallel: expand without a dispatch awaiting it")
+	}
+	if out.Rows != e.pendingRows {
+		return status.Errorf(status.InvalidArgument, "ExpertParallel: the dispatch received %d rows, got room for %d",
+			e.pendingRows, out.Rows)
+	}
+	e.pending = false
+	if err := e.usable(); err != nil {
+		return err
+	}
+	if e.gpu != nil {
+		return e.gpu.expand(out, stream, 0)
+	}
+	return e.cpu.expand(out)
+}
+
+// Combine sums, on each rank that dispatched, its tokens' expert outputs
+// weighted by their topk weights, in the order the package documents.
+// Eager calls agree on every rank's Check first (see Checks); capturable
+// ones never wait on the host.
+func (e *EP) Combine(a *CombineArgs) error {
+	e.pending = false
+	if err := e.usable(); err != nil {
+		return err
+	}
+	if a.Check != 0 || a.NumTokens < 0 {
+		a.ExpertOut, a.ExpertRows, a.Y, a.NumTokens = 0, 0, 0, 0
+		if a.Check == 0 {
+			a.Check = int32(status.InvalidArgument)
+		}
+	}
+	if a.Check == 0 && a.NumTokens > e.maxTokens {
+		return status.Errorf(status.InvalidArgument, "ExpertParallel: combine of %d tokens (at most %d)", a.NumTokens, e.maxTokens)
+	}
+	clear(e.checks)
+	if e.gpu != nil {
+		return e.gpu.combine(a, e.checks)
+	}
+	return e.cpu.combine(a, e.checks)
+}
+
+// Trace returns the kernel path's steps since the previous call of Trace
+// (tests read it to see which path a call took).
+func (e *EP) Trace() []Launch {
+	if e.gpu == nil {
+		return nil
+	}
+	return e.gpu.trace.take()
+}
+
+// Close releases this rank's streams, events and pinned memory; the
+// symmetric buffers live until the communicator closes. Not collective;
+// calls afterwards fail with status.State. Idempotent.
+func (e *EP) Close() error {
+	if e.closed {
+		return nil
+	}
+	e.closed = true
+	if e.gpu != nil {
+		return e.gpu.close()
+	}
+	return e.cpu.close()
+}

@@ -1,0 +1,165 @@
+package moe
+
+import (
+	"fmt"
+
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// plan is what an EP decided at construction: shapes, the agreed grid and
+// the thresholds. Its methods decide each call's launches from it and the
+// call's token count alone, so that they can be tested without a device.
+type plan struct {
+	world, rank             int
+	numExperts, numLocal    int
+	hidden, maxTokens, topK int
+	dtype, transit          reduce.DType
+	blocks                  int   // the agreed grid of every multi-block kernel (GPU)
+	maxRecvRows             int64 // W * Tm * K
+	eagerOverlapBytes       int64
+	countMinPairs           int64
+	selfLocal               string // never, auto or always (never unless the world is 2 and topk <= combWide)
+	capturable              bool   // the construction's default mode
+}
+
+func newPlan(c Config, rank, world int) plan {
+	p := plan{world: world, rank: rank, numExperts: c.NumExperts, numLocal: c.NumExperts / world,
+		hidden: c.Hidden, maxTokens: c.MaxTokens, topK: c.TopK, dtype: c.DType, transit: c.CombineDType,
+		maxRecvRows: int64(world) * int64(c.MaxTokens) * int64(c.TopK), capturable: c.Capturable,
+		eagerOverlapBytes: DefaultEagerOverlapBytes, countMinPairs: DefaultCountKernelMinPairs, selfLocal: "never"}
+	if v := c.Tuning.EagerOverlapBytes; v != nil {
+		p.eagerOverlapBytes = *v
+	}
+	if v := c.Tuning.CountKernelMinPairs; v != nil {
+		p.countMinPairs = *v
+	}
+	if world == 2 && c.TopK <= combWide {
+		switch c.Tuning.SelfLocal {
+		case "", "auto":
+			p.selfLocal = "auto"
+		default:
+			p.selfLocal = c.Tuning.SelfLocal
+		}
+	}
+	return p
+}
+
+// rowBytes is the bytes of one token row.
+func (p *plan) rowBytes() int64 { return int64(p.hidden) * int64(p.dtype.Size()) }
+
+// kernelProblem says why the GPU kernels cannot take a configuration (nil
+// when they can): the same answer on every rank.
+func kernelProblem(c Config, world int) error {
+	why := ""
+	switch {
+	case c.DType != reduce.Float32 && c.DType != reduce.BFloat16 && c.DType != reduce.Float16:
+		why = fmt.Sprintf("dtype %s (the kernels take bfloat16, float16 and float32)", c.DType)
+	case int64(c.Hidden)*int64(c.DType.Size())%16 != 0:
+		why = fmt.Sprintf("hidden=%d: rows of %d bytes, not a multiple of 16", c.Hidden, int64(c.Hidden)*int64(c.DType.Size()))
+	case world > maxRanks:
+		why = fmt.Sprintf("a world of %d ranks (at most %d)", world, maxRanks)
+	case c.TopK > maxTopK:
+		why = fmt.Sprintf("topk=%d (at most %d)", c.TopK, maxTopK)
+	case c.NumExperts > maxExperts:
+		why = fmt.Sprintf("num_experts=%d (at most %d)", c.NumExperts, maxExperts)
+	case int64(world)*int64(c.MaxTokens)*int64(c.TopK) >= 1<<31:
+		why = fmt.Sprintf("world_size * max_tokens_per_rank * topk = %d (below 2^31)", int64(world)*int64(c.MaxTokens)*int64(c.TopK))
+	default:
+		return nil
+	}
+	return status.Errorf(status.Unsupported, "ExpertParallel on GPU cannot take %s; the CPU backend can", why)
+}
+
+// wantedBlocks is this rank's grid: numSMs (0: DefaultSMs) within the
+// GPU's SMs and the barriers' block limit.
+func wantedBlocks(numSMs, sms int) int {
+	b := DefaultSMs
+	if numSMs > 0 {
+		b = numSMs
+	}
+	if sms > 0 {
+		b = min(b, sms)
+	}
+	return max(1, min(b, maxSyncBlocks))
+}
+
+// dispatchLaunch is how one dispatch runs on the GPU.
+type dispatchLaunch struct {
+	staged                                bool  // x is copied into xs (it is not built there)
+	overlap                               bool  // that copy runs on the side stream, under the send kernel
+	counted                               bool  // moe_dispatch_count runs first
+	idsShared                             bool  // the send kernel copies the expert ids into shared memory
+	sendMode                              int32 // kSync* bits of the count, send and side-stream kernels
+	expandMode                            int32
+	countShared, sendShared, expandShared uint32
+}
+
+// dispatch plans a dispatch of T tokens (0 when this rank rejected its
+// arguments: it then only takes part in the barriers); inBuffer says x is
+// xs itself. Capturable calls put both barriers inside the kernels; eager
+// ones have a start barrier kernel (it follows the argument checks) and a
+// middle one (the host reads the counts after it).
+func (p *plan) dispatch(T int, inBuffer, capturable bool, rejected bool) dispatchLaunch {
+	var d dispatchLaunch
+	d.staged = T > 0 && !inBuffer
+	// Capturable: the send kernel's block 0 releases the copy (moe_stage_gate)
+	// once past its start barrier, before which peers may still read the
+	// previous rows. Eager: the start barrier kernel has run already.
+	d.overlap = d.staged && (capturable || int64(T)*p.rowBytes() >= p.eagerOverlapBytes)
+	d.counted = T > 0 && int64(T)*int64(p.topK) >= p.countMinPairs
+	d.idsShared = !rejected && !d.counted && 4*(int64(p.numExperts)+int64(T)*int64(p.topK)) <= sendSharedMax
+	if capturable {
+		// Every rank posts one staged flag per call, which every expand waits
+		// for whether or not that rank copies x (ranks differ: x built in
+		// the buffer, T = 0): moe_stage_done after the side stream's copy,
+		// else the send kernel at once.
+		d.sendMode = syncStart | syncArrive
+		if d.staged {
+			d.sendMode |= syncStageGo
+		} else {
+			d.sendMode |= syncPostStaged
+		}
+		d.expandMode = syncWait | syncStaged
+	}
+	d.countShared = uint32(4 * (p.world + p.numExperts))
+	ids := 0
+	if d.idsShared {
+		ids = T * p.topK
+	}
+	d.sendShared = uint32(4 * (p.numExperts + ids))
+	d.expandShared = p.expandShared()
+	return d
+}
+
+// expandShared is moe_dispatch_expand's dynamic shared memory: each local
+// expert's total and, per source, its first row.
+func (p *plan) expandShared() uint32 { return uint32(4 * (p.world + 1) * p.numLocal) }
+
+// combineLaunch is how one combine runs on the GPU.
+type combineLaunch struct {
+	selfLocal  bool  // this rank's own tokens' partials are the reduce's (moe_combine_reduce_self)
+	sendMode   int32 // kSync* bits of the send kernel
+	reduceGrid uint32
+}
+
+// combine plans a combine of T tokens (this rank's latest dispatch's; 0
+// when this rank rejected its arguments: no reduce then).
+func (p *plan) combine(T int, capturable bool) combineLaunch {
+	var c combineLaunch
+	c.selfLocal = p.selfLocal == "always" ||
+		(p.selfLocal == "auto" && p.transit == p.dtype && T >= SelfLocalMinTokens)
+	// The middle barrier is inside the kernels in both modes; eager calls
+	// have a start barrier kernel (after the argument checks).
+	c.sendMode = syncArrive
+	if capturable {
+		c.sendMode |= syncStart
+	}
+	packs := int64(T) * p.rowBytes() / 16
+	c.reduceGrid = uint32(max(1, min(int64(p.blocks), (packs+threads-1)/threads)))
+	return c
+}
+
+// syncMode is a MoeSync mode: the bits and the send kernels' grid, which
+// the waiters need to know whose middle flags to wait for.
+func (p *plan) syncMode(bits int32) int32 { return bits | int32(p.blocks)<<syncGridShift }
