@@ -1,14 +1,19 @@
 package moe
 
 import (
+	"sync"
+
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
 // EP is one rank's expert-parallel engine: built collectively by NewGPU
 // or NewCPU, then used for dispatch and combine calls that every rank makes
-// in the same order. Not safe for concurrent use; the communicator
-// serializes calls.
+// in the same order. Calls are serialized (the communicator's lock orders
+// them with its other calls); Close takes only the EP's own lock, so that it
+// can run from a finalizer while another call of the communicator (one
+// waiting in a host exchange that called back into Python) holds that one.
 type EP struct {
+	mu sync.Mutex
 	plan
 	gpu    *gpuEngine
 	cpu    *cpuEngine
@@ -146,6 +151,8 @@ func (e *EP) usable() error {
 // return (0 when a rank failed): the caller sizes the outputs and calls
 // Expand. Work is ordered on a.Stream.
 func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	e.pending = false
 	if err := e.usable(); err != nil {
 		return 0, err
@@ -187,6 +194,8 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 // Expand finishes an eager dispatch: the rows Dispatch returned, with
 // their metadata, into out (out.Rows must be that number).
 func (e *EP) Expand(out Rows, stream uintptr) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	if !e.pending {
 		return status.Errorf(status.State, "ExpertParallel: expand without a dispatch awaiting it")
 	}
@@ -209,6 +218,8 @@ func (e *EP) Expand(out Rows, stream uintptr) error {
 // Eager calls agree on every rank's Check first (see Checks); capturable
 // ones never wait on the host.
 func (e *EP) Combine(a *CombineArgs) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	e.pending = false
 	if err := e.usable(); err != nil {
 		return err
@@ -232,6 +243,8 @@ func (e *EP) Combine(a *CombineArgs) error {
 // Trace returns the kernel path's steps since the previous call of Trace
 // (tests read it to see which path a call took).
 func (e *EP) Trace() []Launch {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	if e.gpu == nil {
 		return nil
 	}
@@ -242,6 +255,8 @@ func (e *EP) Trace() []Launch {
 // symmetric buffers live until the communicator closes. Not collective;
 // calls afterwards fail with status.State. Idempotent.
 func (e *EP) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	if e.closed {
 		return nil
 	}

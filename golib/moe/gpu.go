@@ -80,6 +80,11 @@ func newGPUEngine(dev GPU, c Config, world int) (*gpuEngine, error) {
 // parameter block shares.
 func (g *gpuEngine) setup(p *plan) (err error) {
 	g.p = p
+	// The agreement's host exchange may have called back into Python, which
+	// may have made another device current on this thread.
+	if err := g.dev.EnsureContext(); err != nil {
+		return err
+	}
 	W, Tm, K, L, E := int64(p.world), int64(p.maxTokens), int64(p.topK), int64(p.numLocal), int64(p.numExperts)
 	var l layout
 	xs := l.take(Tm * p.rowBytes())
