@@ -58,3 +58,45 @@ def test_dtype_and_op_codes_match_reduce():
     assert {communicator._DTYPES[t]: n for n, t in want.items()} == {v: k for k, v in dtypes.items()}
     ops = go_consts("reduce/reduce.go", "Op")
     assert {o.name.capitalize(): o.value for o in communicator.ReduceOp} == ops
+
+
+def test_moe_eager_calls_cross_the_c_abi_at_most_twice(monkeypatch):
+    """An eager MoE dispatch is at most two C calls (the dispatch, which says
+    how many rows arrive, then the expand into outputs of that size), an
+    eager combine one: every export of the loaded library counted, on a
+    world of one (CPU backend, TCP bootstrap)."""
+    import socket
+
+    import torch
+
+    import p2pcomm
+    from p2pcomm import _lib
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     P2PCOMM_JOB_TOKEN="%x" % port).items():
+        monkeypatch.setenv(k, v)
+    lib, calls = _lib.lib(), []
+
+    def counting(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+        return call
+
+    for name in _lib._SIGNATURES:
+        monkeypatch.setattr(lib, name, counting(name, getattr(lib, name)))
+    with p2pcomm.Communicator(device="cpu", bootstrap="tcp") as comm:
+        ep = p2pcomm.ExpertParallel(comm, num_experts=4, hidden=16, max_tokens_per_rank=8, topk=2, dtype=torch.float32)
+        x, idx, w = torch.randn(8, 16), torch.randint(0, 4, (8, 2)), torch.rand(8, 2)
+        for capturable in (False, True):
+            calls.clear()
+            recv = ep.dispatch(x, idx, w, capturable=capturable)
+            assert len(calls) <= 2 and all(c.startswith("p2p_moe_") for c in calls), calls
+            calls.clear()
+            y = ep.combine(recv.x * 2, recv)
+            assert len(calls) <= 2 and all(c.startswith("p2p_moe_") for c in calls), calls
+        assert torch.allclose(y, 2 * (w.unsqueeze(2) * x.unsqueeze(1)).sum(1))
+        ep.close()

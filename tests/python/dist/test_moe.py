@@ -228,18 +228,12 @@ def test_slots_and_ranks_with_and_without_count_kernel(comms, monkeypatch, count
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 16 * W, 8, 64, 700, torch.bfloat16
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
-    launched = []
-    launch = ep._launch
-
-    def spy(name, *args):
-        launched.append(name)
-        launch(name, *args)
-
-    monkeypatch.setattr(ep, "_launch", spy)
+    launched = []  # the kernels golib/moe launched (its trace)
     sizes = [Tm if q == 0 else (0 if q == 1 else 1 + (97 * q) % Tm) for q in range(W)]
     for seed, routing, capturable in ((61, "random", False), (62, "duplicates", True), (63, "one_expert", False)):
         inputs = [make_inputs(seed, q, sizes[q], H, E, K, dtype, routing, 0.1) for q in range(W)]
         recv, out, y = run_round(ep, inputs, r, "cuda", capturable=capturable)
+        launched += [step["name"] for step in ep._trace()]
         check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=capturable)
         check_combine(y, inputs, r, W, E, K, dtype)
         assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine")
@@ -279,16 +273,9 @@ def test_send_kernel_shared_memory_near_48k(comms, monkeypatch):
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4096 - 4096 % W, 8, 64, 1023, torch.bfloat16  # 4095 on 3, 5 or 7 ranks
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
-    shared = {}
-    launch = ep._launch
-
-    def spy(name, p, grid, shared_bytes=0):
-        shared[name] = shared_bytes
-        launch(name, p, grid, shared_bytes)
-
-    monkeypatch.setattr(ep, "_launch", spy)
     inputs = [make_inputs(71, q, Tm, H, E, K, dtype, "random", 0.1) for q in range(W)]
     recv, out, y = run_round(ep, inputs, r, "cuda")
+    shared = {step["name"]: step["shared"] for step in ep._trace()}  # golib/moe's launches
     check_dispatch(recv, inputs, r, W, E, K, dtype)
     check_combine(y, inputs, r, W, E, K, dtype)
     assert shared["moe_dispatch_send"] == 4 * (E + Tm * K) and 47 << 10 < 4 * (E + Tm * K) <= 48 << 10, shared
@@ -357,25 +344,20 @@ def test_self_local_combine(comms, monkeypatch, knob, transit):
     W, r = comm.world_size, comm.rank
     dtype = torch.bfloat16
     combine_dtype = transit_dtype(transit, dtype)
-    big = p2pcomm.moe._SELF_LOCAL_MIN_TOKENS
+    big = p2pcomm.ExpertParallel(comm, num_experts=2 * W, hidden=64, max_tokens_per_rank=4,
+                                 topk=2)._self_local_min_tokens  # golib/moe's threshold
     # (num_sms 2: 32 warps, so 300 tokens take one warp per row; 40 tokens on the full grid are cut.)
     for K, E, H, Tm, routing, sms in ((8, 4 * W, 200, 40, "duplicates", None), (3, 16 * W, 7168, 300, "random", 2),
                                       (3, 16 * W, 7168, 300, "random", None), (8, 16 * W, 64, big, "random", None),
                                       (12, 4 * W, 64, 16, "duplicates", None)):
         ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
                                     combine_dtype=combine_dtype, num_sms=sms)
-        launched = []
-        launch = ep._launch
-
-        def spy(name, *args, launch=launch, launched=launched):
-            launched.append(name)
-            launch(name, *args)
-
-        monkeypatch.setattr(ep, "_launch", spy)
+        launched = []  # the kernels golib/moe launched (its trace)
         sizes = [Tm if q == 0 else (0 if q == 1 else 1 + (7 * q) % Tm) for q in range(W)]
         for seed, capturable in ((71, False), (72, True)):
             inputs = [make_inputs(seed + K, q, sizes[q], H, E, K, dtype, routing, 0.15) for q in range(W)]
             _, _, y = run_round(ep, inputs, r, "cuda", capturable=capturable)
+            launched += [step["name"] for step in ep._trace()]
             assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype),
                              f"K={K} H={H} T={sizes[r]} capturable={capturable}")
         T = sizes[r]
@@ -463,15 +445,7 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
-    side_copies = []  # per staging copy: whether it ran on the side stream
-    if ep.uses_kernels:
-        stage = ep._stage
-
-        def spy(x):
-            side_copies.append(torch.cuda.current_stream() == ep._side)
-            stage(x)
-
-        monkeypatch.setattr(ep, "_stage", spy)
+    side_copies = []  # per staging copy: whether it ran on the side stream (golib/moe's trace)
     with pytest.raises(p2pcomm.InvalidArgumentError, match="num_tokens"):
         ep.get_dispatch_buffer(Tm + 1)
     assert ep.get_dispatch_buffer().shape == (Tm, H) and ep.get_dispatch_buffer(0).shape == (0, H)
@@ -497,8 +471,10 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
         check_combine(y, inputs, r, W, E, K, dtype)
         if where == "buffer":
             assert torch.equal(x.cpu().view(torch.uint8), inp.x.view(torch.uint8)), "dispatch changed x"
+        if ep.uses_kernels:
+            side_copies += [step["side"] for step in ep._trace() if step["name"] == "stage"]
     if ep.uses_kernels and sizes[r]:  # copies of "plain", and of "inside" unless x is the whole buffer
-        side = staging == "side_stream" or (capturable and ep._in_kernel and ep._stage_overlap)  # env knobs
+        side = staging == "side_stream" or capturable
         assert side_copies == [side] * (1 + (sizes[r] < Tm)), side_copies
 
 
@@ -578,7 +554,7 @@ def test_capturable_mode(comms, device, transit, tokens):
 
 @GPU_ONLY
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_capturable_staging(comms, monkeypatch, layout):
+def test_capturable_staging(comms, layout):
     """A captured dispatch of a plain x (contiguous, or a transposed view)
     stages it into xs on a side stream behind moe_stage_gate. Replayed with
     new routing and data, xs poisoned before every replay, it gives the
@@ -589,19 +565,13 @@ def test_capturable_staging(comms, monkeypatch, layout):
     E, K, H, Tm, dtype = 8 * W, 4, 256, 40, torch.bfloat16
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
                                 capturable=True)
-    side_copies = []  # per staging copy: whether it ran on the side stream
-    stage = ep._stage
-
-    def stage_spy(x):
-        side_copies.append(torch.cuda.current_stream() == ep._side)
-        stage(x)
-
-    monkeypatch.setattr(ep, "_stage", stage_spy)
     rounds = [[make_inputs(140 + i, q, Tm, H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
     device = torch.device("cuda", torch.cuda.current_device())
     static_x = (torch.zeros(H, Tm, dtype=dtype, device=device).t() if layout == "strided"
                 else torch.zeros(Tm, H, dtype=dtype, device=device))
     graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
+    # Per staging copy, whether it ran on the side stream (golib/moe's trace): warm-up and capture.
+    side_copies = [step["side"] for step in ep._trace() if step["name"] == "stage"]
     for inputs in rounds[1:] + rounds[:1]:
         load(inputs)
         # No peer reads this rank's xs now: each pulled it before its combine, which this rank's
