@@ -64,14 +64,11 @@ constexpr int kMoeWarps = kThreads / 32;
 constexpr int kSyncStart = 1;        // send kernels: barrier with every peer before writing into them
 constexpr int kSyncArrive = 2;       // send kernels: every block posts its middle flags when done
 constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
-constexpr int kSyncArriveFirst = 8;  // expand: block 0 posts the middle flags itself (x was staged
-                                     // after the send kernel), then waits like kSyncWait
 constexpr int kSyncStageGo = 16;     // dispatch send: block 0 also posts stage_posted once past the
                                      // start barrier (moe_stage_gate releases x's copy on a side stream)
 constexpr int kSyncStaged = 32;      // expand: also wait for every peer's staged flag, which each rank
                                      // posts once per capturable dispatch: moe_stage_done after x's copy
-                                     // on the side stream, else the send kernel (kSyncPostStaged) or
-                                     // the expand with kSyncArriveFirst
+                                     // on the side stream, else the send kernel (kSyncPostStaged)
 constexpr int kSyncPostStaged = 64;  // dispatch send (x needs no copy): block 0 posts the staged flags at once
 constexpr int kSyncGridShift = 8;    // mode >> kSyncGridShift: the send kernel's grid (its blocks' middle flags)
 constexpr int kMoeKinds = 2;         // 0: dispatch, 1: combine (also ErrorWord.step)
@@ -597,25 +594,15 @@ DINLINE void sync_end(const MoeSync& s, int rank, int world) {
 // every peer's latest send kernel of the kind has posted this rank's epoch
 // (its latest send kernel's, which has finished: stream order) into its
 // middle flag here, and with kSyncStaged also every peer's staged flag
-// (moe_stage_done); with kSyncArriveFirst block 0 posts all of this rank's
-// flags first (the sources' rows were staged after the send kernel). False,
-// uniformly in the block, when a wait gave up: the block must then read
-// nothing.
+// (moe_stage_done). False, uniformly in the block, when a wait gave up: the
+// block must then read nothing.
 DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
-  if (!(s.mode & (kSyncWait | kSyncArriveFirst))) return true;
+  if (!(s.mode & kSyncWait)) return true;
   __shared__ int ok;
   const u64 e = s.state[s.kind].counter[0];
   const int G = s.mode >> kSyncGridShift;  // the send kernel's blocks
   const int t = (int)threadIdx.x;
   if (t == 0) ok = 1;
-  if ((s.mode & kSyncArriveFirst) && blockIdx.x == 0) {
-    __threadfence_system();  // the send kernel's and the staging copy's writes before the flags
-    for (int i = t; i < world * G; i += (int)blockDim.x) {
-      const int d = i / G;
-      if (d != rank) st_flag_release(moe_mid_flag(s.peer_flags[d], s.kind, rank, i % G), e);
-    }
-    if (t < world && t != rank) st_flag_release(moe_flag(s.peer_flags[t], s.kind, kMoeFlagStaged, rank), e);
-  }
   __syncthreads();
   for (int i = t; i < world * G; i += (int)blockDim.x) {
     const int d = i / G;
