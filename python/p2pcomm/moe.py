@@ -353,18 +353,16 @@ class ExpertParallel:
         problem = self._check_dispatch(x, topk_idx, topk_weights)
         if problem is not None and (capturable or self._closed):
             raise problem  # capturable: alone, before any barrier; closed: it can post to no peer
-        L, H, T = self.num_local_experts, self.hidden, 0
-        xp = ip = wp = 0
-        idx_bytes = 4
+        L, T, xp, ip, wp, idx_bytes = self.num_local_experts, 0, 0, 0, 0, 4
         if problem is None:
             x, T = self._rows_in(x), x.shape[0]
             idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             xp, ip, wp, idx_bytes = x.data_ptr(), idx.data_ptr(), w.data_ptr(), idx.element_size()
         stream = _raw_stream(self.comm._device_index)
         rows = self.max_recv_rows if capturable else 0
-        out = self._outputs(rows) if capturable else (None, None, None)
+        out = self._outputs(rows) if capturable else None
         rc = self._dispatch_fn(self._handle, xp, ip, wp, T, idx_bytes, self._code(problem), capturable,
-                               *(0 if t is None else t.data_ptr() for t in out), rows, stream, self._checks,
+                               *([t.data_ptr() for t in out] if out else (0, 0, 0)), rows, stream, self._checks,
                                self._rows_ptr)
         if rc:
             _lib.check(rc)
@@ -402,8 +400,8 @@ class ExpertParallel:
     @staticmethod
     def _code(problem: Optional[P2PCommError]) -> int:
         """This rank's verdict as posted to its peers: 0 passed, else the error's status code."""
-        return 0 if problem is None else (UnsupportedError.code if isinstance(problem, UnsupportedError)
-                                          else InvalidArgumentError.code)
+        return 0 if problem is None else (UnsupportedError if isinstance(problem, UnsupportedError)
+                                          else InvalidArgumentError).code
 
     # -- combine -------------------------------------------------------------------------------------
 
