@@ -1,7 +1,7 @@
 // flag_latency.cu: what one flag exchange between GPUs costs, the unit of
 // every barrier in the MoE kernels (start and middle flags). One process
 // drives every GPU (peer access on); flags live in the receiver's memory and
-// only grow, as in moe.cu.
+// only grow, as in moe_common.cuh.
 //
 //   pingpong  GPU 0 and GPU 1, one thread each: 0 stores i into 1's flag,
 //             1 waits for it and stores i into 0's flag: round trip per i

@@ -40,7 +40,7 @@ import (
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 5
+const abiVersion = 6
 
 var loadPid = os.Getpid()
 

@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _LOAD_PID = os.getpid()
 _HERE = pathlib.Path(__file__).resolve().parent
 

@@ -137,7 +137,7 @@ def test_fallback_to_torch_when_peers_are_unreachable(group, monkeypatch):
     with pytest.raises(p2pcomm.UnsupportedError):
         comm.peer_tensor(x, 0)
     with pytest.raises(p2pcomm.UnsupportedError):
-        comm.prepare_kernel("moe.cu", "moe_post_status")
+        comm.prepare_kernel("moe_dispatch.cu", "moe_dispatch_send")
     assert comm.host_allgather(bytes([r, 7 * r])) == [bytes([q, 7 * q]) for q in range(w)]
     with pytest.raises(p2pcomm.MismatchError, match="host_allgather"):
         comm.host_allgather(bytes(2 + (r == 1)))
