@@ -108,6 +108,7 @@ type peer struct {
 	ep      unsafe.Pointer // nil for this rank and after a failure closed it
 	pending []op
 	sums    map[uint64]uint64 // signal word address -> total this rank added
+	flushed []flushedSignal   // SignalFlushed's, oldest first
 	err     error             // sticky: the endpoint failed or a wait on it timed out
 }
 
@@ -396,6 +397,7 @@ func (t *Transport) fail(r int, err error) {
 	}
 	t.cancelPending(r)
 	t.dropStaged(r)
+	t.dropFlushed(r)
 	t.closeEndpoint(r)
 	for _, o := range p.pending {
 		t.release(o)
@@ -501,19 +503,32 @@ func (t *Transport) Flush(peer int) error {
 	return t.flush(peer)
 }
 
-func (t *Transport) flush(peer int) error {
+// FlushWithin is Flush with its own bound instead of the transport's
+// timeout: for a rank about to close, which should not wait out the full
+// timeout for a peer that stopped.
+func (t *Transport) FlushWithin(peer int, timeout time.Duration) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.flushBy(peer, time.Now().Add(timeout))
+}
+
+func (t *Transport) flush(peer int) error { return t.flushBy(peer, time.Now().Add(t.timeout)) }
+
+func (t *Transport) flushBy(peer int, deadline time.Time) error {
 	if peer == t.rank && !t.closed {
 		return nil // nothing travels to oneself
 	}
 	if err := t.check(peer, "flush"); err != nil {
 		return err
 	}
-	deadline := time.Now().Add(t.timeout)
 	staged := t.stage != nil && t.stage.peers[peer].on
 	if staged {
 		if err := t.drainStaged(peer, deadline); err != nil {
 			return err
 		}
+	}
+	if err := t.drainFlushed(peer, deadline); err != nil {
+		return err
 	}
 	var s C.int
 	req := C.p2p_ucx_ep_flush(t.lib.fn.epFlushNbx, t.peers[peer].ep, &s)
@@ -562,6 +577,10 @@ func (t *Transport) Progress() (bool, error) {
 			st := &t.stage.peers[r]
 			active = active || len(st.queue) > 0 || len(st.landed) > 0
 		}
+		if len(t.peers[r].flushed) > 0 {
+			t.pumpFlushed(r)
+			active = true
+		}
 		if len(t.peers[r].pending) > 0 {
 			t.reap(r)
 			active = active || len(t.peers[r].pending) > 0
@@ -609,6 +628,7 @@ func (t *Transport) Close() error {
 	for r := range t.peers {
 		p := &t.peers[r]
 		t.cancelPending(r)
+		t.dropFlushed(r)
 		t.closeEndpoint(r)
 		for _, o := range p.pending {
 			t.release(o)

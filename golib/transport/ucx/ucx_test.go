@@ -185,6 +185,8 @@ func child(role string) int {
 		err = childMeasure(tr, bs, transport.HostMemory)
 	case "invalid":
 		err = childInvalid(tr, bs, cfg.Timeout)
+	case "flushed":
+		err = childFlushed(tr, bs, cfg.Timeout)
 	case "stray":
 		err = childStray(tr, bs, cfg.Timeout, before)
 	case "kill":
