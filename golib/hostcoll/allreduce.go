@@ -23,8 +23,7 @@ func (c *Comm) AllReduce(req collective.AllReduce) error {
 		return err
 	}
 	if c.topo.MultiNode() {
-		// Every rank knows the topology, so every rank fails here alike.
-		return c.acrossNodes("all-reduce")
+		return c.allReduceNodes(req)
 	}
 	c.seq++
 	seq := c.seq
@@ -136,7 +135,7 @@ func (c *Comm) prepare(req collective.AllReduce, d *descriptor, nbytes int64) er
 // agree compares every rank's descriptor with this rank's.
 func (c *Comm) agree(seq uint64, localErr error) error {
 	mine := c.ctl[c.rank].desc(seq)
-	for r := range c.size {
+	for _, r := range c.topo.Local() {
 		if r == c.rank {
 			continue
 		}
@@ -189,10 +188,11 @@ func kindName(k uint32) string {
 	return "all_reduce"
 }
 
-// inputs returns every rank's input address for call seq.
+// inputs returns the input address of every rank of this node for call
+// seq (nil for ranks of other nodes).
 func (c *Comm) inputs(seq uint64) []unsafe.Pointer {
 	in := make([]unsafe.Pointer, c.size)
-	for r := range c.size {
+	for _, r := range c.topo.Local() {
 		d := c.ctl[r].desc(seq)
 		if d.Input < 0 {
 			in[r] = unsafe.Pointer(&c.staging[r][0])
@@ -294,6 +294,9 @@ func (c *Comm) finish(seq uint64, callErr error) error {
 // still make progress; it fails fast if a peer process died and after the
 // timeout otherwise. A failed wait breaks the communicator.
 func (c *Comm) waitPeers(off int, seq uint64, phase string) error {
+	if c.net != nil {
+		return c.waitLocalPeers(off, seq, phase)
+	}
 	start := time.Now()
 	for r := range c.size {
 		if r == c.rank {
@@ -345,3 +348,20 @@ func (c *Comm) fail(err error) error {
 // hostPtr turns an address that came through the C ABI into a pointer. The
 // memory is not Go's (a tensor or a mapping), so the collector ignores it.
 func hostPtr(addr uintptr) unsafe.Pointer { return *(*unsafe.Pointer)(unsafe.Pointer(&addr)) }
+
+// waitLocalPeers is waitPeers on a communicator that spans nodes: it
+// progresses UCX meanwhile and hears of failures elsewhere.
+func (c *Comm) waitLocalPeers(off int, seq uint64, phase string) error {
+	for _, r := range c.topo.Local() {
+		if r == c.rank {
+			continue
+		}
+		v := c.ctl[r]
+		if err := c.await(r, fmt.Sprintf("the %s of all-reduce call #%d", phase, seq), func() bool {
+			return v.load(off) >= seq
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}

@@ -31,6 +31,9 @@ type Options struct {
 	// Topology says which ranks share this rank's node; only their memory
 	// is mapped (nil: every rank shares one node).
 	Topology *topo.Topology
+	// NetChunkBytes is how much of a partial each put across nodes carries
+	// (default DefaultNetChunkBytes).
+	NetChunkBytes int64
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -58,6 +61,7 @@ type Comm struct {
 	broken  error
 	scratch []byte
 	topo    *topo.Topology
+	net     *network // the inter-node phase's UCX side, from the first all-reduce across nodes
 	// registered: ranges passed to Register, by address (their sizes), so
 	// that channels can tell a registered range from any other.
 	registered map[uintptr]int64
@@ -78,6 +82,9 @@ func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 	}
 	if opts.Timeout <= 0 {
 		opts.Timeout = 60 * time.Second
+	}
+	if opts.NetChunkBytes <= 0 {
+		opts.NetChunkBytes = DefaultNetChunkBytes
 	}
 	if opts.OneShotMaxBytes <= 0 {
 		opts.OneShotMaxBytes = 8 << 10 // measured: two-shot wins from 16 KiB on 2 ranks
@@ -245,16 +252,16 @@ func (c *Comm) Contains(ptr uintptr, nbytes int64) bool {
 // Topology is the node layout the backend was built with.
 func (c *Comm) Topology() *topo.Topology { return c.topo }
 
-// acrossNodes is the error of calls that need every rank's memory.
-func (c *Comm) acrossNodes(what string) error {
-	return status.Errorf(status.Unsupported, "%s across nodes is not available on the CPU backend: this communicator spans %s", what, c.topo)
-}
-
 // Check returns the error that broke the communicator, if any.
 func (c *Comm) Check() error { return c.broken }
 
 // Close unmaps everything. Not collective.
 func (c *Comm) Close() error {
+	if c.net != nil {
+		// UCX holds registrations of the staging area: it goes first.
+		c.net.close()
+		c.net = nil
+	}
 	for _, a := range c.allocs {
 		for _, s := range a.segs {
 			s.Close()

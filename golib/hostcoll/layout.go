@@ -10,12 +10,14 @@ import (
 // two processes ever write the same cache line.
 const (
 	lineBytes    = 128
-	ctlBytes     = 8 * lineBytes
+	ctlBytes     = 16 * lineBytes
 	offPid       = 0 * lineBytes
 	offArrive    = 1 * lineBytes // seq of the last call whose input is ready
 	offReduced   = 2 * lineBytes // seq of the last call whose own slice is reduced
 	offDone      = 3 * lineBytes // seq of the last call this rank no longer reads peers in
 	offDesc      = 4 * lineBytes // two descriptors, indexed by seq parity
+	offAbortVer  = 6 * lineBytes // versions of this rank's failure record (across nodes)
+	offAbortRec  = 8 * lineBytes // two failure records, indexed by version parity
 	stagingAlign = 4096
 )
 

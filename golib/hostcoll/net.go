@@ -1,0 +1,542 @@
+package hostcoll
+
+import (
+	"encoding/binary"
+	"fmt"
+	"runtime"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/shm"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+)
+
+// The inter-node side of the CPU backend. Each rank talks over UCX only to
+// its group: the ranks with its local index on the other nodes. It
+// registers two ranges: its staging area (owners put reduced results there)
+// and a private region laid out alike on every rank:
+//
+//	words    [world][5]uint64  signals from each rank: headers, data chunks,
+//	                           result chunks, calls done, failure records
+//	                           (running totals)
+//	headers  [2][world]header  one per call and sender, by call parity
+//	outbox   [2][world]header  this rank's to each receiver, by call parity
+//	records  [2][world]record  failure records, by version parity
+//	recv     [nodes]slot       partials from each node for this rank's part
+//	send     [nodes]slot       this rank's partials, by the node that owns each
+const (
+	wordHeader = iota
+	wordData
+	wordResult
+	wordDone
+	wordRecord
+	wordsPerRank
+
+	headerBytes = 256
+	recordBytes = 256
+	pageBytes   = 4096
+)
+
+// DefaultNetChunkBytes is how much of a partial travels per put and signal
+// across nodes: small enough that the local reduction of the next chunk,
+// the network and the owner's reduction overlap, large enough that a
+// signal per chunk costs little.
+const DefaultNetChunkBytes = 256 << 10
+
+// header is what a rank tells each rank of its group at the start of every
+// all-reduce across nodes: its node's verdict on the call (ranks of a node
+// agree through shared memory first) and where its data signals start.
+type header struct {
+	Call     uint64 // the group's call count, for a consistency check
+	Count    int64
+	DataBase uint64 // data signals this sender had sent to the receiver before this call
+	DType    int32
+	Op       int32
+	Code     int32 // status code of the sender's node-level error, 0 if none
+	_        int32
+	Detail   [headerBytes - 40]byte
+}
+
+var _ [headerBytes - unsafe.Sizeof(header{})]byte
+var _ [unsafe.Sizeof(header{}) - headerBytes]byte
+
+// record says why a rank gave up on a call and whom it blames. A rank
+// publishes one where its local peers (shared memory) and its group (UCX)
+// look while they wait, so that a failure reaches every rank and each names
+// the rank that caused it, not merely the peer it was waiting for.
+type record struct {
+	Culprit  int32
+	Final    int32 // 0: the reporter timed out and is still asking whom it waited for
+	Reporter int32
+	_        int32
+	Text     [recordBytes - 16]byte
+}
+
+var _ [recordBytes - unsafe.Sizeof(record{})]byte
+var _ [unsafe.Sizeof(record{}) - recordBytes]byte
+
+func (r *record) text() string {
+	b := r.Text[:]
+	for i, c := range b {
+		if c == 0 {
+			b = b[:i]
+			break
+		}
+	}
+	return string(b)
+}
+
+// netLayout is the region's offsets; the same on every rank.
+type netLayout struct {
+	headers, records, recv, send uint64
+	slot                         uint64 // bytes of one node's slot in recv and send
+	size                         uint64
+}
+
+func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
+
+// newNetLayout sizes the slots for the largest call the staging area
+// admits: 16-bit elements filling it, split over the node's ranks and then
+// the nodes, held as float32 (no other dtype needs more).
+func newNetLayout(world, nodes, local int, stagingBytes int64) netLayout {
+	elems := uint64(stagingBytes) / 2
+	shard := (elems + uint64(local) - 1) / uint64(local)
+	part := (shard + uint64(nodes) - 1) / uint64(nodes)
+	var l netLayout
+	l.slot = roundUp(part*4, 64)
+	l.headers = roundUp(uint64(world*wordsPerRank*8), lineBytes)
+	l.records = l.headers + uint64(4*world*headerBytes)
+	l.recv = roundUp(l.records+uint64(2*world*recordBytes), pageBytes)
+	l.send = l.recv + uint64(nodes)*l.slot
+	l.size = roundUp(l.send+uint64(nodes)*l.slot, pageBytes)
+	return l
+}
+
+func (l netLayout) word(sender, kind int) uint64 { return uint64(sender*wordsPerRank+kind) * 8 }
+
+func (l netLayout) header(call uint64, world, sender int) uint64 {
+	return l.headers + (call&1*uint64(world)+uint64(sender))*headerBytes
+}
+
+// outbox is where this rank's header of call for receiver is built.
+func (l netLayout) outbox(call uint64, world, receiver int) uint64 {
+	return l.header(call, world, receiver) + uint64(2*world*headerBytes)
+}
+
+func (l netLayout) record(version uint64, world, sender int) uint64 {
+	return l.records + (version&1*uint64(world)+uint64(sender))*recordBytes
+}
+
+// network is this rank's UCX side: the transport, the region, and what its
+// group has sent so far.
+type network struct {
+	t        *ucx.Transport
+	lay      netLayout
+	region   []byte
+	regionL  transport.Local
+	stagingL transport.Local
+	regionR  []transport.Remote // by node; nil for this rank's
+	stagingR []transport.Remote
+	group    []int // group[m]: the rank of node m with this rank's local index
+	node     int
+	chunk    int64 // bytes of partials per put
+	linger   time.Duration
+	calls    uint64        // all-reduces across nodes so far
+	dataSent []uint64      // by node: data chunks signalled to that node's group rank
+	dataBase []uint64      // by node: data chunks its group rank had signalled before this call
+	results  []uint64      // by node: result chunks expected from it so far
+	version  uint64        // of this rank's failure record
+	busy     atomic.Bool   // a call is running: it progresses UCX itself
+	stop     chan struct{} // closed to end keepProgressing
+	stopped  chan struct{} // closed when keepProgressing has ended
+}
+
+// keepProgressing progresses UCX while no call runs. A rank returns from
+// a call once it holds everything it needs, while what it sent last (a
+// result, a signal) may still sit in UCX's send buffers, which over tcp
+// move only while it progresses; its group ranks may wait for them, and
+// others may wait for its acknowledgements. So it never stops progressing:
+// at once while something moves, then backing off to once a millisecond.
+func (n *network) keepProgressing() {
+	defer close(n.stopped)
+	nap := 20 * time.Microsecond
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-time.After(nap):
+		}
+		if n.busy.Load() {
+			continue
+		}
+		active, err := n.t.Progress()
+		switch {
+		case err != nil:
+			return
+		case active:
+			nap = 20 * time.Microsecond
+		default:
+			nap = min(2*nap, time.Millisecond)
+		}
+	}
+}
+
+func (n *network) base() unsafe.Pointer { return unsafe.Pointer(&n.region[0]) }
+
+func (n *network) at(off uint64) unsafe.Pointer { return unsafe.Add(n.base(), off) }
+
+// load reads a signal word that sender's puts advance.
+func (n *network) load(sender, kind int) uint64 {
+	return atomic.LoadUint64((*uint64)(n.at(n.lay.word(sender, kind))))
+}
+
+// uniformNodes is the shape an all-reduce across nodes needs: the same
+// number of ranks on every node, so that the ranks of one local index form
+// a group with one rank per node. Every rank knows the topology, so every
+// rank fails here alike, before any exchange.
+func (c *Comm) uniformNodes() error {
+	per := len(c.topo.Nodes[0])
+	for _, ranks := range c.topo.Nodes {
+		if len(ranks) != per {
+			return status.Errorf(status.Unsupported,
+				"all-reduce across nodes needs the same number of ranks on every node (it pairs the ranks of each local index across nodes); this communicator spans %s",
+				c.topo)
+		}
+	}
+	return nil
+}
+
+// openNetwork opens the UCX transport and the region and exchanges keys.
+// Collective over every rank; any rank's failure is every rank's, and
+// leaves nothing open, so a later call may try again.
+func (c *Comm) openNetwork() error {
+	if err := bootstrap.Agree(c.bs, ucx.Available(nil)); err != nil {
+		return fmt.Errorf("all-reduce across nodes needs UCX: %w", err)
+	}
+	t, err := ucx.Open(c.bs, ucx.Options{Timeout: c.opts.Timeout, Stage: ucx.StageNever})
+	if err != nil {
+		return fmt.Errorf("all-reduce across nodes: %w", err)
+	}
+	nodes := len(c.topo.Nodes)
+	n := &network{t: t, node: c.topo.Node(), chunk: c.opts.NetChunkBytes, dataSent: make([]uint64, nodes),
+		dataBase: make([]uint64, nodes), results: make([]uint64, nodes)}
+	n.linger = min(c.opts.Timeout/8, 500*time.Millisecond)
+	n.lay = newNetLayout(c.size, nodes, len(c.topo.Local()), c.opts.StagingBytes)
+	li := c.topo.LocalRank()
+	for _, ranks := range c.topo.Nodes {
+		n.group = append(n.group, ranks[li])
+	}
+	keys, err := c.registerNetwork(n)
+	if err = bootstrap.Agree(c.bs, err); err != nil {
+		n.close()
+		return fmt.Errorf("all-reduce across nodes: %w", err)
+	}
+	all, err := c.bs.AllGather(keys)
+	if err == nil {
+		err = c.connectGroup(n, all)
+	}
+	if err = bootstrap.Agree(c.bs, err); err != nil {
+		n.close()
+		return fmt.Errorf("all-reduce across nodes: %w", err)
+	}
+	n.stop, n.stopped = make(chan struct{}), make(chan struct{})
+	go n.keepProgressing()
+	c.net = n
+	return nil
+}
+
+// registerNetwork maps the region and registers it and the staging area;
+// it returns the keys to exchange: the staging capacity (which sizes every
+// slot, so it must agree), then both keys, length-prefixed.
+func (c *Comm) registerNetwork(n *network) ([]byte, error) {
+	region, err := unix.Mmap(-1, 0, int(n.lay.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, status.Errorf(status.Capacity, "map %d bytes for the inter-node phase: %v", n.lay.size, err)
+	}
+	n.region = region
+	if n.regionL, err = n.t.Register(uintptr(n.base()), n.lay.size, transport.HostMemory); err != nil {
+		return nil, err
+	}
+	staging := c.staging[c.rank]
+	if n.stagingL, err = n.t.Register(uintptr(unsafe.Pointer(&staging[0])), uint64(len(staging)), transport.HostMemory); err != nil {
+		return nil, err
+	}
+	out := binary.LittleEndian.AppendUint64(nil, uint64(c.opts.StagingBytes))
+	for _, k := range [][]byte{n.regionL.Key(), n.stagingL.Key()} {
+		out = binary.LittleEndian.AppendUint32(out, uint32(len(k)))
+		out = append(out, k...)
+	}
+	return out, nil
+}
+
+// connectGroup turns the keys of this rank's group into remote ranges.
+func (c *Comm) connectGroup(n *network, all [][]byte) error {
+	n.regionR = make([]transport.Remote, len(n.group))
+	n.stagingR = make([]transport.Remote, len(n.group))
+	for m, r := range n.group {
+		b := all[r]
+		if len(b) < 8 {
+			return status.Errorf(status.Bootstrap, "rank %d sent no inter-node keys", r)
+		}
+		if s := int64(binary.LittleEndian.Uint64(b)); s != c.opts.StagingBytes {
+			return status.Errorf(status.Mismatch, "ranks disagree on P2PCOMM_STAGING_BYTES: rank %d has %d, rank %d has %d",
+				c.rank, c.opts.StagingBytes, r, s)
+		}
+		if m == n.node {
+			continue
+		}
+		b = b[8:]
+		var keys [2][]byte
+		for i := range keys {
+			if len(b) < 4 || uint64(len(b)-4) < uint64(binary.LittleEndian.Uint32(b)) {
+				return status.Errorf(status.Bootstrap, "rank %d sent truncated inter-node keys", r)
+			}
+			k := binary.LittleEndian.Uint32(b)
+			keys[i], b = b[4:4+k], b[4+k:]
+		}
+		var err error
+		if n.regionR[m], err = n.t.Remote(r, keys[0]); err != nil {
+			return err
+		}
+		if n.stagingR[m], err = n.t.Remote(r, keys[1]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// close releases the transport (and with it every registration), then the
+// region. Not collective. It first flushes what this rank sent its group,
+// each for up to linger: a group rank may still be in the last call and
+// wait for it, and closing cuts UCX's send buffers off unsent.
+func (n *network) close() error {
+	if n.stop != nil {
+		close(n.stop)
+		<-n.stopped
+		n.stop = nil
+	}
+	var err error
+	if n.t != nil {
+		for m, r := range n.group {
+			if m != n.node && n.t.PeerError(r) == nil {
+				n.t.FlushWithin(r, max(n.linger, 100*time.Millisecond)) // a failed flush leaves nothing to save
+			}
+		}
+		err = n.t.Close()
+	}
+	if n.region != nil {
+		unix.Munmap(n.region)
+		n.region = nil
+	}
+	return err
+}
+
+// put sends bytes of this rank's range src at off to node m's rank, at the
+// same offset of dst, then signals word kind there.
+func (c *Comm) put(m int, dst transport.Remote, dstOff uint64, src transport.Local, srcOff, bytes uint64, kind int, what string) error {
+	n := c.net
+	if err := n.t.Put(dst, dstOff, src, srcOff, bytes); err != nil {
+		return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its %s: %v", what, err), true)
+	}
+	return c.signal(m, kind, what)
+}
+
+func (c *Comm) signal(m, kind int, what string) error {
+	n := c.net
+	if err := n.t.SignalFlushed(n.regionR[m], n.lay.word(c.rank, kind), 1); err != nil {
+		return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its %s: %v", what, err), true)
+	}
+	return nil
+}
+
+// progress moves UCX: peers' puts into this rank land only while it does
+// (tcp), and so do its own puts once the socket is full. Every wait of an
+// all-reduce across nodes progresses, even one on shared memory: a local
+// peer may wait for a remote rank that waits for this rank's data.
+func (c *Comm) progress() {
+	c.net.t.Progress() // its only error is a device copier's, and there is none here
+}
+
+// backoff paces the i-th poll of a wait: spin, then yield, then sleep, so
+// that more ranks than cores still make progress.
+func (c *Comm) backoff(i int) {
+	switch {
+	case i < 512:
+	case i < 4096:
+		if c.opts.Cooperative {
+			runtime.Gosched()
+		} else {
+			unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
+		}
+	default:
+		if c.opts.Cooperative {
+			time.Sleep(20 * time.Microsecond)
+		} else {
+			nap := unix.Timespec{Nsec: 20_000}
+			unix.RawSyscall(unix.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&nap)), 0, 0)
+		}
+	}
+}
+
+// await polls ready until it holds, on behalf of a wait for rank peer (a
+// local peer or a rank of this rank's group) described by what ("its
+// header of call #3"). It fails when any rank reports a failure, when peer
+// is gone, or after the timeout.
+func (c *Comm) await(peer int, what string, ready func() bool) error {
+	start := time.Now()
+	for i := 0; !ready(); i++ {
+		c.progress()
+		c.backoff(i)
+		if i%64 != 63 {
+			continue
+		}
+		if rec, ok := c.finalRecord(); ok {
+			return c.adopt(rec)
+		}
+		if err := c.peerGone(peer); err != "" {
+			return c.netFailure(peer, fmt.Sprintf("%s before %s", err, what), true)
+		}
+		if time.Since(start) > c.opts.Timeout {
+			return c.netFailure(peer, fmt.Sprintf("never arrived at %s within %v (P2PCOMM_TIMEOUT_MS)", what, c.opts.Timeout), false)
+		}
+	}
+	return nil
+}
+
+// peerGone says how rank peer is known to have failed, or "".
+func (c *Comm) peerGone(peer int) string {
+	if c.topo.SameNode(peer) {
+		if pid := int(c.ctl[peer].load(offPid)); pid != 0 && !shm.Alive(pid) {
+			return fmt.Sprintf("exited (pid %d)", pid)
+		}
+		return ""
+	}
+	if err := c.net.t.PeerError(peer); err != nil {
+		return fmt.Sprintf("failed (%v)", err)
+	}
+	return ""
+}
+
+// sources are the ranks whose failure records this rank reads: its local
+// peers (shared memory) and its group (UCX).
+func (c *Comm) sources() []int {
+	var out []int
+	for _, r := range c.topo.Local() {
+		if r != c.rank {
+			out = append(out, r)
+		}
+	}
+	for m, r := range c.net.group {
+		if m != c.net.node {
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
+// readRecord returns rank r's latest failure record, if it published one.
+func (c *Comm) readRecord(r int) (record, bool) {
+	var ver uint64
+	var slot unsafe.Pointer
+	if c.topo.SameNode(r) {
+		v := c.ctl[r]
+		if ver = v.load(offAbortVer); ver != 0 {
+			slot = unsafe.Add(v.base, offAbortRec+int(ver&1)*recordBytes)
+		}
+	} else if ver = c.net.load(r, wordRecord); ver != 0 {
+		slot = c.net.at(c.net.lay.record(ver, c.size, r))
+	}
+	if ver == 0 {
+		return record{}, false
+	}
+	return *(*record)(slot), true
+}
+
+// finalRecord returns a settled failure record of any source that blames
+// another rank than this one.
+func (c *Comm) finalRecord() (record, bool) {
+	for _, r := range c.sources() {
+		if rec, ok := c.readRecord(r); ok && rec.Final != 0 && int(rec.Culprit) != c.rank {
+			return rec, true
+		}
+	}
+	return record{}, false
+}
+
+// publish makes rec this rank's failure record: in its control block for
+// its local peers, and put into its group's regions.
+func (c *Comm) publish(rec record) {
+	n := c.net
+	n.version++
+	ver := n.version
+	v := c.ctl[c.rank]
+	*(*record)(unsafe.Add(v.base, offAbortRec+int(ver&1)*recordBytes)) = rec
+	v.store(offAbortVer, ver)
+	off := n.lay.record(ver, c.size, c.rank) // this rank's own slot is its outbox
+	*(*record)(n.at(off)) = rec
+	for m := range n.group {
+		if m == n.node || n.t.PeerError(n.group[m]) != nil {
+			continue
+		}
+		if n.t.Put(n.regionR[m], off, n.regionL, off, recordBytes) == nil {
+			n.t.SignalFlushed(n.regionR[m], n.lay.word(c.rank, wordRecord), 1)
+		}
+	}
+	for m := range n.group {
+		if m != n.node {
+			n.t.Drain(n.group[m], 100*time.Millisecond) // a peer that takes nothing is failing anyway
+		}
+	}
+}
+
+// netFailure ends this rank's part in the call after its wait for rank
+// peer failed (why completes "rank 3 (node 1) ..."). When sure, peer is the
+// culprit. Otherwise (a timeout) peer may itself be waiting for another
+// rank: this rank publishes a tentative record, then listens a little
+// while for peer's record and blames whom peer blames. It publishes its
+// final record and breaks the communicator.
+func (c *Comm) netFailure(peer int, why string, sure bool) error {
+	rec := record{Culprit: int32(peer), Reporter: int32(c.rank)}
+	copy(rec.Text[:len(rec.Text)-1], fmt.Sprintf("rank %d (node %d) %s; seen by rank %d", peer, c.topo.NodeOf[peer], why, c.rank))
+	if !sure {
+		rec = c.resolve(peer, rec)
+	}
+	rec.Final = 1
+	c.publish(rec)
+	return c.fail(status.Errorf(status.Timeout, "all-reduce across nodes: %s", rec.text()))
+}
+
+// resolve publishes rec as tentative and follows the chain of blame from
+// peer for up to the linger time.
+func (c *Comm) resolve(peer int, rec record) record {
+	c.publish(rec)
+	deadline := time.Now().Add(c.net.linger)
+	for i := 0; time.Now().Before(deadline); i++ {
+		c.progress()
+		c.backoff(4096 + i)
+		if got, ok := c.finalRecord(); ok {
+			return got
+		}
+		if got, ok := c.readRecord(peer); ok && int(got.Culprit) != c.rank {
+			rec.Culprit, rec.Reporter, rec.Text = got.Culprit, got.Reporter, got.Text
+			if got.Final != 0 {
+				break
+			}
+		}
+	}
+	return rec
+}
+
+// adopt takes another rank's settled failure as this rank's own and passes
+// it on.
+func (c *Comm) adopt(rec record) error {
+	rec.Final = 1
+	c.publish(rec)
+	return c.fail(status.Errorf(status.Timeout, "all-reduce across nodes: %s", rec.text()))
+}

@@ -1,0 +1,353 @@
+package hostcoll
+
+import (
+	"fmt"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// All-reduce across nodes (every algorithm name runs this one; see
+// docs/DESIGN.md). With L ranks per node and N nodes, the rank of local
+// index l owns shard l of the elements; its group (local index l on every
+// node) splits shard l into N parts, and the group rank of node m owns part
+// m. Each element is reduced as op over the nodes, in node order, of op over
+// each node's ranks, in rank order, in the accumulator type (float32 for
+// 16-bit floats), rounded once: one fixed expression, computed once by the
+// part's owner and copied everywhere, so every rank holds the same bits.
+//
+//  1. Start: descriptors and the start barrier through shared memory, as on
+//     one node; the node's verdict.
+//  2. Each rank sends its group a header (its node's verdict, the call's
+//     shape) and, if its node agreed, its partials: for each part, chunk by
+//     chunk, the fold of its node's inputs, put into the part owner's
+//     region with a signal per chunk.
+//  3. Each rank reads its group's headers: any node's failure or any
+//     difference fails the call on every rank of every node alike.
+//  4. The owner folds each chunk of its part as the partials arrive, writes
+//     the result into its staging area and puts it into its group's.
+//  5. Once its whole shard is in its staging area, a rank tells its group
+//     it is done and flags the shard to its node; it copies every local
+//     shard into its output as each is flagged, waits until its whole group
+//     is done (so nothing it sent is still on its way), and meets its node
+//     at the end barrier.
+func (c *Comm) allReduceNodes(req collective.AllReduce) error {
+	if err := c.uniformNodes(); err != nil {
+		return err
+	}
+	if c.net == nil {
+		if err := c.openNetwork(); err != nil {
+			return err
+		}
+	}
+	c.net.busy.Store(true)
+	defer c.net.busy.Store(false)
+	c.seq++
+	seq := c.seq
+	me := c.ctl[c.rank]
+	d := me.desc(seq)
+	*d = descriptor{Seq: seq, Kind: kindAllReduce, DType: int32(req.DType), Op: int32(req.Op),
+		Algo: int32(collective.Auto), Count: req.Count, Input: -1}
+	nbytes := req.Bytes()
+	localErr := c.prepare(req, d, nbytes)
+	if localErr == nil && nbytes > c.opts.StagingBytes {
+		// Results land in the staging area, so symmetric inputs need it too.
+		localErr = status.Errorf(status.Capacity,
+			"tensor of %d bytes exceeds the staging capacity of %d bytes, which an all-reduce across nodes needs for any input: raise P2PCOMM_STAGING_BYTES",
+			nbytes, c.opts.StagingBytes)
+	}
+	if localErr != nil {
+		d.LocalErr = int32(status.CodeOf(localErr))
+		copy(d.ErrDetail[:], localErr.Error())
+	}
+	me.store(offArrive, seq)
+	if err := c.waitPeers(offArrive, seq, "start"); err != nil {
+		return err
+	}
+	return c.hierarchical(req, seq, c.agree(seq, localErr))
+}
+
+// plan is how one call's elements divide: this rank's shard, its parts,
+// chunks.
+type plan struct {
+	lo, hi   int64   // this rank's shard
+	parts    []int64 // part m is [parts[m], parts[m+1]) of the shard, relative to lo
+	es, as   int64   // bytes per element and per accumulator
+	perChunk int64   // elements per chunk of partials
+}
+
+func (c *Comm) plan(req collective.AllReduce) plan {
+	local, nodes := len(c.topo.Local()), len(c.topo.Nodes)
+	p := plan{es: int64(req.DType.Size()), as: int64(reduce.AccType(req.DType).Size())}
+	p.lo, p.hi = slice(req.Count, local, c.topo.LocalRank())
+	p.parts = make([]int64, nodes+1)
+	for m := range nodes {
+		_, p.parts[m+1] = slice(p.hi-p.lo, nodes, m)
+	}
+	p.perChunk = max(c.net.chunk/p.as, 1)
+	return p
+}
+
+func (p plan) chunks(m int) int64 {
+	return (p.parts[m+1] - p.parts[m] + p.perChunk - 1) / p.perChunk
+}
+
+// hierarchical runs steps 2-5; nodeErr is the node's verdict from step 1.
+func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error) error {
+	n := c.net
+	n.calls++
+	if err := c.sendHeaders(req, nodeErr); err != nil {
+		return err
+	}
+	var p plan // only for calls whose arguments passed (a bad dtype has no size)
+	if nodeErr == nil {
+		p = c.plan(req)
+		if err := c.sendPartials(req, seq, p); err != nil {
+			return err
+		}
+	}
+	verdict, err := c.readHeaders(req, seq, nodeErr)
+	if err != nil {
+		return err // the communicator is broken
+	}
+	// On a failed verdict nobody reduces: every rank of every node reached
+	// the same one, and partials already sent are ignored.
+	if verdict == nil {
+		if err := c.reduceOwnPart(req, seq, p); err != nil {
+			return err
+		}
+		if err := c.awaitResults(seq, p); err != nil {
+			return err
+		}
+	}
+	if err := c.sendDone(seq); err != nil {
+		return err
+	}
+	if verdict == nil {
+		c.ctl[c.rank].store(offReduced, seq)
+		if err := c.gatherShards(req, seq); err != nil {
+			return err
+		}
+	}
+	if err := c.awaitDone(seq); err != nil {
+		return err
+	}
+	return c.finish(seq, verdict)
+}
+
+// sendDone tells the group that this rank holds everything it needs of
+// this call. Its signal goes out once all this rank sent to that rank has
+// landed (SignalFlushed), so a rank that has every group rank's done knows
+// that nothing it sent in the call is still on its way: the staging area
+// and the send slots are free for the next call, and no group rank waits
+// for this one any more when it returns (and perhaps closes).
+func (c *Comm) sendDone(seq uint64) error {
+	n := c.net
+	for m := range n.group {
+		if m != n.node {
+			if err := c.signal(m, wordDone, fmt.Sprintf("end of call #%d", seq)); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (c *Comm) awaitDone(seq uint64) error {
+	n := c.net
+	for m, r := range n.group {
+		if m == n.node {
+			continue
+		}
+		if err := c.await(r, fmt.Sprintf("the end of all-reduce call #%d", seq), func() bool {
+			return n.load(r, wordDone) >= n.calls
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sendHeaders tells every rank of the group this node's verdict and where
+// this call's data signals start.
+func (c *Comm) sendHeaders(req collective.AllReduce, nodeErr error) error {
+	n := c.net
+	for m, r := range n.group {
+		if m == n.node {
+			continue
+		}
+		// A header of call s+2 reuses the outbox of call s only after r read
+		// that one: r's header of call s+1, which this rank waited for in
+		// call s+1, left r after r had read all of call s's.
+		out := n.lay.outbox(n.calls, c.size, r)
+		h := (*header)(n.at(out))
+		*h = header{Call: n.calls, Count: req.Count, DataBase: n.dataSent[m], DType: int32(req.DType), Op: int32(req.Op)}
+		if nodeErr != nil {
+			h.Code = int32(status.CodeOf(nodeErr))
+			copy(h.Detail[:len(h.Detail)-1], nodeErr.Error())
+		}
+		in := n.lay.header(n.calls, c.size, c.rank)
+		if err := c.put(m, n.regionR[m], in, n.regionL, out, headerBytes, wordHeader, fmt.Sprintf("header of call #%d", n.calls)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// sendPartials folds this node's inputs part by part, chunk by chunk, and
+// puts each chunk of another node's part into that node's group rank. The
+// own part comes last, so the owner's step starts right after.
+func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error {
+	n := c.net
+	in := c.inputs(seq)
+	local := c.topo.Local()
+	srcs := make([]unsafe.Pointer, len(local))
+	nodes := len(n.group)
+	for step := 1; step <= nodes; step++ {
+		m := (n.node + step) % nodes
+		a, b := p.parts[m], p.parts[m+1]
+		for lo := a; lo < b; lo += p.perChunk {
+			cnt := min(p.perChunk, b-lo)
+			for i, q := range local {
+				srcs[i] = unsafe.Add(in[q], (p.lo+lo)*p.es)
+			}
+			off := n.lay.send + uint64(m)*n.lay.slot + uint64((lo-a)*p.as)
+			reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
+			if m == n.node {
+				continue
+			}
+			dst := n.lay.recv + uint64(n.node)*n.lay.slot + uint64((lo-a)*p.as)
+			if err := c.put(m, n.regionR[m], dst, n.regionL, off, uint64(cnt*p.as), wordData,
+				fmt.Sprintf("partials of call #%d", seq)); err != nil {
+				return err
+			}
+			n.dataSent[m]++
+			c.progress()
+		}
+	}
+	return nil
+}
+
+// readHeaders waits for every group rank's header and returns the call's
+// verdict (the same on every rank of every node), or err when the wait
+// failed (the communicator is broken then).
+func (c *Comm) readHeaders(req collective.AllReduce, seq uint64, nodeErr error) (verdict, err error) {
+	n := c.net
+	verdict = nodeErr
+	for m, r := range n.group {
+		if m == n.node {
+			continue
+		}
+		if err := c.await(r, fmt.Sprintf("its header of all-reduce call #%d", seq), func() bool {
+			return n.load(r, wordHeader) >= n.calls
+		}); err != nil {
+			return nil, err
+		}
+		h := *(*header)(n.at(n.lay.header(n.calls, c.size, r)))
+		if h.Call != n.calls {
+			return nil, c.fail(status.Errorf(status.Internal, "rank %d sent the header of its inter-node call %d during call %d", r, h.Call, n.calls))
+		}
+		n.dataBase[m] = h.DataBase
+		if verdict != nil {
+			continue
+		}
+		switch {
+		case h.Code != 0:
+			detail := string(h.Detail[:])
+			for i, b := range h.Detail {
+				if b == 0 {
+					detail = string(h.Detail[:i])
+					break
+				}
+			}
+			verdict = status.Errorf(status.Mismatch, "rank %d on node %d failed this call: %s", r, m, detail)
+		case h.Count != req.Count || h.DType != int32(req.DType) || h.Op != int32(req.Op):
+			verdict = status.Errorf(status.Mismatch, "ranks disagree: rank %d has %d x %s op %s, rank %d has %d x %s op %s",
+				c.rank, req.Count, req.DType, req.Op, r, h.Count, reduce.DType(h.DType), reduce.Op(h.Op))
+		}
+	}
+	return verdict, nil
+}
+
+// reduceOwnPart folds each chunk of this rank's part as every node's
+// partial of it arrives, in node order, into the staging area, and puts the
+// result into the same place of every group rank's staging area.
+func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error {
+	n := c.net
+	a, b := p.parts[n.node], p.parts[n.node+1]
+	srcs := make([]unsafe.Pointer, len(n.group))
+	staging := unsafe.Pointer(&c.staging[c.rank][0])
+	what := fmt.Sprintf("results of call #%d", seq)
+	for k, lo := uint64(0), a; lo < b; k, lo = k+1, lo+p.perChunk {
+		cnt := min(p.perChunk, b-lo)
+		slotOff := uint64((lo - a) * p.as)
+		for m, r := range n.group {
+			if m == n.node {
+				srcs[m] = n.at(n.lay.send + uint64(m)*n.lay.slot + slotOff)
+				continue
+			}
+			want := n.dataBase[m] + k + 1
+			if err := c.await(r, fmt.Sprintf("chunk %d of its partials of all-reduce call #%d", k, seq), func() bool {
+				return n.load(r, wordData) >= want
+			}); err != nil {
+				return err
+			}
+			srcs[m] = n.at(n.lay.recv + uint64(m)*n.lay.slot + slotOff)
+		}
+		out := uint64((p.lo + lo) * p.es)
+		reduce.HostFinish(unsafe.Add(staging, out), srcs, int(cnt), req.DType, req.Op, c.size)
+		for m := range n.group {
+			if m == n.node {
+				continue
+			}
+			if err := c.put(m, n.stagingR[m], out, n.stagingL, out, uint64(cnt*p.es), wordResult, what); err != nil {
+				return err
+			}
+		}
+		c.progress()
+	}
+	return nil
+}
+
+// awaitResults waits until every other part of this rank's shard is in its
+// staging area.
+func (c *Comm) awaitResults(seq uint64, p plan) error {
+	n := c.net
+	for m, r := range n.group {
+		if m == n.node {
+			continue
+		}
+		n.results[m] += uint64(p.chunks(m))
+		want := n.results[m]
+		if err := c.await(r, fmt.Sprintf("its results of all-reduce call #%d", seq), func() bool {
+			return n.load(r, wordResult) >= want
+		}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// gatherShards copies each local rank's finished shard from its staging
+// area into this rank's output, as each is flagged.
+func (c *Comm) gatherShards(req collective.AllReduce, seq uint64) error {
+	local := c.topo.Local()
+	es := int64(req.DType.Size())
+	for i, q := range local {
+		if q != c.rank {
+			v := c.ctl[q]
+			if err := c.await(q, fmt.Sprintf("its shard of all-reduce call #%d", seq), func() bool {
+				return v.load(offReduced) >= seq
+			}); err != nil {
+				return err
+			}
+		}
+		lo, hi := slice(req.Count, len(local), i)
+		if hi > lo {
+			copy(unsafe.Slice((*byte)(unsafe.Add(hostPtr(req.Dst), lo*es)), (hi-lo)*es), c.staging[q][lo*es:hi*es])
+		}
+	}
+	return nil
+}

@@ -1,0 +1,5 @@
+//go:build race
+
+package hostcoll
+
+const raceEnabled = true
