@@ -45,9 +45,9 @@ const (
 
 // DefaultNetChunkBytes is how much of a partial travels per put and signal
 // across nodes: small enough that the local reduction of the next chunk,
-// the network and the owner's reduction overlap, large enough that a
-// signal per chunk costs little.
-const DefaultNetChunkBytes = 256 << 10
+// the network and the owner's reduction overlap, large enough to hide the
+// round trip each signal's flush costs (one chunk is in flight per peer).
+const DefaultNetChunkBytes = 1 << 20
 
 // header is what a rank tells each rank of its group at the start of every
 // all-reduce across nodes: its node's verdict on the call (ranks of a node
@@ -153,37 +153,62 @@ type network struct {
 	results  []uint64      // by node: result chunks expected from it so far
 	version  uint64        // of this rank's failure record
 	busy     atomic.Bool   // a call is running: it progresses UCX itself
+	idle     chan struct{} // a call ended (capacity 1)
 	stop     chan struct{} // closed to end keepProgressing
 	stopped  chan struct{} // closed when keepProgressing has ended
 }
 
 // keepProgressing progresses UCX while no call runs. A rank returns from
 // a call once it holds everything it needs, while what it sent last (a
-// result, a signal) may still sit in UCX's send buffers, which over tcp
-// move only while it progresses; its group ranks may wait for them, and
-// others may wait for its acknowledgements. So it never stops progressing:
-// at once while something moves, then backing off to once a millisecond.
+// signal waiting for its flush, a tail in UCX's send buffers) may still
+// need it to progress, and over tcp peers' acknowledgements too; its group
+// ranks may wait for those. So it never stops: at once while something
+// moves, then backing off to once a millisecond. During a call it sleeps
+// until the call ends (the call progresses itself).
 func (n *network) keepProgressing() {
 	defer close(n.stopped)
 	nap := 20 * time.Microsecond
+	timer := time.NewTimer(nap)
+	defer timer.Stop()
 	for {
 		select {
 		case <-n.stop:
 			return
-		case <-time.After(nap):
-		}
-		if n.busy.Load() {
-			continue
-		}
-		active, err := n.t.Progress()
-		switch {
-		case err != nil:
-			return
-		case active:
+		case <-n.idle:
 			nap = 20 * time.Microsecond
-		default:
-			nap = min(2*nap, time.Millisecond)
+		case <-timer.C:
 		}
+		if !n.busy.Load() {
+			active, err := n.t.Progress()
+			switch {
+			case err != nil:
+				return
+			case active:
+				nap = 20 * time.Microsecond
+			default:
+				nap = min(2*nap, time.Millisecond)
+			}
+		} else {
+			nap = 10 * time.Millisecond // n.idle wakes it when the call ends
+		}
+		if !timer.Stop() {
+			select {
+			case <-timer.C:
+			default:
+			}
+		}
+		timer.Reset(nap)
+	}
+}
+
+// enter and leave bracket a call: keepProgressing leaves UCX to it.
+func (n *network) enter() { n.busy.Store(true) }
+
+func (n *network) leave() {
+	n.busy.Store(false)
+	select {
+	case n.idle <- struct{}{}:
+	default:
 	}
 }
 
@@ -245,7 +270,7 @@ func (c *Comm) openNetwork() error {
 		n.close()
 		return fmt.Errorf("all-reduce across nodes: %w", err)
 	}
-	n.stop, n.stopped = make(chan struct{}), make(chan struct{})
+	n.stop, n.stopped, n.idle = make(chan struct{}), make(chan struct{}), make(chan struct{}, 1)
 	go n.keepProgressing()
 	c.net = n
 	return nil

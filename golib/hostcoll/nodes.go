@@ -42,8 +42,8 @@ func (c *Comm) allReduceNodes(req collective.AllReduce) error {
 			return err
 		}
 	}
-	c.net.busy.Store(true)
-	defer c.net.busy.Store(false)
+	c.net.enter()
+	defer c.net.leave()
 	c.seq++
 	seq := c.seq
 	me := c.ctl[c.rank]
@@ -217,6 +217,16 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 			reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
 			if m == n.node {
 				continue
+			}
+			// One chunk in flight per peer: UCX flushes the endpoint before
+			// each signal, and a flush waits for the endpoint's send buffer to
+			// drain, which back-to-back puts would keep from happening until
+			// the last one (the owner could fold nothing before then).
+			r := n.group[m]
+			if err := c.await(r, fmt.Sprintf("the flush before a signal of call #%d", seq), func() bool {
+				return n.t.SignalsQueued(r) == 0
+			}); err != nil {
+				return err
 			}
 			dst := n.lay.recv + uint64(n.node)*n.lay.slot + uint64((lo-a)*p.as)
 			if err := c.put(m, n.regionR[m], dst, n.regionL, off, uint64(cnt*p.as), wordData,

@@ -133,7 +133,7 @@ func checkAcrossNodes(t *testing.T, nc nodesCase, sizes []int) {
 			}
 		}
 	}
-	opts := Options{Timeout: 20 * time.Second, StagingBytes: 1 << 20, NetChunkBytes: 4 << 10}
+	opts := Options{Timeout: 20 * time.Second, StagingBytes: 1 << 20, NetChunkBytes: 8 << 10}
 	errs := runNodes(t, nc.world, nc.localSize, opts, func(c *Comm) error {
 		sym, err := c.Alloc(int64(sizes[len(sizes)-1]) * 8)
 		if err != nil {
