@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 COMMANDS = [["p2pcomm.demo"], ["p2pcomm.bench"], ["p2pcomm.bench", "allreduce"], ["p2pcomm.bench", "moe"],
-            ["p2pcomm.bench", "p2p"], ["p2pcomm.bench", "rmsnorm"], ["p2pcomm.tune"]]
+            ["p2pcomm.bench", "p2p"], ["p2pcomm.bench", "rmsnorm"], ["p2pcomm.bench", "nodes"], ["p2pcomm.tune"]]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)

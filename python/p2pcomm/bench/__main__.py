@@ -1,4 +1,4 @@
-"""python -m p2pcomm.bench [allreduce|moe|p2p|rmsnorm] [options]: runs one benchmark
+"""python -m p2pcomm.bench [allreduce|moe|p2p|rmsnorm|nodes] [options]: runs one benchmark
 (allreduce when no subcommand is named); each answers --help."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib
 import sys
 from typing import Optional
 
-COMMANDS = ("allreduce", "moe", "p2p", "rmsnorm")
+COMMANDS = ("allreduce", "moe", "p2p", "rmsnorm", "nodes")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
