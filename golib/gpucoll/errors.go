@@ -114,6 +114,9 @@ func describe(e errorWord) error {
 			"ranks disagree: rank %d called all-reduce with different arguments (size, dtype, op, algorithm, or a registered input read in place at another offset or on some ranks only) or rejected its own; nothing was reduced",
 			e.Peer)
 	case errBadParams:
+		if e.Step > 0 {
+			return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d, check %d)", e.Rank, e.Block, e.Step)
+		}
 		return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d)", e.Rank, e.Block)
 	}
 	return status.Errorf(status.Internal, "kernel reported error code %d (peer %d, phase %d)", e.Code, e.Peer, e.Phase)

@@ -459,31 +459,34 @@ DINLINE bool exchange_headers(const HierParams& h, const BlockState& st, int cul
 
 // ---------------------------------------------------------------- the kernel
 
+// hier_params_check returns 0 when the parameters are usable, else the
+// number of the first check that failed (ErrorWord.step: the host names it).
 template <typename T>
-DINLINE bool hier_params_ok(const HierParams& h) {
-  if (h.local_size < 1 || h.local_size > kMaxRanks || h.local_rank < 0 || h.local_rank >= h.local_size) return false;
-  if (h.nodes < 2 || h.nodes > kMaxNodes || h.node < 0 || h.node >= h.nodes) return false;
-  if (h.op < 0 || h.op >= kNumOps || h.count < 0 || h.world != h.local_size * h.nodes) return false;
-  if (gridDim.x != (u32)kHierBlocks || gridDim.y != 1 || gridDim.z != 1) return false;
-  if (blockDim.x < (u32)kMaxRanks || blockDim.x > (u32)kThreads || blockDim.y != 1 || blockDim.z != 1) return false;
+DINLINE int hier_params_check(const HierParams& h) {
+  if (h.local_size < 1 || h.local_size > kMaxRanks || h.local_rank < 0 || h.local_rank >= h.local_size) return 1;
+  if (h.nodes < 2 || h.nodes > kMaxNodes || h.node < 0 || h.node >= h.nodes) return 2;
+  if (h.op < 0 || h.op >= kNumOps || h.count < 0 || h.world != h.local_size * h.nodes) return 3;
+  if (gridDim.x != (u32)kHierBlocks || gridDim.y != 1 || gridDim.z != 1) return 4;
+  if (blockDim.x < (u32)kMaxRanks || blockDim.x > (u32)kThreads || blockDim.y != 1 || blockDim.z != 1) return 5;
   typedef typename Num<T>::Acc Acc;
-  if (h.chunk_elems <= 0 || h.chunk_elems % 8 != 0 || (u64)h.chunk_elems * sizeof(Acc) > h.slot_bytes) return false;
-  if (h.slot_bytes % kPackBytes != 0 || h.ring_offset % kPackBytes != 0 || h.chans == nullptr) return false;
-  if (h.out == nullptr || !aligned(h.out, kPackBytes) || !aligned(h.local_src, kPackBytes)) return false;
-  if (h.err != nullptr && !aligned(h.err, 8)) return false;
+  if (h.chunk_elems <= 0 || h.chunk_elems % 8 != 0 || (u64)h.chunk_elems * sizeof(Acc) > h.slot_bytes) return 6;
+  if (h.slot_bytes % kPackBytes != 0 || h.ring_offset % kPackBytes != 0 || h.chans == nullptr) return 7;
+  if (h.out == nullptr || !aligned(h.out, kPackBytes)) return 8;
+  if (!aligned(h.local_src, kPackBytes)) return 9;
+  if (h.err != nullptr && !aligned(h.err, 8)) return 10;
   for (int q = 0; q < h.local_size; ++q) {
-    if (h.peer_in[q] == nullptr || !aligned(h.peer_in[q], kPackBytes)) return false;
-    if (h.peer_hier[q] == nullptr || !aligned(h.peer_hier[q], kPackBytes)) return false;
-    if (h.peer_signal[q] == nullptr || !aligned(h.peer_signal[q], 128)) return false;
+    if (h.peer_in[q] == nullptr || !aligned(h.peer_in[q], kPackBytes)) return 11;
+    if (h.peer_hier[q] == nullptr || !aligned(h.peer_hier[q], kPackBytes)) return 12;
+    if (h.peer_signal[q] == nullptr || !aligned(h.peer_signal[q], 128)) return 13;
   }
-  return true;
+  return 0;
 }
 
 template <typename T>
 DINLINE void hier(const HierParams& h, BlockState& st) {
   typedef typename Num<T>::Acc Acc;
-  if (!hier_params_ok<T>(h)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(waiter_of(h), kErrBadParams, -1, -1, -1, 0, 0);
+  if (const int check = hier_params_check<T>(h)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(waiter_of(h), kErrBadParams, -1, -1, check, 0, 0);
     return;
   }
   if (threadIdx.x == 0) {
