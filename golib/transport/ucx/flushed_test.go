@@ -30,7 +30,6 @@ func childFlushed(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) 
 		if err := tr.Put(j.rdst[2], 0, j.lsrc, 0, slotSize); err != nil {
 			return err
 		}
-		start := time.Now()
 		for round := range rounds {
 			if round > 0 {
 				if err := j.await(ackWord(1), uint64(round), fmt.Sprintf("ack of round %d", round-1)); err != nil {
@@ -47,11 +46,11 @@ func childFlushed(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) 
 				return err
 			}
 		}
+		// A signal that waited for rank 2 would never have gone out: rank 2
+		// does not progress before the barrier below, and these waits are
+		// bounded.
 		if err := j.await(ackWord(1), rounds, "last ack"); err != nil {
 			return err
-		}
-		if took := time.Since(start); took > timeout/2 {
-			return fmt.Errorf("%d rounds took %v: the signals waited for rank 2", rounds, took)
 		}
 	case 1:
 		model, other := make([]byte, slotSize), make([]byte, slotSize)
