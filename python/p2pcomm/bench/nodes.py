@@ -110,7 +110,7 @@ class Bench:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cuda = args.device == "cuda"
         if self.cuda:
-            from .communicator import local_cuda_index
+            from ..communicator import local_cuda_index
 
             torch.cuda.set_device(local_cuda_index())
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -124,7 +124,7 @@ class Bench:
             print(*a, flush=True)
 
     def communicator(self, local_size: int):
-        from . import Communicator
+        from .. import Communicator
 
         os.environ["P2PCOMM_LOCAL_SIZE"] = str(local_size)
         try:
@@ -219,7 +219,7 @@ class Bench:
         reps = max(2, min(50, (256 << 20) // size))
         try:
             if self.cuda:
-                from .channels import Kernel
+                from ..channels import Kernel
 
                 k = Kernel(RING_SOURCE, "put_bw", comm=comm)
 
@@ -261,7 +261,7 @@ class Bench:
             base = dist.group.WORLD
         ring = kernel = None
         if self.cuda and self.dtype == torch.float32 and not args.no_ring:
-            from .channels import Kernel
+            from ..channels import Kernel
 
             ring = self.communicator(1)
             kernel = Kernel(RING_SOURCE, "ring_allreduce", comm=ring)
