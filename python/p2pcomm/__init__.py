@@ -5,7 +5,8 @@
     comm.all_reduce_(t)                    # in place
 """
 
-from .communicator import ALGORITHMS, Communicator, ReduceOp, TorchFallbackCommunicator
+from .communicator import ALGORITHMS, Communicator, ReduceOp
+from .fallback import TorchFallbackCommunicator
 from .channels import Kernel, MemoryChannels, PortChannels
 from .moe import DispatchResult, ExpertParallel
 from .rmsnorm import RMSNormResult

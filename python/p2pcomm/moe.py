@@ -37,7 +37,8 @@ from typing import Optional
 import torch
 
 from . import _lib, ops
-from .communicator import _DTYPES, Communicator, TorchFallbackCommunicator, _raw_stream
+from .communicator import _DTYPES, Communicator, _raw_stream
+from .fallback import TorchFallbackCommunicator
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
