@@ -19,8 +19,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .harness import DTYPES, Timer, fmt_bytes, header_lines, init_distributed, md_table, na, parse_bytes, rank0, say, \
-    text_table, write_csv
+from .harness import (DTYPES, Timer, add_timing_args, fmt_bytes, header_lines, init_distributed, md_table, na,
+                      parse_bytes, rank0, say, text_table, write_csv)
 
 # -- data ----------------------------------------------------------------------------------------------
 
@@ -370,13 +370,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, choices=(2, 4), default=4, help="size multiplier between rows")
     p.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x],
                    help="explicit comma-separated sizes, e.g. 4K,64K,1M,16M (overrides min/max)")
-    p.add_argument("--iters", type=int, default=None,
-                   help="calls per timed repetition (default: enough for --rep-ms per repetition)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions; the median is reported")
-    p.add_argument("--rep-ms", type=float, default=None,
-                   help="target duration of one timed repetition (default 40 on CPU, 20 on GPU)")
-    p.add_argument("--max-iters", type=int, default=2000, help="cap on calls per repetition")
+    add_timing_args(p, max_iters=2000)
     p.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the captured calls")
     p.add_argument("--algorithms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()], default=None,
                    help="p2pcomm algorithms: auto, oneshot_ll, twoshot_ll, oneshot_push, twoshot_push, oneshot, twoshot, "

@@ -279,3 +279,14 @@ class Timer:
             refill()
             times.append(self.run(fn, n, graph, after_capture) / n)
         return statistics.median(self.agree_max(times)), n
+
+
+def add_timing_args(p, max_iters: int) -> None:
+    """The options of a benchmark timed by Timer.measure."""
+    p.add_argument("--iters", type=int, default=None,
+                   help="calls per timed repetition (default: enough for --rep-ms per repetition)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions; the median is reported")
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help="target duration of one timed repetition (default 40 on CPU, 20 on GPU)")
+    p.add_argument("--max-iters", type=int, default=max_iters, help="cap on calls per repetition")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .allreduce import max_inplace_iters, timing_data
-from .harness import DTYPES, Timer, header_lines, init_distributed, md_table, na, rank0, say, text_table, write_csv
+from .harness import DTYPES, Timer, add_timing_args, header_lines, init_distributed, md_table, na, rank0, say, text_table, write_csv
 
 EPS = 1e-6
 
@@ -205,13 +205,7 @@ def parser() -> argparse.ArgumentParser:
                    help="fused algorithms to time; the speedups are the first one's (default auto,oneshot_ll,twoshot)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU: also time CUDA-graph replays of the captured calls (default on)")
-    p.add_argument("--iters", type=int, default=None,
-                   help="calls per timed repetition (default: enough for --rep-ms per repetition)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2)")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions; the median is reported")
-    p.add_argument("--rep-ms", type=float, default=None,
-                   help="target duration of one timed repetition (default 40 on CPU, 20 on GPU)")
-    p.add_argument("--max-iters", type=int, default=1000, help="cap on calls per repetition")
+    add_timing_args(p, max_iters=1000)
     p.add_argument("--out", default=None, help="directory for the markdown table and CSV (default: print only)")
     return p
 
