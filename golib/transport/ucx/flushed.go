@@ -36,25 +36,10 @@ type flushedSignal struct {
 func (t *Transport) SignalFlushed(dst transport.Remote, dstOff uint64, value uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	r, _, err := t.ranges("signal", dst, nil)
+	r, p, word, err := t.signalWord(dst, dstOff)
 	if err != nil {
 		return err
 	}
-	if r.mem != transport.HostMemory || r.rkey == nil {
-		return status.Errorf(status.InvalidArgument, "UCX signal to rank %d: the word must be in host memory, not %s memory", r.peer, r.mem)
-	}
-	if dstOff%8 != 0 || !within(dstOff, 8, r.size) {
-		return status.Errorf(status.InvalidArgument, "UCX signal to rank %d: offset %d is not an aligned word of its %d-byte range",
-			r.peer, dstOff, r.size)
-	}
-	if err := t.check(r.peer, "signal"); err != nil {
-		return err
-	}
-	p := &t.peers[r.peer]
-	if p.sums == nil {
-		p.sums = map[uint64]uint64{}
-	}
-	word := r.base + dstOff
 	p.sums[word] += value
 	var s C.int
 	req := C.p2p_ucx_ep_flush(t.lib.fn.epFlushNbx, p.ep, &s)

@@ -302,6 +302,32 @@ func (t *Transport) started(peer int, name string, o op, s C.int) error {
 	return err
 }
 
+// signalWord checks a signal's target (a word of host memory: 8-byte
+// aligned, within the range) and the peer, and returns the range, the peer
+// and the word's address, with the peer's running totals ready.
+func (t *Transport) signalWord(dst transport.Remote, dstOff uint64) (*remote, *peer, uint64, error) {
+	r, _, err := t.ranges("signal", dst, nil)
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	if r.mem != transport.HostMemory || r.rkey == nil {
+		return nil, nil, 0, status.Errorf(status.InvalidArgument,
+			"UCX signal to rank %d: the word must be in host memory, not %s memory", r.peer, r.mem)
+	}
+	if dstOff%8 != 0 || !within(dstOff, 8, r.size) {
+		return nil, nil, 0, status.Errorf(status.InvalidArgument,
+			"UCX signal to rank %d: offset %d is not an aligned word of its %d-byte range", r.peer, dstOff, r.size)
+	}
+	if err := t.check(r.peer, "signal"); err != nil {
+		return nil, nil, 0, err
+	}
+	p := &t.peers[r.peer]
+	if p.sums == nil {
+		p.sums = map[uint64]uint64{}
+	}
+	return r, p, r.base + dstOff, nil
+}
+
 // Signal adds value to the 64-bit word at dstOff of dst after every earlier
 // Put to that peer. The word must be 8-byte aligned in host memory, where
 // GPU kernels poll it through a mapping, start at zero, and have this rank
@@ -311,25 +337,10 @@ func (t *Transport) started(peer int, name string, o op, s C.int) error {
 func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	r, _, err := t.ranges("signal", dst, nil)
+	r, p, word, err := t.signalWord(dst, dstOff)
 	if err != nil {
 		return err
 	}
-	if r.mem != transport.HostMemory {
-		return status.Errorf(status.InvalidArgument, "UCX signal to rank %d: the word must be in host memory, not %s memory", r.peer, r.mem)
-	}
-	if dstOff%8 != 0 || !within(dstOff, 8, r.size) {
-		return status.Errorf(status.InvalidArgument, "UCX signal to rank %d: offset %d is not an aligned word of its %d-byte range",
-			r.peer, dstOff, r.size)
-	}
-	if err := t.check(r.peer, "signal"); err != nil {
-		return err
-	}
-	p := &t.peers[r.peer]
-	if p.sums == nil {
-		p.sums = map[uint64]uint64{}
-	}
-	word := r.base + dstOff
 	if t.stageSignal(r.peer) {
 		// Behind staged chunks: the peer applies it once they reached
 		// device memory.
