@@ -140,10 +140,13 @@ func (f *FIFO) pop() (Trigger, uint64, bool) {
 	if snd>>lapBit != l {
 		return Trigger{}, 0, false
 	}
-	t := Trigger{Fst: atomic.LoadUint64(&slot.Fst), Snd: snd}
-	if !fresh(t, l) {
-		return Trigger{}, 0, false // the first word is still on its way
+	// The device stores both words at once, but the host may see them land
+	// apart: the first word carries the lap bit too.
+	fst := atomic.LoadUint64(&slot.Fst)
+	if fst>>fstLapBit&1 != l {
+		return Trigger{}, 0, false
 	}
+	t := Trigger{Fst: fst, Snd: snd}
 	f.tail = pos + 1
 	atomic.StoreUint64(&f.hw.Tail, f.tail)
 	return t, pos, true

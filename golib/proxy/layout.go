@@ -89,10 +89,6 @@ func Decode(t Trigger) Op {
 // zeroed memory never looks fresh.
 func lap(pos, slots uint64) uint64 { return pos/slots&1 ^ 1 }
 
-// fresh reports whether both words of an entry carry lap l: the device
-// stores them with one 16-byte store, which need not reach the host as one.
-func fresh(t Trigger, l uint64) bool { return t.Snd>>lapBit == l && t.Fst>>fstLapBit&1 == l }
-
 // deviceWords mirrors FifoDeviceWords (device memory: pushers' atomics).
 type deviceWords struct {
 	Head      uint64
