@@ -247,7 +247,9 @@ DINLINE bool fifo_sync(const FifoHandle& f, const P& w, int peer, u64 pos) {
     done = ld_flag_acquire(&f.host->done);
     return done > pos || ((++polls & 31u) == 0 && ld_volatile_u32(&f.host->error) != 0);
   }, done, peer, kPhaseFifoFlush, (int)f.id, pos + 1);
-  if (ok && ld_volatile_u32(&f.host->error) != 0) {
+  // done moves only past entries that succeeded, so done > pos needs no
+  // second look at the error word (another PCIe round trip).
+  if (ok && done <= pos) {
     report_error(w, kErrProxy, peer, kPhaseFifoFlush, (int)f.id, pos + 1, done);
     return false;
   }
