@@ -54,6 +54,10 @@ type Transport struct {
 	timeout time.Duration
 	pid     uint64
 	counts  map[uintptr]uint64 // each semaphore word's count so far
+	// queued: work went on the stream since a flush last saw it idle. A
+	// flush with nothing queued skips the stream query (a microsecond or
+	// two), which a bare flush trigger would otherwise pay every time.
+	queued bool
 }
 
 // New creates the transport's stream in the calling thread's context. A
@@ -166,6 +170,7 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	if err := t.drv.MemcpyAsync(d.addr+uintptr(dstOff), s.addr+uintptr(srcOff), size, t.stream); err != nil {
 		return fmt.Errorf("cudaipc: put of %d bytes to rank %d: %w", size, d.peer, err)
 	}
+	t.queued = true
 	return nil
 }
 
@@ -184,12 +189,16 @@ func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) er
 		return fmt.Errorf("cudaipc: signal to rank %d: %w", d.peer, err)
 	}
 	t.counts[addr] = n
+	t.queued = true
 	return nil
 }
 
 // Flush waits, up to the timeout, until every queued put and signal is
 // complete (one stream serves every peer, so it completes them all).
 func (t *Transport) Flush(peer int) error {
+	if !t.queued {
+		return nil
+	}
 	deadline := time.Now().Add(t.timeout)
 	for spin := 0; ; spin++ {
 		done, err := t.drv.StreamDone(t.stream)
@@ -197,6 +206,7 @@ func (t *Transport) Flush(peer int) error {
 			return fmt.Errorf("cudaipc: flush of rank %d: %w", peer, err)
 		}
 		if done {
+			t.queued = false
 			return nil
 		}
 		if spin&63 == 63 {

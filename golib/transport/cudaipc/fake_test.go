@@ -23,6 +23,7 @@ type op struct {
 type fakeDriver struct {
 	ops     []op
 	busy    bool // StreamDone answers false
+	queries int  // StreamDone calls
 	opened  map[cuda.IPCHandle]int
 	streams int
 }
@@ -41,7 +42,7 @@ func (d *fakeDriver) MemcpyAsync(dst, src uintptr, n uint64, s uintptr) error {
 }
 func (d *fakeDriver) StreamCreate(uint32) (uintptr, error) { d.streams++; return 0x5000, nil }
 func (d *fakeDriver) StreamDestroy(uintptr) error          { d.streams--; return nil }
-func (d *fakeDriver) StreamDone(uintptr) (bool, error)     { return !d.busy, nil }
+func (d *fakeDriver) StreamDone(uintptr) (bool, error)     { d.queries++; return !d.busy, nil }
 func (d *fakeDriver) StreamWriteValue64(s uintptr, addr uintptr, v uint64) error {
 	d.ops = append(d.ops, op{kind: "write", dst: addr, n: v, stream: s})
 	return nil
@@ -117,7 +118,15 @@ func TestKeysPutsSignals(t *testing.T) {
 	if err := tr.Flush(3); err != nil {
 		t.Errorf("Flush = %v", err)
 	}
+	// Nothing queued since: the next flush answers without asking the stream.
+	queries := drv.queries
+	if err := tr.Flush(3); err != nil || drv.queries != queries {
+		t.Errorf("Flush with nothing queued = %v after %d stream queries, want nil after none", err, drv.queries-queries)
+	}
 	drv.busy = true
+	if err := tr.Signal(peer, 8, 1); err != nil {
+		t.Fatal(err)
+	}
 	if err := tr.Flush(3); status.CodeOf(err) != status.Timeout || !strings.Contains(err.Error(), "flush of rank 3") {
 		t.Errorf("Flush of a stuck stream = %v, want a timeout naming rank 3", err)
 	}
