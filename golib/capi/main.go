@@ -369,8 +369,8 @@ func guard(f func() error) (rc C.int) {
 			rc = C.int(status.Internal)
 		}
 	}()
-	if pid := syscall.Getpid(); pid != loadPid {
-		lastErrors.set(fmt.Sprintf("p2pcomm was called from a forked child (pid %d, loaded in %d); create communicators after fork", pid, loadPid))
+	if inForkedChild() {
+		lastErrors.set(fmt.Sprintf("p2pcomm was called from a forked child (pid %d, loaded in %d); create communicators after fork", syscall.Getpid(), loadPid))
 		return C.int(status.Fork)
 	}
 	err := f()

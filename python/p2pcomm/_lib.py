@@ -12,6 +12,17 @@ from .errors import ForkError, P2PCommError, error_for
 
 ABI_VERSION = 6
 _LOAD_PID = os.getpid()
+# True in a child forked after import: hot paths read this flag instead of
+# calling os.getpid(), a system call (a microsecond in a VM) per call.
+forked = False
+
+
+def _mark_forked() -> None:
+    global forked
+    forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 _HERE = pathlib.Path(__file__).resolve().parent
 
 ALLGATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)
@@ -127,7 +138,7 @@ def _shutdown(handle) -> None:
 def check_not_forked() -> None:
     """A forked child cannot call into the Go runtime its parent started:
     its threads are gone and the call would hang. Fail instead."""
-    if os.getpid() != _LOAD_PID:
+    if forked:
         raise ForkError(
             f"p2pcomm was imported in process {_LOAD_PID} and is now used in its forked child {os.getpid()}; "
             "the Go runtime does not survive fork. Use the 'spawn' start method, or import p2pcomm in the child."

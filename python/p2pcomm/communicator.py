@@ -381,7 +381,7 @@ class Communicator:
         code = _OP_CODES.get(op) if isinstance(op, (str, ReduceOp)) else None
         algo = _ALGO_CODES.get(algorithm)
         dtype = _DTYPES.get(src.dtype) if isinstance(src, torch.Tensor) else None
-        if (code is None or algo is None or dtype is None or not self._handle or os.getpid() != self._pid
+        if (code is None or algo is None or dtype is None or not self._handle or _lib.forked
                 or src.get_device() != self._device_index or src.is_meta or not src.is_contiguous()
                 or (self._device_index >= 0 and src.data_ptr() % 16)):
             self._reduce_slow(src, dst, op, algorithm)
