@@ -138,6 +138,19 @@ func (d *Driver) CanAccessPeer(dev, peer Device) (bool, error) {
 	return ok != 0, err
 }
 
+// primaryActive reports whether dev's primary context exists (retaining
+// it then creates nothing). False when the driver cannot say.
+func (d *Driver) primaryActive(dev Device) bool {
+	if d.fn.primaryCtxGetState == nil {
+		return false
+	}
+	var flags C.uint
+	var active C.int
+	err := d.check("cuDevicePrimaryCtxGetState",
+		C.p2p_r_i_p_p(d.fn.primaryCtxGetState, C.int(dev), unsafe.Pointer(&flags), unsafe.Pointer(&active)))
+	return err == nil && active != 0
+}
+
 // retainPrimary retains dev's primary context (cuDevicePrimaryCtxRetain).
 func (d *Driver) retainPrimary(dev Device) (Context, error) {
 	var c unsafe.Pointer

@@ -26,6 +26,14 @@ func (d *Driver) PrimaryContext(ordinal int) (Context, error) {
 	return c, nil
 }
 
+// retainedPrimary is the device's primary context if PrimaryContext
+// retained it, else 0.
+func (d *Driver) retainedPrimary(ordinal int) Context {
+	d.ctxMu.Lock()
+	defer d.ctxMu.Unlock()
+	return d.primary[ordinal]
+}
+
 // EnsureContext makes the calling thread's current context one on the GPU
 // with the given ordinal. A thread that already has such a context (torch's,
 // on the Python thread) is left alone; otherwise the device's primary context
@@ -39,6 +47,11 @@ func (d *Driver) EnsureContext(ordinal int) error {
 	if err != nil {
 		return err
 	}
+	// The usual case, torch's thread on the primary context we retained:
+	// one driver call instead of three.
+	if cur != 0 && cur == d.retainedPrimary(ordinal) {
+		return nil
+	}
 	if cur != 0 {
 		dev, err := d.ContextDevice()
 		if err != nil {
@@ -49,6 +62,12 @@ func (d *Driver) EnsureContext(ordinal int) error {
 			return err
 		}
 		if dev == want {
+			// Torch's context is normally the device's primary one: learn
+			// its handle for the fast path (it exists, so retaining it
+			// creates nothing).
+			if d.primaryActive(want) {
+				_, _ = d.PrimaryContext(ordinal)
+			}
 			return nil
 		}
 	}

@@ -59,6 +59,7 @@ type driverFuncs struct {
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
 	streamCreate, streamDestroy, streamQuery, streamWriteValue64, streamWaitEvent     unsafe.Pointer
 	funcGetParamInfo                                                                  unsafe.Pointer
+	primaryCtxGetState                                                                unsafe.Pointer
 }
 
 // entry is one row of the entry-point table. version is the CUDA version
@@ -91,6 +92,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuDeviceGetPCIBusId", v, true, &f.deviceGetPCIBusId},
 		{"cuDeviceCanAccessPeer", v, true, &f.deviceCanAccessPeer},
 		{"cuDevicePrimaryCtxRetain", v, true, &f.primaryCtxRetain},
+		{"cuDevicePrimaryCtxGetState", v, false, &f.primaryCtxGetState},
 		{"cuCtxGetCurrent", v, true, &f.ctxGetCurrent},
 		{"cuCtxSetCurrent", v, true, &f.ctxSetCurrent},
 		{"cuCtxGetDevice", v, true, &f.ctxGetDevice},

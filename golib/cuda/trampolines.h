@@ -12,6 +12,7 @@ typedef unsigned long long p2p_dptr;
 static inline int p2p_r_p(void* f, void* a) { return ((int (*)(void*))f)(a); }
 static inline int p2p_r_u(void* f, unsigned a) { return ((int (*)(unsigned))f)(a); }
 static inline int p2p_r_i_p(void* f, int a, void* b) { return ((int (*)(int, void*))f)(a, b); }
+static inline int p2p_r_i_p_p(void* f, int a, void* b, void* c) { return ((int (*)(int, void*, void*))f)(a, b, c); }
 static inline int p2p_r_p_i(void* f, void* a, int b) { return ((int (*)(void*, int))f)(a, b); }
 static inline int p2p_r_p_u(void* f, void* a, unsigned b) { return ((int (*)(void*, unsigned))f)(a, b); }
 static inline int p2p_r_p_p(void* f, void* a, void* b) { return ((int (*)(void*, void*))f)(a, b); }
