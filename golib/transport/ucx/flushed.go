@@ -41,6 +41,13 @@ func (t *Transport) SignalFlushed(dst transport.Remote, dstOff uint64, value uin
 		return err
 	}
 	p.sums[word] += value
+	return t.signalAfterFlush(r, p, word)
+}
+
+// signalAfterFlush starts a flush of r's endpoint and queues the word's
+// current total to go out once it completes, behind the peer's earlier
+// queued signals.
+func (t *Transport) signalAfterFlush(r *remote, p *peer, word uint64) error {
 	var s C.int
 	req := C.p2p_ucx_ep_flush(t.lib.fn.epFlushNbx, p.ep, &s)
 	switch s {
@@ -52,6 +59,7 @@ func (t *Transport) SignalFlushed(dst transport.Remote, dstOff uint64, value uin
 		t.fail(r.peer, err)
 		return err
 	}
+	p.unordered = false // the flush covers every earlier put
 	p.flushed = append(p.flushed, flushedSignal{flush: req, rkey: r.rkey, word: word, total: p.sums[word]})
 	return t.pumpFlushed(r.peer)
 }

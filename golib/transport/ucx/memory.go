@@ -277,6 +277,9 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	if t.passMemh {
 		memh = l.memh
 	}
+	if l.mem == transport.DeviceMemory || r.mem == transport.DeviceMemory {
+		t.peers[r.peer].unordered = true
+	}
 	var s C.int
 	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r.peer].ep, C.uint64_t(uint64(l.addr)+srcOff), C.size_t(size),
 		C.uint64_t(r.base+dstOff), r.rkey, memh, memoryType(l.mem), &s)
@@ -333,7 +336,8 @@ func (t *Transport) signalWord(dst transport.Remote, dstOff uint64) (*remote, *p
 // GPU kernels poll it through a mapping, start at zero, and have this rank
 // as its only writer: UCP offers no atomics over tcp or shared memory once
 // peer failures are handled, so the sum is kept here and each Signal puts
-// the new total after a fence.
+// the new total after a fence, or, behind a put of device memory that UCP
+// carried itself, once a flush of the endpoint completed.
 func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -348,6 +352,14 @@ func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) er
 		st := &t.stage.peers[r.peer]
 		st.queue = append(st.queue, chunk{signal: true, dst: word, size: p.sums[word]})
 		return t.pump(r.peer)
+	}
+	if p.unordered || len(p.flushed) > 0 {
+		// Device memory that UCP reaches itself (cuda_ipc between GPUs of a
+		// host) travels on another lane than this host word, and a weak
+		// fence orders only within a lane: the total goes out once a flush
+		// of the endpoint completed, behind any signal queued so.
+		p.sums[word] += value
+		return t.signalAfterFlush(r, p, word)
 	}
 	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
 		err := t.peerError(r.peer, "signal fence", s)

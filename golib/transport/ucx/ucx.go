@@ -108,8 +108,12 @@ type peer struct {
 	ep      unsafe.Pointer // nil for this rank and after a failure closed it
 	pending []op
 	sums    map[uint64]uint64 // signal word address -> total this rank added
-	flushed []flushedSignal   // SignalFlushed's, oldest first
+	flushed []flushedSignal   // signals waiting for a flush of the endpoint, oldest first
 	err     error             // sticky: the endpoint failed or a wait on it timed out
+	// unordered: a put of device memory went to the peer through UCP
+	// itself (not staged) since the last flush; UCP may carry it on a lane
+	// of its own (cuda_ipc), which a weak fence does not order.
+	unordered bool
 }
 
 // op is an outstanding put: its request and the C memory (may be nil) that
@@ -543,6 +547,7 @@ func (t *Transport) flushBy(peer int, deadline time.Time) error {
 		t.fail(peer, err)
 		return err
 	}
+	t.peers[peer].unordered = false
 	if staged {
 		if err := t.awaitCredit(peer, deadline); err != nil {
 			return err
