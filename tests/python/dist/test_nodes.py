@@ -81,6 +81,67 @@ def layouts_on(group):
                 n.comm.close()
 
 
+def bad_elements(got: torch.Tensor, want: torch.Tensor, dtype, op: str, scale=None) -> torch.Tensor:
+    """Indices where got misses the reference by assert_matches's own criterion."""
+    got = got.cpu()
+    if not dtype.is_floating_point:
+        return (got.to(torch.int64) != want).nonzero().flatten()
+    g, w = got.to(torch.float64), want.to(torch.float64)
+    if op in ("min", "max"):
+        w = want.to(dtype).to(torch.float64)
+        return (~((g == w) | (g.isnan() & w.isnan()))).nonzero().flatten()
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    bound = tol * ((w.abs() if scale is None else scale) + 1e-3)
+    return (~((g - w).abs() <= bound)).nonzero().flatten()
+
+
+def gpu_place(i: int, n: int, dtype, local_size: int, nodes: int) -> str:
+    """Where allreduce_hier.cu handles element i: shard (local index), part (owning node), block, chunk."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    pack = 16 // size
+    acc = 8 if dtype in (torch.float64, torch.int64) else 4
+    chunk = (256 << 10) // acc
+
+    def cut(count, parts):
+        step = -(-count // parts)
+        return -(-step // pack) * pack
+
+    shard_size = cut(n, local_size)
+    shard = min(i // shard_size, local_size - 1)
+    lo, hi = shard * shard_size, min((shard + 1) * shard_size, n)
+    part_size = cut(hi - lo, nodes)
+    part = (i - lo) // part_size
+    k = (i - lo - part * part_size) // chunk
+    return f"shard {shard} [{lo}, {hi}), part {part} (node {part}'s), block {k % 8}, chunk {k // 8} of the block"
+
+
+def describe_bad(nodes, got, want, dtype, op, scale, limit=8) -> str:
+    """The first mismatches with their indices, values and GPU placement, and the rank and node that saw them."""
+    bad = bad_elements(got, want, dtype, op, scale)
+    comm = nodes.comm
+    local = len(comm.nodes[0])
+    lines = [f"rank {comm.rank} (node {comm.node}) of {nodes.name}: {bad.numel()} of {got.numel()} elements wrong"]
+    flat = got.cpu()
+    for i in bad[:limit].tolist():
+        lines.append(f"  [{i}] got {flat[i].item()!r} want {want[i].item()!r}; "
+                     f"{gpu_place(i, got.numel(), dtype, local, len(comm.nodes))}")
+    return "\n".join(lines)
+
+
+def differing_ranks(nodes, t: torch.Tensor) -> str:
+    """Which members' results differ from the first member's, and where the first difference lies."""
+    mine = t.detach().cpu().contiguous()
+    got = [None] * len(nodes.ranks)
+    dist.all_gather_object(got, mine, group=nodes.group)
+    out = []
+    for q, other in enumerate(got):
+        diff = (other.view(torch.uint8) != got[0].view(torch.uint8)).nonzero().flatten()
+        if diff.numel():
+            first = diff[0].item() // other.element_size()
+            out.append(f"rank {q} differs from rank 0 first at [{first}]: {other[first].item()!r} vs {got[0][first].item()!r}")
+    return "; ".join(out)
+
+
 MODES = ["staged", "symmetric_inplace", "plain_inplace", "symmetric_to_poisoned"]
 
 
@@ -129,8 +190,10 @@ def test_every_op_matches_torch_across_nodes(layouts_on, device, n, dtype):
             try:
                 assert_matches(out, want, dtype, op, scale)
             except AssertionError as e:
-                raise AssertionError(f"{nodes.name} {op} ({mode}): {e}") from None
-            assert nodes.same_bits(out), f"{nodes.name} {op} ({mode}): ranks differ"
+                detail = describe_bad(nodes, out, want, dtype, op, scale)
+                raise AssertionError(f"{nodes.name} {op} ({mode}): {e}\n{detail}") from None
+            if not nodes.same_bits(out):
+                raise AssertionError(f"{nodes.name} {op} ({mode}): ranks differ: {differing_ranks(nodes, out)}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -152,7 +215,8 @@ def test_back_to_back_calls_without_sync_across_nodes(layouts_on, device):
         nodes.settle()
         for i, out in enumerate(outs):
             want = sum(float(i * w + q) for q in range(w)) + w * torch.arange(n, dtype=torch.float64)
-            assert torch.equal(out.cpu().double(), want), f"{nodes.name}: call {i} wrong"
+            if not torch.equal(out.cpu().double(), want):
+                raise AssertionError(f"{nodes.name}: call {i} wrong\n{describe_bad(nodes, out, want, torch.float32, 'max')}")
 
 
 def still_works(comm, device="cpu"):
@@ -215,8 +279,14 @@ def test_cuda_graph_replays_across_nodes(layouts_on):
                 graph.replay()
                 nodes.settle()
                 scale = torch.stack([v.double().abs() for v in inputs]).sum(0)
-                assert_matches(x, reference(inputs, "sum", dtype), dtype, "sum", scale)
-                assert nodes.same_bits(x), f"{nodes.name}: replay {seed}: ranks differ"
+                want = reference(inputs, "sum", dtype)
+                try:
+                    assert_matches(x, want, dtype, "sum", scale)
+                except AssertionError as e:
+                    detail = describe_bad(nodes, x, want, dtype, "sum", scale)
+                    raise AssertionError(f"{nodes.name}: replay {seed}: {e}\n{detail}") from None
+                if not nodes.same_bits(x):
+                    raise AssertionError(f"{nodes.name}: replay {seed}: ranks differ: {differing_ranks(nodes, x)}")
             del graph
 
 
