@@ -91,8 +91,13 @@ func childMeasure(tr *Transport, bs bootstrap.Bootstrap, mem transport.Memory) e
 	for _, m := range ms {
 		fmt.Printf("put %9d B: %7.3f GB/s (%d puts)\n", m.Bytes, m.GBps(), m.Iterations)
 	}
+	oneWay, err := MeasurePingPong(tr, bs, 300*time.Millisecond, mem, alloc)
+	if err != nil {
+		return err
+	}
 	if bs.Rank() == 0 {
 		fmt.Printf("8-byte put+flush round trip (%s memory), median: %v\n", mem, latency)
+		fmt.Printf("8-byte put+signal one way, ping-pong (%s memory), median: %v\n", mem, oneWay)
 	}
 	return nil
 }
