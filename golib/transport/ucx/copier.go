@@ -21,20 +21,29 @@ type Copier interface {
 	// Copy queues a copy of size bytes from src to dst, after every copy
 	// queued before it; either side may be device or pinned host memory.
 	Copy(dst, src uintptr, size uint64) error
-	// Completed returns how many of the copies queued so far are complete,
-	// without blocking.
+	// Store queues a store of value into the 64-bit host word at addr,
+	// after every copy queued before it; Completed counts it as a copy. It
+	// reports false, queueing nothing, when the copier cannot reach the
+	// word; the caller then stores it once Completed covers those copies.
+	Store(addr uintptr, value uint64) (bool, error)
+	// Completed returns how many of the copies (and stores) queued so far
+	// are complete, without blocking.
 	Completed() (uint64, error)
 }
 
 // CUDACopier is a GPU's Copier: cuMemcpyAsync on a non-blocking stream of
-// its own, each copy followed on the stream by a store of its count into a
-// mapped host word, so completion is one load instead of an event per copy.
+// its own, the copies followed on the stream by a store of their count into
+// a mapped host word, so completion is one load instead of an event per
+// copy. The count is stored once per batch (the copies queued between two
+// Completed calls), a driver call less per copy.
 type CUDACopier struct {
 	drv     *cuda.Driver
 	stream  uintptr
 	word    unsafe.Pointer // pinned, mapped host word the stream writes
 	wordDev uintptr
 	queued  uint64
+	marked  uint64              // the count last queued for the word
+	mapped  map[uintptr]uintptr // host word -> its device address; 0: not mapped
 }
 
 var _ Copier = (*CUDACopier)(nil)
@@ -42,7 +51,7 @@ var _ Copier = (*CUDACopier)(nil)
 // NewCUDACopier creates the copier's stream and completion word in the
 // calling thread's current context.
 func NewCUDACopier(drv *cuda.Driver) (*CUDACopier, error) {
-	c := &CUDACopier{drv: drv}
+	c := &CUDACopier{drv: drv, mapped: map[uintptr]uintptr{}}
 	var err error
 	if c.word, err = drv.MemHostAlloc(8, cuda.HostAllocDeviceMap|cuda.HostAllocPortable); err != nil {
 		return nil, fmt.Errorf("UCX staging copier: completion word: %w", err)
@@ -70,17 +79,45 @@ func (c *CUDACopier) FreeHost(addr uintptr) error {
 	return c.drv.MemFreeHost(*(*unsafe.Pointer)(unsafe.Pointer(&addr)))
 }
 
-// Copy queues the copy and the store of its count.
+// Copy queues the copy; Completed queues the store of the count.
 func (c *CUDACopier) Copy(dst, src uintptr, size uint64) error {
 	if err := c.drv.MemcpyAsync(dst, src, size, c.stream); err != nil {
 		return err
 	}
 	c.queued++
-	return c.drv.StreamWriteValue64(c.stream, c.wordDev, c.queued)
+	return nil
 }
 
-// Completed reads the count the stream last stored.
+// Store queues the store on the stream when addr is mapped host memory
+// (pinned with cuMemHostAlloc's DEVICEMAP, as signal words are): the
+// stream's write carries a memory barrier, so a kernel that sees the value
+// sees the copies before it, without a round trip through this thread.
+func (c *CUDACopier) Store(addr uintptr, value uint64) (bool, error) {
+	dev, ok := c.mapped[addr]
+	if !ok {
+		// An error just means the word is not mapped: the caller stores it.
+		dev, _ = c.drv.MemHostDevicePointer(addrPtr(addr))
+		c.mapped[addr] = dev
+	}
+	if dev == 0 {
+		return false, nil
+	}
+	if err := c.drv.StreamWriteValue64(c.stream, dev, value); err != nil {
+		return false, err
+	}
+	c.queued++
+	return true, nil
+}
+
+// Completed queues the store of the count if copies were queued since the
+// last call, and reads the count the stream last stored.
 func (c *CUDACopier) Completed() (uint64, error) {
+	if c.marked != c.queued {
+		if err := c.drv.StreamWriteValue64(c.stream, c.wordDev, c.queued); err != nil {
+			return 0, err
+		}
+		c.marked = c.queued
+	}
 	return atomic.LoadUint64((*uint64)(c.word)), nil
 }
 

@@ -349,9 +349,7 @@ func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) er
 		// Behind staged chunks: the peer applies it once they reached
 		// device memory.
 		p.sums[word] += value
-		st := &t.stage.peers[r.peer]
-		st.queue = append(st.queue, chunk{signal: true, dst: word, size: p.sums[word]})
-		return t.pump(r.peer)
+		return t.queueSignal(r.peer, word, p.sums[word])
 	}
 	if p.unordered || len(p.flushed) > 0 {
 		// Device memory that UCP reaches itself (cuda_ipc between GPUs of a

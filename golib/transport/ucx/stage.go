@@ -24,19 +24,28 @@ import (
 // bounce buffers (tcp), a put whose source or destination is device memory
 // travels through pinned host memory instead, in chunks:
 //
-//	sender:   device source --Copier--> send slot (pinned, per peer)
-//	          send slot or host source --ucp_put--> receiver's landing slot
-//	          header put, fence, sequence word put
-//	receiver: Progress sees the sequence word, copies the landing slot into
-//	          the device destination, and once the copy completed returns
-//	          the slot as a credit (a put of its consumed count)
+//	sender:   device source --Copier--> send slot (pinned, per peer), after
+//	          the slot's header
+//	          header and data --one ucp_put--> receiver's landing slot,
+//	          fence, sequence word put
+//	receiver: Progress sees the sequence word, queues the copy of the
+//	          landing slot into the device destination and, for a signal,
+//	          the store of its total behind it on the copier's stream; once
+//	          the copy completed it returns the slot as a credit (a put of
+//	          its consumed count)
 //
-// A device source with a host destination skips the landing ring. A Signal
-// while staged work toward the peer is queued or not yet credited travels
-// as a ring entry too, so the receiver applies it only after every earlier
-// chunk reached device memory. The receiver's side runs in Progress and in
-// every wait: its proxy must keep calling Progress, from the thread that
-// holds the CUDA context.
+// A put with a signal behind it is one ring entry: the signal rides in the
+// header of the put's last chunk. A device source with a host destination
+// skips the landing ring. A Signal while staged work toward the peer is
+// queued or not yet credited travels as a ring entry too, so the receiver
+// applies it only after every earlier chunk reached device memory. The
+// receiver's side runs in Progress and in every wait: its proxy must keep
+// calling Progress, from the thread that holds the CUDA context.
+//
+// Ordering relies on what UCP gives over one endpoint: a fence (weak is
+// enough) makes every put issued before it visible at the target before
+// any put issued after it. Nothing is assumed about the order of bytes
+// within one put, which is why the sequence word travels on its own.
 
 // StageEnv names the staging knob: auto, always or never.
 const StageEnv = "P2PCOMM_UCX_STAGE"
@@ -79,36 +88,47 @@ const (
 	DefaultRingChunks = 4
 )
 
-// A landing slot's header, after the ring's data: the sequence word is put
-// last, after a fence, so a receiver that sees it sees the rest.
+// Send and landing slots are a header, then up to a chunk of data, so that
+// header and data travel in one put. The sequence word is put last, after
+// a fence, so a receiver that sees it sees the rest.
 //
 //	0  sequence  uint64 (entry number, from 1)
-//	8  address   uint64 (receiver's device destination, or signal word)
-//	16 size      uint64 (bytes, or the signal's new total)
-//	24 kind      uint64
+//	8  address   uint64 (receiver's device destination; data entries)
+//	16 size      uint64 (bytes of data)
+//	24 kind      uint64 (entryData | entrySignal)
+//	32 word      uint64 (the signal's word; signal entries)
+//	40 total     uint64 (the signal's new total)
+//	48 unused, to a 64-byte header that keeps the data aligned
 const (
-	headerSize  = 32
+	headerSize  = 64
 	entryData   = 1
 	entrySignal = 2
 )
 
-// chunk is one piece of staged work toward a peer, kept in order.
+// chunk is one piece of staged work toward a peer, kept in order: data, a
+// signal, or data with a signal behind it.
 type chunk struct {
-	src      uintptr // source address (device, or registered host)
-	srcMemh  unsafe.Pointer
-	device   bool // src is device memory: copy it to a send slot first
-	dst      uint64
-	rkey     unsafe.Pointer // dst's key when it is host memory, else nil
-	size     uint64
-	signal   bool // a ring entry storing size at dst
-	ticket   uint64
-	sendSlot int
+	src     uintptr // source address (device, or registered host)
+	srcMemh unsafe.Pointer
+	device  bool // src is device memory: copy it to a send slot first
+	dst     uint64
+	rkey    unsafe.Pointer // dst's key when it is host memory, else nil
+	size    uint64         // bytes of data, 0 for a bare signal
+	signal  bool           // store total at word once the data landed
+	word    uint64
+	total   uint64
+	ticket  uint64 // the copy into the send slot
+	claimed bool   // holds send slot sendSlot
+	slot    int
 }
+
+// ring reports whether c travels as a landing ring entry.
+func (c *chunk) ring() bool { return c.signal || c.rkey == nil }
 
 // landed is a ring entry taken in by the receiver, waiting for its copy.
 type landed struct {
 	ticket uint64
-	word   uintptr // a signal's word, 0 for data
+	word   uintptr // a signal the transport stores itself, else 0
 	total  uint64
 }
 
@@ -118,10 +138,10 @@ type stager struct {
 	ring   *remote // the peer's landing ring for this rank
 	credit *remote // the peer's credit words; this rank's at rank*8
 
-	send    uintptr          // send slots toward the peer, pinned
-	sendReq []unsafe.Pointer // each slot's put still reading it
-	sendN   uint64           // send slots taken so far (copies queued)
-	sendPut uint64           // of those, slots whose put was issued
+	send    uintptr             // send slots toward the peer, pinned
+	sendReq [][2]unsafe.Pointer // each slot's puts still reading it
+	sendN   uint64              // send slots claimed so far
+	sendPut uint64              // of those, slots whose chunk was issued
 	queue   []chunk
 	entries uint64 // ring entries handed to UCP
 
@@ -146,7 +166,8 @@ type staging struct {
 	peers      []stager
 }
 
-func (s *staging) ringBytes() uint64 { return uint64(s.slots) * (s.chunk + headerSize) }
+func (s *staging) stride() uint64    { return headerSize + s.chunk }
+func (s *staging) ringBytes() uint64 { return uint64(s.slots) * s.stride() }
 
 // deviceReach says whether UCX reaches device memory toward rank r without
 // bouncing it through host memory; ok is false when UCP cannot tell.
@@ -284,10 +305,10 @@ func (t *Transport) buildRings() ([]byte, error) {
 		}
 		st := &s.peers[r]
 		st.land = land + uintptr(uint64(r)*s.ringBytes())
-		if st.send, _, err = pinned(uint64(s.slots) * s.chunk); err != nil {
+		if st.send, _, err = pinned(s.ringBytes()); err != nil {
 			return nil, err
 		}
-		st.sendReq = make([]unsafe.Pointer, s.slots)
+		st.sendReq = make([][2]unsafe.Pointer, s.slots)
 	}
 	blob := binary.LittleEndian.AppendUint32(nil, uint32(len(landReg.key)))
 	blob = append(blob, landReg.key...)
@@ -357,6 +378,20 @@ func (t *Transport) stageSignal(r int) bool {
 	return len(st.queue) > 0 || st.entries > t.creditOf(r)
 }
 
+// queueSignal queues a staged signal storing total at word: in the header
+// of the last queued chunk when that is a data entry not yet sent, else as
+// an entry of its own.
+func (t *Transport) queueSignal(r int, word, total uint64) error {
+	st := &t.stage.peers[r]
+	if n := len(st.queue); n > 0 && !st.queue[n-1].signal && st.queue[n-1].rkey == nil {
+		c := &st.queue[n-1]
+		c.signal, c.word, c.total = true, word, total
+	} else {
+		st.queue = append(st.queue, chunk{signal: true, word: word, total: total})
+	}
+	return t.pump(r)
+}
+
 // creditOf is how many ring entries rank r has copied out.
 func (t *Transport) creditOf(r int) uint64 {
 	return atomic.LoadUint64((*uint64)(unsafe.Pointer(&t.stage.creditBase[8*r])))
@@ -370,23 +405,26 @@ func (t *Transport) pump(r int) error {
 	if len(st.queue) == 0 {
 		return nil
 	}
-	// Copies first, as many as send slots allow, to overlap with the puts.
+	// Slots (and copies into them) first, as many as there are, to overlap
+	// with the puts.
 	for i := range st.queue {
 		c := &st.queue[i]
-		if !c.device || c.ticket != 0 {
+		if c.claimed {
 			continue
 		}
 		slot := int(st.sendN % uint64(s.slots))
 		if st.sendN-st.sendPut >= uint64(s.slots) || !t.sendSlotFree(st, slot) {
 			break
 		}
-		addr := st.send + uintptr(uint64(slot)*s.chunk)
-		if err := s.copier.Copy(addr, c.src, c.size); err != nil {
-			return t.stageFail(r, "staging copy to host", err)
+		if c.device {
+			if err := s.copier.Copy(t.sendSlot(st, slot)+headerSize, c.src, c.size); err != nil {
+				return t.stageFail(r, "staging copy to host", err)
+			}
+			s.copies++
+			c.ticket = s.copies
 		}
-		s.copies++
 		st.sendN++
-		c.ticket, c.sendSlot = s.copies, slot
+		c.claimed, c.slot = true, slot
 	}
 	done, err := s.copier.Completed()
 	if err != nil {
@@ -395,14 +433,13 @@ func (t *Transport) pump(r int) error {
 	n := 0
 	for ; n < len(st.queue); n++ {
 		c := &st.queue[n]
-		if c.device && (c.ticket == 0 || c.ticket > done) {
+		if !c.claimed || (c.device && c.ticket > done) {
 			break
 		}
-		ring := c.signal || c.rkey == nil
-		if ring && st.entries-t.creditOf(r) >= uint64(s.slots) {
+		if c.ring() && st.entries-t.creditOf(r) >= uint64(s.slots) {
 			break
 		}
-		if err := t.issue(r, c, ring); err != nil {
+		if err := t.issue(r, c); err != nil {
 			if len(st.queue) > n { // a failure toward r already dropped the queue
 				st.queue = st.queue[n+1:]
 			}
@@ -413,62 +450,64 @@ func (t *Transport) pump(r int) error {
 	return nil
 }
 
-// sendSlotFree reports whether slot's last put completed, releasing it.
+// sendSlot is the address of send slot i toward st's peer.
+func (t *Transport) sendSlot(st *stager, i int) uintptr {
+	return st.send + uintptr(uint64(i)*t.stage.stride())
+}
+
+// sendSlotFree reports whether slot's last puts completed, releasing them.
 func (t *Transport) sendSlotFree(st *stager, slot int) bool {
-	req := st.sendReq[slot]
-	if req == nil {
-		return true
+	for k, req := range st.sendReq[slot] {
+		if req == nil {
+			continue
+		}
+		if C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, req) == C.P2P_UCS_INPROGRESS {
+			return false
+		}
+		C.p2p_ucx_call_p(t.lib.fn.requestFree, req)
+		st.sendReq[slot][k] = nil
 	}
-	if C.p2p_ucx_status_p(t.lib.fn.requestCheckStatus, req) == C.P2P_UCS_INPROGRESS {
-		return false
-	}
-	C.p2p_ucx_call_p(t.lib.fn.requestFree, req)
-	st.sendReq[slot] = nil
 	return true
 }
 
-// issue hands one chunk to UCP: its data, and for a ring entry the header
-// and, after a fence, the sequence word.
-func (t *Transport) issue(r int, c *chunk, ring bool) error {
+// issue hands one chunk to UCP. Data for a host destination is one put.
+// A ring entry is the header with the data after it in one put (data from
+// a host source goes in a put of its own first), a fence, and the
+// sequence word.
+func (t *Transport) issue(r int, c *chunk) error {
 	s := t.stage
 	st := &s.peers[r]
-	ep := t.peers[r].ep
-	src, memh := c.src, c.srcMemh
-	if c.device {
-		src, memh = st.send+uintptr(uint64(c.sendSlot)*s.chunk), nil
-		st.sendPut++
-	}
-	slot := st.entries % uint64(s.slots)
-	slotBase := st.ring.base + uint64(t.rank)*s.ringBytes()
-	if !c.signal {
-		dst, rkey := c.dst, c.rkey
-		if ring {
-			dst, rkey = slotBase+slot*s.chunk, st.ring.rkey
+	st.sendPut++
+	send := t.sendSlot(st, c.slot)
+	reqs := &st.sendReq[c.slot]
+	if !c.ring() {
+		src, memh := c.src, c.srcMemh
+		if c.device {
+			src, memh = send+headerSize, nil
 		}
+		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
+	}
+	landing := st.ring.base + uint64(t.rank)*s.ringBytes() + (st.entries%uint64(s.slots))*s.stride()
+	h := unsafe.Slice((*uint64)(addrPtr(send)), headerSize/8)
+	h[0], h[1], h[2], h[3], h[4], h[5] = st.entries+1, c.dst, c.size, 0, c.word, c.total
+	if c.size > 0 {
+		h[3] |= entryData
+	}
+	if c.signal {
+		h[3] |= entrySignal
+	}
+	body := uint64(headerSize - 8)
+	if c.size > 0 && c.device {
+		body += c.size
+	} else if c.size > 0 {
 		var status C.int
-		req := C.p2p_ucx_put(t.lib.fn.putNbx, ep, C.uint64_t(src), C.size_t(c.size), C.uint64_t(dst), rkey, memh,
-			C.P2P_UCS_MEMORY_TYPE_HOST, &status)
-		if c.device && status == C.P2P_UCS_INPROGRESS {
-			st.sendReq[c.sendSlot] = req
-		} else if err := t.started(r, "staged put", op{req: req}, status); err != nil {
+		req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r].ep, C.uint64_t(c.src), C.size_t(c.size), C.uint64_t(landing+headerSize),
+			st.ring.rkey, c.srcMemh, C.P2P_UCS_MEMORY_TYPE_HOST, &status)
+		if err := t.started(r, "staged put", op{req: req}, status); err != nil {
 			return err
 		}
-		if !ring {
-			return nil
-		}
 	}
-	kind, size := uint64(entryData), c.size
-	if c.signal {
-		kind = entrySignal
-	}
-	header := C.malloc(headerSize)
-	h := unsafe.Slice((*byte)(header), headerSize)
-	binary.LittleEndian.PutUint64(h[0:], st.entries+1)
-	binary.LittleEndian.PutUint64(h[8:], c.dst)
-	binary.LittleEndian.PutUint64(h[16:], size)
-	binary.LittleEndian.PutUint64(h[24:], kind)
-	at := slotBase + uint64(s.slots)*s.chunk + slot*headerSize
-	if err := t.putC(r, "staged header", header, at+8, 24, st.ring.rkey, false); err != nil {
+	if err := t.putSlot(r, "staged put", send+8, body, landing+8, st.ring.rkey, nil, &reqs[0]); err != nil {
 		return err
 	}
 	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
@@ -476,25 +515,32 @@ func (t *Transport) issue(r int, c *chunk, ring bool) error {
 		t.fail(r, err)
 		return err
 	}
-	seq := C.malloc(8)
-	*(*uint64)(seq) = st.entries + 1
-	if err := t.putC(r, "staged sequence", seq, at, 8, st.ring.rkey, true); err != nil {
+	if err := t.putSlot(r, "staged sequence", send, 8, landing, st.ring.rkey, nil, &reqs[1]); err != nil {
 		return err
 	}
 	st.entries++
 	return nil
 }
 
-// putC puts n bytes of C memory to dst and frees mem once UCP is done with
-// it: all of mem when whole, else the header's body after its sequence
-// word (which travels separately, from memory of its own).
-func (t *Transport) putC(r int, name string, mem unsafe.Pointer, dst uint64, n int, rkey unsafe.Pointer, whole bool) error {
-	src := mem
-	if !whole {
-		src = unsafe.Add(mem, 8)
-	}
+// putSlot starts a put of n bytes from src, memory that lives until *req
+// (the put's request, nil once it completed) says UCP is done with it.
+func (t *Transport) putSlot(r int, name string, src uintptr, n, dst uint64, rkey, memh unsafe.Pointer, req *unsafe.Pointer) error {
 	var s C.int
-	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r].ep, C.uint64_t(uintptr(src)), C.size_t(n), C.uint64_t(dst), rkey, nil,
+	*req = C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r].ep, C.uint64_t(src), C.size_t(n), C.uint64_t(dst), rkey, memh,
+		C.P2P_UCS_MEMORY_TYPE_HOST, &s)
+	if s == C.P2P_UCS_OK || s == C.P2P_UCS_INPROGRESS {
+		return nil
+	}
+	err := t.peerError(r, name, s)
+	t.fail(r, err)
+	return err
+}
+
+// putC puts n bytes of C memory to dst and frees mem once UCP is done with
+// it.
+func (t *Transport) putC(r int, name string, mem unsafe.Pointer, dst uint64, n int, rkey unsafe.Pointer) error {
+	var s C.int
+	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r].ep, C.uint64_t(uintptr(mem)), C.size_t(n), C.uint64_t(dst), rkey, nil,
 		C.P2P_UCS_MEMORY_TYPE_HOST, &s)
 	if s != C.P2P_UCS_INPROGRESS {
 		C.free(mem)
@@ -503,8 +549,9 @@ func (t *Transport) putC(r int, name string, mem unsafe.Pointer, dst uint64, n i
 }
 
 // serviceRings is the receiver's side: it takes in landed entries, queues
-// their copies into device memory, applies signals and returns credits
-// once copies completed. It never blocks.
+// their copies into device memory (and their signals' stores behind them),
+// stores signals the copier cannot, and returns credits once copies
+// completed. It never blocks.
 func (t *Transport) serviceRings() error {
 	s := t.stage
 	if s == nil {
@@ -534,14 +581,13 @@ func (t *Transport) serviceRings() error {
 		}
 		st.landed = st.landed[k:]
 		if st.consumed > st.credited && t.peers[r].ep != nil && t.peers[r].err == nil {
-			word := C.malloc(8)
-			*(*uint64)(word) = st.consumed
 			cr := st.credit
 			if cr == nil {
-				C.free(word)
 				continue
 			}
-			if err := t.putC(r, "staging credit", word, cr.base+uint64(8*t.rank), 8, cr.rkey, true); err != nil {
+			word := C.malloc(8)
+			*(*uint64)(word) = st.consumed
+			if err := t.putC(r, "staging credit", word, cr.base+uint64(8*t.rank), 8, cr.rkey); err != nil {
 				continue // the peer failed; its next operation says so
 			}
 			st.credited = st.consumed
@@ -554,34 +600,45 @@ func (t *Transport) serviceRings() error {
 func (t *Transport) takeIn(r int, st *stager) error {
 	s := t.stage
 	for {
-		slot := st.next % uint64(s.slots)
-		h := st.land + uintptr(uint64(s.slots)*s.chunk+slot*headerSize)
-		if atomic.LoadUint64((*uint64)(addrPtr(h))) != st.next+1 {
+		slot := st.land + uintptr((st.next%uint64(s.slots))*s.stride())
+		if atomic.LoadUint64((*uint64)(addrPtr(slot))) != st.next+1 {
 			return nil
 		}
-		hdr := unsafe.Slice((*byte)(addrPtr(h)), headerSize)
-		addr := binary.LittleEndian.Uint64(hdr[8:])
-		size := binary.LittleEndian.Uint64(hdr[16:])
-		switch binary.LittleEndian.Uint64(hdr[24:]) {
-		case entryData:
-			// The peer names the destination; write only into memory
-			// this rank registered, whatever arrives.
-			if size > s.chunk || !t.owns(addr, size) {
-				return t.badEntry(r, fmt.Sprintf("data of %d bytes for %#x, outside every registered range", size, addr))
-			}
-			if err := s.copier.Copy(uintptr(addr), st.land+uintptr(slot*s.chunk), size); err != nil {
+		h := unsafe.Slice((*uint64)(addrPtr(slot)), headerSize/8)
+		addr, size, kind, word, total := h[1], h[2], h[3], h[4], h[5]
+		if kind == 0 || kind&^(entryData|entrySignal) != 0 || (kind&entryData != 0) != (size > 0) {
+			return t.badEntry(r, fmt.Sprintf("unknown entry kind %#x of %d bytes", kind, size))
+		}
+		// The peer names the destination and the word; write only into
+		// memory this rank registered, whatever arrives.
+		if kind&entryData != 0 && (size > s.chunk || !t.owns(addr, size)) {
+			return t.badEntry(r, fmt.Sprintf("data of %d bytes for %#x, outside every registered range", size, addr))
+		}
+		if kind&entrySignal != 0 && (word%8 != 0 || !t.owns(word, 8)) {
+			return t.badEntry(r, fmt.Sprintf("signal word %#x outside every registered range", word))
+		}
+		if kind&entryData != 0 {
+			if err := s.copier.Copy(uintptr(addr), slot+headerSize, size); err != nil {
 				return t.stageFail(r, "staging copy to device", err)
 			}
 			s.copies++
-			st.landed = append(st.landed, landed{ticket: s.copies})
-		case entrySignal:
-			if addr%8 != 0 || !t.owns(addr, 8) {
-				return t.badEntry(r, fmt.Sprintf("signal word %#x outside every registered range", addr))
-			}
-			st.landed = append(st.landed, landed{ticket: s.copies, word: uintptr(addr), total: size})
-		default:
-			return t.badEntry(r, "unknown entry kind")
 		}
+		in := landed{}
+		if kind&entrySignal != 0 {
+			// A stored signal counts as a copy: its credit (after which
+			// the peer may put a larger total directly) waits for it.
+			stored, err := s.copier.Store(uintptr(word), total)
+			if err != nil {
+				return t.stageFail(r, "staging signal store", err)
+			}
+			if stored {
+				s.copies++
+			} else {
+				in.word, in.total = uintptr(word), total
+			}
+		}
+		in.ticket = s.copies
+		st.landed = append(st.landed, in)
 		st.next++
 	}
 }
@@ -673,10 +730,12 @@ func (t *Transport) dropStaged(r int) {
 	}
 	st := &t.stage.peers[r]
 	st.queue = nil
-	for i, req := range st.sendReq {
-		if req != nil {
-			t.abandon(req)
-			st.sendReq[i] = nil
+	for i := range st.sendReq {
+		for k, req := range st.sendReq[i] {
+			if req != nil {
+				t.abandon(req)
+				st.sendReq[i][k] = nil
+			}
 		}
 	}
 	st.landed = nil

@@ -5,6 +5,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -19,12 +20,20 @@ import (
 const stageChunk, stageSlots = 64 << 10, 3
 
 // fakeCopier is a Copier over host memory that stands for device memory.
-// Copies run late, at most two per Completed call, as a copy engine's
-// would, so flow control and ordering are exercised.
+// Copies and stores run late, at most two per Completed call, as a copy
+// engine's would, so flow control and ordering are exercised.
 type fakeCopier struct {
-	queue []struct{ dst, src, n uintptr }
-	done  uint64
-	eager bool // copy everything queued at each Completed (measurements)
+	queue   []fakeOp
+	done    uint64
+	eager   bool // run everything queued at each Completed (measurements)
+	noStore bool // Store declines, as for a word the stream cannot reach
+}
+
+// fakeOp is a queued copy of n bytes, or with store set a store of value.
+type fakeOp struct {
+	dst, src, n uintptr
+	store       bool
+	value       uint64
 }
 
 func newFakeCopier() *fakeCopier { return &fakeCopier{} }
@@ -40,15 +49,27 @@ func (f *fakeCopier) AllocHost(size uint64) (uintptr, error) {
 func (f *fakeCopier) FreeHost(addr uintptr) error { return nil } // the process exits soon
 
 func (f *fakeCopier) Copy(dst, src uintptr, size uint64) error {
-	f.queue = append(f.queue, struct{ dst, src, n uintptr }{dst, src, uintptr(size)})
+	f.queue = append(f.queue, fakeOp{dst: dst, src: src, n: uintptr(size)})
 	return nil
+}
+
+func (f *fakeCopier) Store(addr uintptr, value uint64) (bool, error) {
+	if f.noStore {
+		return false, nil
+	}
+	f.queue = append(f.queue, fakeOp{dst: addr, store: true, value: value})
+	return true, nil
 }
 
 func (f *fakeCopier) Completed() (uint64, error) {
 	for k := 0; (f.eager || k < 2) && len(f.queue) > 0; k++ {
 		c := f.queue[0]
-		copy(unsafe.Slice((*byte)(addrPtr(c.dst)), c.n), unsafe.Slice((*byte)(addrPtr(c.src)), c.n))
 		f.queue = f.queue[1:]
+		if c.store {
+			atomic.StoreUint64((*uint64)(addrPtr(c.dst)), c.value)
+		} else {
+			copy(unsafe.Slice((*byte)(addrPtr(c.dst)), c.n), unsafe.Slice((*byte)(addrPtr(c.src)), c.n))
+		}
 		f.done++
 	}
 	return f.done, nil
@@ -64,6 +85,13 @@ func TestStagedPutsVerified(t *testing.T) {
 			expectOK(t, runJob(t, "staged", size, 60*time.Second))
 		})
 	}
+}
+
+// TestStagedHostStores: signals a copier cannot store (words it does not
+// reach) are stored by the receiver once the copies before them completed.
+func TestStagedHostStores(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagednostore", 2, 60*time.Second))
 }
 
 // TestStagedMixedMemory: host to device (through the landing ring only)

@@ -160,6 +160,9 @@ func child(role string) int {
 	if strings.HasPrefix(role, "staged") {
 		opts.Copier, opts.Stage = newFakeCopier(), StageAlways
 		opts.ChunkBytes, opts.RingChunks = stageChunk, stageSlots
+		if role == "stagednostore" {
+			opts.Copier = &fakeCopier{noStore: true}
+		}
 		if role == "stagedmeasure" {
 			opts.Copier = &fakeCopier{eager: true}
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // the defaults
@@ -175,7 +178,7 @@ func child(role string) int {
 	switch role {
 	case "exchange":
 		err = newJob(tr, bs, cfg.Timeout).exchange(6)
-	case "staged":
+	case "staged", "stagednostore":
 		j := newJob(tr, bs, cfg.Timeout)
 		j.mem = transport.DeviceMemory
 		err = j.exchange(6)
