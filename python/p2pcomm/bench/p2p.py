@@ -197,13 +197,17 @@ class Bench:
             rows.append([fmt_bytes(size), f"{size * reps / us / 1e3:.2f}"])
         perf = self.perftest() if self.args.perftest else {}
         for row in rows:
-            row += perf.get(row[0], ["n/a", "n/a"])
+            host, gpu = perf.get(row[0], ["n/a", "n/a"])
+            ratio = f"{100 * float(row[1]) / float(host):.0f}%" if host != "n/a" and float(host) > 0 else "n/a"
+            row += [host, ratio, gpu]
         tls = os.environ["UCX_TLS"]
+        host_lat = perf.get("lat_host")
+        vs_host = f" ({lat / float(host_lat):.1f}x host)" if host_lat and float(host_lat) > 0 else ""
         self.say(f"\nPortChannel over UCX between simulated nodes (UCX_TLS={tls}; GPU buffers), rank 0 -> 1:"
-                 f" 8-byte putWithSignal one way {lat:.1f} us (median of half ping-pongs);"
+                 f" 8-byte putWithSignal one way {lat:.1f} us{vs_host} (median of half ping-pongs);"
                  f" ucx_perftest ucp_put_lat 8 B: host {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
-        self.say(md_table(["size", "PortChannel GB/s", "ucx_perftest host GB/s", "ucx_perftest GPU GB/s"], rows,
-                          numeric=range(1, 4)))
+        self.say(md_table(["size", "PortChannel GB/s", "ucx_perftest host GB/s", "PortChannel / host",
+                           "ucx_perftest GPU GB/s"], rows, numeric=range(1, 5)))
         torch.cuda.synchronize()
         dist.barrier()
         chans.close()
