@@ -1,7 +1,9 @@
 package ucx
 
 import (
+	"bytes"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"strconv"
 	"strings"
@@ -163,4 +165,54 @@ func TestParseStageMode(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestStagedPutWithSignal: puts of random sizes each followed by a signal
+// (one ring entry, the signal in its header), answered in turn; every byte
+// is checked when its signal arrives.
+func TestStagedPutWithSignal(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagedpingpong", 2, 60*time.Second))
+}
+
+func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) error {
+	j := newJob(tr, bs, timeout)
+	j.mem = transport.DeviceMemory
+	if err := j.connect(); err != nil {
+		return err
+	}
+	me, peer := j.rank, 1-j.rank
+	rng := rand.New(rand.NewPCG(7, 11))
+	want := make([]byte, slotSize)
+	for i := 1; i <= 200; i++ {
+		// Both ranks draw the same sizes; sizes straddle chunks and rings.
+		n := 1 + rng.IntN(1<<uint(1+rng.IntN(18)))
+		round := i
+		if (i%2 == 1) == (me == 0) {
+			fillSource(j.src, me, round)
+			if err := tr.Put(j.rdst[peer], uint64(me*slotSize), j.lsrc, 0, uint64(n)); err != nil {
+				return err
+			}
+			if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := j.await(signalWord(peer), uint64((i+me)/2), fmt.Sprintf("signal %d of rank %d", i, peer)); err != nil {
+			return err
+		}
+		fillSource(want, peer, round)
+		got := j.dst[peer*slotSize : peer*slotSize+n]
+		if !bytes.Equal(got, want[:n]) {
+			k := 0
+			for got[k] == want[k] {
+				k++
+			}
+			return fmt.Errorf("put %d of %d bytes from rank %d differs first at byte %d: got %#x, want %#x", i, n, peer, k, got[k], want[k])
+		}
+	}
+	if err := tr.Flush(peer); err != nil {
+		return err
+	}
+	return tr.progressWhile(bs.Barrier)
 }

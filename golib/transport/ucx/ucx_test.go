@@ -182,6 +182,8 @@ func child(role string) int {
 		j := newJob(tr, bs, cfg.Timeout)
 		j.mem = transport.DeviceMemory
 		err = j.exchange(6)
+	case "stagedpingpong":
+		err = childStagedPingPong(tr, bs, cfg.Timeout)
 	case "stagedmix":
 		err = childStagedMix(tr, bs, cfg.Timeout)
 	case "stagedkill":
