@@ -216,7 +216,8 @@ func (c *Comm) openNetwork() error {
 	if err := bootstrap.Agree(c.bs, ucx.Available(nil)); err != nil {
 		return fmt.Errorf("all-reduce across nodes needs UCX: %w", err)
 	}
-	t, err := ucx.Open(c.bs, ucx.Options{Timeout: c.opts.Timeout, Stage: ucx.StageNever})
+	t, err := ucx.Open(c.bs, ucx.Options{Timeout: c.opts.Timeout, Stage: ucx.StageNever,
+		SeparateHosts: c.topo.SharedHosts})
 	if err != nil {
 		return fmt.Errorf("all-reduce across nodes: %w", err)
 	}

@@ -22,6 +22,9 @@ type Topology struct {
 	Rank   int     // this rank
 	NodeOf []int   // NodeOf[r]: the node of rank r
 	Nodes  [][]int // Nodes[n]: the ranks of node n, ascending
+	// SharedHosts: some nodes share a host (LocalSizeEnv split it), so
+	// anything between nodes must avoid what works only within a host.
+	SharedHosts bool
 }
 
 // Single returns the topology of size ranks that all share one node.
@@ -139,6 +142,12 @@ func Build(rank int, keys [][]byte, localSize int) (*Topology, error) {
 			}
 			t.NodeOf[r] = n
 			t.Nodes[n] = append(t.Nodes[n], r)
+		}
+		hosts := map[string]bool{}
+		for _, node := range t.Nodes {
+			key := string(keys[node[0]])
+			t.SharedHosts = t.SharedHosts || hosts[key]
+			hosts[key] = true
 		}
 		return t, nil
 	}

@@ -26,14 +26,15 @@ func TestBuild(t *testing.T) {
 		localSize int
 		nodes     [][]int
 		str       string
+		shared    bool // some nodes share a host
 	}{
-		{"one host", []string{"a", "a", "a"}, 0, [][]int{{0, 1, 2}}, "1 node (node 0: ranks 0-2)"},
-		{"two hosts", []string{"a", "a", "b", "b"}, 0, [][]int{{0, 1}, {2, 3}}, "2 nodes (node 0: ranks 0-1, node 1: ranks 2-3)"},
-		{"interleaved hosts", []string{"a", "b", "a", "b"}, 0, [][]int{{0, 2}, {1, 3}}, "2 nodes (node 0: ranks 0, 2, node 1: ranks 1, 3)"},
-		{"knob 1", []string{"a", "a", "a"}, 1, [][]int{{0}, {1}, {2}}, "3 nodes (node 0: rank 0, node 1: rank 1, node 2: rank 2)"},
-		{"knob 2, last smaller", []string{"a", "a", "a", "a", "a"}, 2, [][]int{{0, 1}, {2, 3}, {4}}, ""},
-		{"knob larger than world", []string{"a", "a"}, 8, [][]int{{0, 1}}, ""},
-		{"knob within hosts", []string{"a", "a", "b", "b"}, 2, [][]int{{0, 1}, {2, 3}}, ""},
+		{"one host", []string{"a", "a", "a"}, 0, [][]int{{0, 1, 2}}, "1 node (node 0: ranks 0-2)", false},
+		{"two hosts", []string{"a", "a", "b", "b"}, 0, [][]int{{0, 1}, {2, 3}}, "2 nodes (node 0: ranks 0-1, node 1: ranks 2-3)", false},
+		{"interleaved hosts", []string{"a", "b", "a", "b"}, 0, [][]int{{0, 2}, {1, 3}}, "2 nodes (node 0: ranks 0, 2, node 1: ranks 1, 3)", false},
+		{"knob 1", []string{"a", "a", "a"}, 1, [][]int{{0}, {1}, {2}}, "3 nodes (node 0: rank 0, node 1: rank 1, node 2: rank 2)", true},
+		{"knob 2, last smaller", []string{"a", "a", "a", "a", "a"}, 2, [][]int{{0, 1}, {2, 3}, {4}}, "", true},
+		{"knob larger than world", []string{"a", "a"}, 8, [][]int{{0, 1}}, "", false},
+		{"knob within hosts", []string{"a", "a", "b", "b"}, 2, [][]int{{0, 1}, {2, 3}}, "", false},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -56,6 +57,9 @@ func TestBuild(t *testing.T) {
 				}
 				if top.MultiNode() != (len(c.nodes) > 1) {
 					t.Errorf("rank %d: MultiNode() = %v with %d nodes", rank, top.MultiNode(), len(c.nodes))
+				}
+				if top.SharedHosts != c.shared {
+					t.Errorf("rank %d: SharedHosts = %v, want %v", rank, top.SharedHosts, c.shared)
 				}
 				if c.str != "" && top.String() != c.str {
 					t.Errorf("String() = %q, want %q", top.String(), c.str)

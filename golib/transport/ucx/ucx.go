@@ -45,7 +45,15 @@ type Options struct {
 	// Errors says how endpoints learn of a failed peer; the zero value
 	// reads P2PCOMM_UCX_ERRORS (fast, peer), else fast.
 	Errors ErrorMode
+	// SeparateHosts keeps UCX off the transports that only work within one
+	// host (cuda_ipc and shared memory) unless UCX_TLS says otherwise: the
+	// ranks share a host that P2PCOMM_LOCAL_SIZE split into nodes, which
+	// must reach each other the way separate hosts would.
+	SeparateHosts bool
 }
+
+// SeparateHostsTLS is UCX_TLS for ranks that must behave as separate hosts.
+const SeparateHostsTLS = "^cuda_ipc,sm"
 
 // ErrorsEnv names the endpoints' failure handling knob: fast or peer.
 const ErrorsEnv = "P2PCOMM_UCX_ERRORS"
@@ -211,7 +219,11 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	if s := C.p2p_ucx_config_read(f.configRead, &config); s != C.P2P_UCS_OK {
 		return t.ucsError(s, "read UCX configuration")
 	}
-	for _, kv := range defaults {
+	settings := defaults
+	if opts.SeparateHosts {
+		settings = append(settings[:len(settings):len(settings)], [2]string{"TLS", SeparateHostsTLS})
+	}
+	for _, kv := range settings {
 		if _, set := os.LookupEnv("UCX_" + kv[0]); set {
 			continue
 		}
