@@ -224,6 +224,7 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 		}
 	}
 	bound <- nil
+	defer s.drain(f)
 	last := time.Now()
 	for idle := 0; !s.stop.Load(); {
 		t, pos, ok := f.pop()
@@ -252,6 +253,25 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 			atomic.StoreUint64(&f.hw.Done, pos+1)
 		}
 		last = time.Now()
+	}
+}
+
+// drain runs, at Close, the triggers already in f's ring: a kernel that
+// finished has pushed them, and its peers wait for what they carry.
+func (s *Service) drain(f *FIFO) {
+	for {
+		t, pos, ok := f.pop()
+		if !ok {
+			return
+		}
+		if s.Err() != nil {
+			continue
+		}
+		if err := s.run(f, Decode(t), pos); err != nil {
+			s.fail(err)
+			continue
+		}
+		atomic.StoreUint64(&f.hw.Done, pos+1)
 	}
 }
 
@@ -365,9 +385,10 @@ func (s *Service) describeChannel(c uint32) string {
 	return fmt.Sprintf("channel %d", c)
 }
 
-// Close stops every proxy (waiting up to the timeout for one inside a
-// transport call) and frees the FIFOs. Kernels using them must have
-// finished. It returns the sticky error, if any, joined with its own.
+// Close stops every proxy once it has run the triggers already pushed
+// (waiting up to the timeout for one inside a transport call) and frees
+// the FIFOs. Kernels using them must have finished. It returns the sticky
+// error, if any, joined with its own.
 func (s *Service) Close() error {
 	s.regMu.Lock()
 	if s.closed {

@@ -387,3 +387,39 @@ func BenchmarkHostPush(b *testing.B) {
 		b.Fatal(err)
 	}
 }
+
+// TestCloseRunsPushedTriggers: Close runs what a finished kernel already
+// pushed before it stops the proxy, or the peers would wait for it.
+func TestCloseRunsPushedTriggers(t *testing.T) {
+	tr := &fakeTransport{block: make(chan struct{}), entered: make(chan struct{}, 16)}
+	s := newService(t, tr, Options{Slots: 8, Timeout: 10 * time.Second})
+	id := mustID(t)
+	src := id(s.AddLocal(&fakeMem{size: 1 << 20}))
+	dst := id(s.AddRemote(&fakeMem{peer: 1, size: 1 << 20}))
+	ch := id(s.AddChannel(1, nil, 0))
+	f, err := s.NewFIFO()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 6
+	for i := 0; i < n; i++ {
+		if _, err := f.Push(Op{Type: TriggerPut, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 8}); err != nil {
+			t.Fatal(err)
+		}
+		if i == 0 {
+			<-tr.entered // the proxy is inside the first put: the rest wait in the ring
+		}
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close() }()
+	for !s.stop.Load() {
+		time.Sleep(time.Millisecond)
+	}
+	close(tr.block)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if puts := len(tr.snapshot()); puts != n {
+		t.Errorf("Close returned after %d of the %d pushed puts ran", puts, n)
+	}
+}
