@@ -16,7 +16,8 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 		return err
 	}
 	if b.topo.MultiNode() {
-		return b.allReduceNodes(req)
+		// Every rank knows the topology, so every rank fails here alike.
+		return b.acrossNodes("all-reduce")
 	}
 	if req.Reject != nil {
 		return b.reject(req)

@@ -58,7 +58,6 @@ type Backend struct {
 	params  allReduceParams // reused per launch: no allocation on the hot path
 	topo    *topo.Topology
 	user    userKernels // kernels compiled from callers' sources
-	nodes   *nodes      // all-reduce across nodes, from the first such call (nodes.go)
 }
 
 var _ collective.Backend = (*Backend)(nil)
@@ -244,13 +243,13 @@ func (b *Backend) Check() error {
 // may have another device's context current, so this device's is made
 // current first (frees and IPC closes act on the current context).
 func (b *Backend) Close() error {
-	err := b.closeNodes() // its proxies use the memory freed below
+	var err error
 	if b.space != nil {
 		// Free even if the context could not be made current: a leak is
 		// worse than a failed free, and both are reported.
 		// Frees wait for the device, so no kernel of the modules unloaded
 		// after them still runs.
-		err = errors.Join(err, b.drv.EnsureContext(b.device), b.space.Close(), // also frees the host-mapped error word
+		err = errors.Join(b.drv.EnsureContext(b.device), b.space.Close(), // also frees the host-mapped error word
 			b.kernels.close())
 		if err != nil {
 			err = fmt.Errorf("close the GPU communicator: %w", err)

@@ -1,7 +1,6 @@
 """All-reduce across simulated nodes when a rank of the other node fails: killed (gone at once) or stopped
 (alive, silent). Every survivor, on either node, raises PeerTimeoutError naming that rank within about
-P2PCOMM_TIMEOUT_MS, and its communicator stays broken. CPU ranks as 2 nodes x 2; GPUs (P2PCOMM_TEST_GPU=1,
-two or more) as 2 nodes x 1. TCP bootstrap."""
+P2PCOMM_TIMEOUT_MS, and its communicator stays broken. CPU ranks, 2 nodes x 2, TCP bootstrap."""
 
 import importlib.util
 import os
@@ -23,14 +22,11 @@ VICTIM = 2  # on the second node
 
 SCRIPT = """
     import os, signal, time, torch, p2pcomm
-    device = "{device}" if "{device}" == "cpu" else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    comm = p2pcomm.Communicator(device=device, bootstrap="tcp")
-    w = comm.world_size
-    x = torch.arange(1 << 16, dtype=torch.float32, device=device)
-    assert torch.equal(comm.all_reduce(x), w * x)
+    comm = p2pcomm.Communicator(device="cpu", bootstrap="tcp")
+    assert comm.nodes == [[0, 1], [2, 3]], comm.nodes
+    x = torch.arange(1 << 16, dtype=torch.float32)
+    assert torch.equal(comm.all_reduce(x), 4 * x)
     comm.barrier()
-    if "{device}" != "cpu":
-        torch.cuda.synchronize()
     if comm.rank == {victim}:
         if "{how}" == "killed":
             os._exit(0)                          # dies without a word
@@ -39,9 +35,6 @@ SCRIPT = """
     try:
         for _ in range(5):
             comm.all_reduce(x)
-            if "{device}" != "cpu":
-                torch.cuda.synchronize()
-                comm.check()
         print("NO ERROR")
     except p2pcomm.PeerTimeoutError as e:
         print("RAISED", round(time.monotonic() - start, 2), e)
@@ -58,21 +51,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(how: str, world: int = 4, local_size: int = 2, device: str = "cpu", victim: int = VICTIM):
+def run_job(how: str, world: int = 4):
     """Runs SCRIPT on world ranks; returns the survivors' (return code, output); ends the victim."""
     port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), P2PCOMM_TIMEOUT_MS=str(TIMEOUT_MS), P2PCOMM_JOB_TOKEN="%x" % port,
-                   P2PCOMM_LOCAL_SIZE=str(local_size))
-        script = textwrap.dedent(SCRIPT.format(victim=victim, how=how, device=device))
-        procs.append(subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+                   P2PCOMM_LOCAL_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT.format(victim=VICTIM, how=how))],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = {}
     try:
         for r, p in enumerate(procs):
-            if r == victim:
+            if r == VICTIM:
                 continue
             try:
                 out, _ = p.communicate(timeout=60)
@@ -82,35 +74,18 @@ def run_job(how: str, world: int = 4, local_size: int = 2, device: str = "cpu", 
                 out += "\n<<killed by the test: hung>>"
             outs[r] = (p.returncode, out)
     finally:
-        procs[victim].kill()
-        procs[victim].communicate()
+        procs[VICTIM].kill()
+        procs[VICTIM].communicate()
     return outs
-
-
-def check_survivors(outs, victim):
-    for rank, (rc, out) in outs.items():
-        assert rc == 0, out
-        assert "RAISED" in out and f"rank {victim} " in out, out
-        raised_after = float(out.split("RAISED", 1)[1].split()[0])
-        assert raised_after < TIMEOUT_MS / 1000 + 1.5, out  # the timeout, and a little to hear whom peers blame
-        assert "AFTER PeerTimeoutError" in out, out
 
 
 @NEEDS_UCX
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_failed_rank_of_the_other_node_is_named_by_every_survivor(how):
-    check_survivors(run_job(how), VICTIM)
-
-
-def gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-@NEEDS_UCX
-@pytest.mark.skipif(os.environ.get("P2PCOMM_TEST_GPU") != "1" or gpu_count() < 2,
-                    reason="GPU tests run only with P2PCOMM_TEST_GPU=1 on two or more GPUs")
-@pytest.mark.parametrize("how", ["killed", "stopped"])
-def test_failed_gpu_rank_of_the_other_node_is_named(how):
-    check_survivors(run_job(how, world=2, local_size=1, device="cuda", victim=1), 1)
+    outs = run_job(how)
+    for rank, (rc, out) in outs.items():
+        assert rc == 0, out
+        assert "RAISED" in out and f"rank {VICTIM} " in out, out
+        raised_after = float(out.split("RAISED", 1)[1].split()[0])
+        assert raised_after < TIMEOUT_MS / 1000 + 1.5, out  # the timeout, and a little to hear whom peers blame
+        assert "AFTER PeerTimeoutError" in out, out
