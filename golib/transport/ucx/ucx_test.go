@@ -163,6 +163,9 @@ func child(role string) int {
 		if role == "stagednostore" {
 			opts.Copier = &fakeCopier{noStore: true}
 		}
+		if role == "stagedhier" && os.Getenv("P2PCOMM_TEST_HIER_DEFAULT_RING") != "" {
+			opts.ChunkBytes, opts.RingChunks = 0, 0
+		}
 		if role == "stagedmeasure" {
 			opts.Copier = &fakeCopier{eager: true}
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // the defaults
@@ -182,6 +185,10 @@ func child(role string) int {
 		j := newJob(tr, bs, cfg.Timeout)
 		j.mem = transport.DeviceMemory
 		err = j.exchange(6)
+	case "hier":
+		err = childHier(tr, bs, cfg.Timeout, transport.HostMemory)
+	case "stagedhier":
+		err = childHier(tr, bs, cfg.Timeout, transport.DeviceMemory)
 	case "stagedpingpong":
 		err = childStagedPingPong(tr, bs, cfg.Timeout)
 	case "stagedmix":
