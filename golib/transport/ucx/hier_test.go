@@ -30,7 +30,7 @@ const (
 	hierBlocks  = 8
 	hierRing    = 2
 	hierChunk   = 256 << 10
-	hierCalls   = 40 // more with P2PCOMM_TEST_HIER_CALLS
+	hierCalls   = 16 // more with P2PCOMM_TEST_HIER_CALLS
 	hierMaxPart = 4<<20 + 8
 )
 
