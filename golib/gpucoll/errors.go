@@ -68,6 +68,10 @@ func describeChannel(e errorWord) error {
 		return status.Errorf(status.Internal,
 			"the proxy failed a trigger of FIFO %d toward peer %d, seen by a %s on rank %d (block %d); the proxy's error says why (port channels)",
 			e.Step, e.Peer, what, e.Rank, e.Block)
+	case e.Code == errProxy && e.Phase == phaseChannelWait:
+		return status.Errorf(status.Internal,
+			"the proxy of rank %d failed (FIFO %d) while a channel wait for a signal from peer %d was pending (block %d, waited for count %d, saw %d); the proxy's error says why (port channels)",
+			e.Rank, e.Step, e.Peer, e.Block, e.Expected, e.Seen)
 	case e.Code != errTimeout:
 		return nil
 	case e.Phase == phaseChannelWait:

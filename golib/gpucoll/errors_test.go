@@ -95,6 +95,8 @@ func TestDescribeChannelWaits(t *testing.T) {
 			status.Timeout, "rank 1's push into FIFO 4 toward peer 2 found no free slot"},
 		{"flush", errorWord{Code: errTimeout, Rank: 1, Peer: 0, Phase: phaseFifoFlush, Step: 1, Expected: 12, Seen: 10},
 			status.Timeout, "rank 1's flush of FIFO 1 toward peer 0 timed out (block 0, waited for the proxy to complete 12 triggers, it had 10)"},
+		{"proxy failed under a channel wait", errorWord{Code: errProxy, Rank: 2, Peer: 0, Phase: phaseChannelWait, Block: 1, Step: 3, Expected: 7, Seen: 6},
+			status.Internal, "the proxy of rank 2 failed (FIFO 3) while a channel wait for a signal from peer 0 was pending (block 1, waited for count 7, saw 6)"},
 		{"proxy failed a push", errorWord{Code: errProxy, Rank: 1, Peer: 2, Phase: phaseFifoPush, Step: 3},
 			status.Internal, "the proxy failed a trigger of FIFO 3 toward peer 2, seen by a push on rank 1"},
 		{"proxy failed a flush", errorWord{Code: errProxy, Rank: 0, Peer: 1, Phase: phaseFifoFlush, Step: 0},

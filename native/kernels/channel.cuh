@@ -279,6 +279,31 @@ DINLINE bool sem_poll(const u64* sem, u64* expected) {
   return true;
 }
 
+// port_wait is sem_wait for a port channel, which also stops at a failure of
+// the FIFO's proxy: the proxy lands what peers send as well (staged puts,
+// their signals), so after it failed nothing more arrives, and the error
+// names the proxy instead of timing out on the peer.
+template <typename P>
+DINLINE bool port_wait(const P& w, const FifoHandle& f, const u64* sem, u64* expected, int peer) {
+  const u64 want = *expected + 1;
+  u64 seen = 0;
+  u32 polls = 0;
+  bool failed = false;
+  // Each look at host memory crosses PCIe: the error word only every 32nd.
+  const bool ok = spin_until(w, [&] {
+    if ((seen = ld_flag_acquire(sem)) >= want) return true;
+    failed = (++polls & 31u) == 0 && ld_volatile_u32(&f.host->error) != 0;
+    return failed;
+  }, seen, peer, kPhaseChannelWait, -1, want);
+  if (!ok) return false;
+  if (failed) {
+    report_error(w, kErrProxy, peer, kPhaseChannelWait, (int)f.id, want, seen);
+    return false;
+  }
+  *expected = want;
+  return true;
+}
+
 // ---------------------------------------------------------------- PortChannel
 
 struct PortChannel {
@@ -339,7 +364,7 @@ struct PortChannel {
 
   // wait consumes one signal from the peer (bounded); poll consumes one if
   // it has arrived. One thread per channel.
-  DMETHOD bool wait() const { return sem_wait(waiter(), sem, expected, peer); }
+  DMETHOD bool wait() const { return port_wait(waiter(), fifo, sem, expected, peer); }
   DMETHOD bool poll() const { return sem_poll(sem, expected); }
 };
 static_assert(sizeof(PortChannel) == 88, "PortChannel size");
