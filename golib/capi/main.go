@@ -343,7 +343,7 @@ func p2p_host_allgather(h C.uint64_t, send unsafe.Pointer, nbytes C.int64_t, rec
 
 //export p2p_check
 func p2p_check(h C.uint64_t) C.int {
-	return withBackend(h, func(b collective.Backend) error { return b.Check() })
+	return withComm(h, func(c *comm.Comm) error { return c.Check() })
 }
 
 func withComm(h C.uint64_t, f func(*comm.Comm) error) C.int {

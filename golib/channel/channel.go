@@ -99,6 +99,15 @@ type set struct {
 	port   []portPeer // port sets: by rank; zero for self
 }
 
+// Err is the port channels' proxy's sticky error (nil while healthy or
+// before the first port set): what a kernel's kErrProxy refers to.
+func (c *Channels) Err() error {
+	if c == nil || c.port == nil || c.port.svc == nil {
+		return nil
+	}
+	return c.port.svc.Err()
+}
+
 // New returns the channels of a communicator; nothing is created until the
 // first set.
 func New(cfg Config) *Channels {

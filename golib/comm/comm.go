@@ -235,6 +235,22 @@ func (c *Comm) Do(f func(collective.Backend) error) error {
 	return f(c.backend)
 }
 
+// Check returns the first error the backend's kernels recorded (see
+// collective.Backend.Check), with the port channels' proxy error beside it
+// when there is one: a kernel sees only that its proxy failed, not why.
+func (c *Comm) Check() error {
+	return c.Do(func(b collective.Backend) error {
+		err := b.Check()
+		if err == nil {
+			return nil
+		}
+		if perr := c.channels.Err(); perr != nil {
+			return fmt.Errorf("%w (port channels' proxy: %v)", err, perr)
+		}
+		return err
+	})
+}
+
 // WithChannels runs f on the communicator's channels, created at the first
 // call, with the communicator locked (so a host-side wait holds other calls
 // back until it returns).
