@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 )
 
 // EnvCacheDir overrides where compiled kernels are cached.
@@ -58,6 +59,37 @@ func cacheKey(req CompileRequest, major, minor int) string {
 		}
 	}
 	return hex.EncodeToString(h.Sum(nil))
+}
+
+var includeLine = regexp.MustCompile(`(?m)^[ \t]*#[ \t]*include[ \t]*["<]([^">]+)[">]`)
+
+// withIncludedHeaders keeps only the headers the source includes, directly
+// or through other headers: an edit to a header a kernel never includes
+// leaves that kernel's cache entry valid.
+func (r CompileRequest) withIncludedHeaders() CompileRequest {
+	if len(r.Headers) == 0 {
+		return r
+	}
+	used := map[string]string{}
+	queue := []string{r.Source}
+	for len(queue) > 0 {
+		text := queue[0]
+		queue = queue[1:]
+		for _, m := range includeLine.FindAllStringSubmatch(text, -1) {
+			name := m[1]
+			if _, ok := r.Headers[name]; !ok {
+				name = filepath.Base(name)
+			}
+			if h, ok := r.Headers[name]; ok {
+				if _, seen := used[name]; !seen {
+					used[name] = h
+					queue = append(queue, h)
+				}
+			}
+		}
+	}
+	r.Headers = used
+	return r
 }
 
 // A cache entry is: magic, 4-byte header length, JSON header, CUBIN. The
@@ -135,6 +167,7 @@ func (n *NVRTC) CompileCached(req CompileRequest) (CompileResult, error) {
 }
 
 func compileCached(c compiler, dir string, req CompileRequest) (CompileResult, error) {
+	req = req.withIncludedHeaders()
 	major, minor := c.Version()
 	key := cacheKey(req, major, minor)
 	path := filepath.Join(dir, key+".cubin")

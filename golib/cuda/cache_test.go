@@ -38,7 +38,10 @@ func (c *countingCompiler) count() int { c.mu.Lock(); defer c.mu.Unlock(); retur
 func TestCompileCachedHitsAndMisses(t *testing.T) {
 	dir := t.TempDir()
 	c := &countingCompiler{}
-	base := CompileRequest{Name: "a.cu", Source: "src", Headers: map[string]string{"h.cuh": "1"}, Arch: 90,
+	headers := func(h, i string) map[string]string {
+		return map[string]string{"h.cuh": "#include \"i.cuh\"\n" + h, "i.cuh": i, "unused.cuh": "u"}
+	}
+	base := CompileRequest{Name: "a.cu", Source: "#include \"h.cuh\"\nsrc", Headers: headers("1", "x"), Arch: 90,
 		Options: []string{"-O3"}, NameExpressions: []string{"k<float>"}}
 	first, err := compileCached(c, dir, base)
 	if err != nil || first.Cached || c.count() != 1 {
@@ -54,8 +57,9 @@ func TestCompileCachedHitsAndMisses(t *testing.T) {
 		modify func(r *CompileRequest)
 	}{
 		{"source", func(r *CompileRequest) { r.Source = "src2" }},
-		{"header text", func(r *CompileRequest) { r.Headers = map[string]string{"h.cuh": "2"} }},
-		{"header name", func(r *CompileRequest) { r.Headers = map[string]string{"g.cuh": "1"} }},
+		{"header text", func(r *CompileRequest) { r.Headers = headers("2", "x") }},
+		{"text of a header the header includes", func(r *CompileRequest) { r.Headers = headers("1", "y") }},
+		{"header name", func(r *CompileRequest) { r.Headers = map[string]string{"g.cuh": "1", "i.cuh": "x"} }},
 		{"arch", func(r *CompileRequest) { r.Arch = 80 }},
 		{"options", func(r *CompileRequest) { r.Options = []string{"-O2"} }},
 		{"name expressions", func(r *CompileRequest) { r.NameExpressions = []string{"k<half>"} }},
@@ -71,6 +75,23 @@ func TestCompileCachedHitsAndMisses(t *testing.T) {
 				t.Errorf("compileCached after changing %s = cached %v, %v; want a recompile", ch.name, res.Cached, err)
 			}
 		})
+	}
+}
+
+// TestCompileCachedIgnoresHeadersNotIncluded: an edit to a header the
+// source never includes keeps its entry.
+func TestCompileCachedIgnoresHeadersNotIncluded(t *testing.T) {
+	dir := t.TempDir()
+	c := &countingCompiler{}
+	req := CompileRequest{Name: "a.cu", Source: "  # include <h.cuh>\nsrc", Arch: 90,
+		Headers: map[string]string{"h.cuh": "1", "other.cuh": "1"}}
+	if _, err := compileCached(c, dir, req); err != nil {
+		t.Fatal(err)
+	}
+	req.Headers = map[string]string{"h.cuh": "1", "other.cuh": "2", "new.cuh": "3"}
+	if res, err := compileCached(c, dir, req); err != nil || !res.Cached || c.count() != 1 {
+		t.Errorf("compileCached after editing headers the source does not include = cached %v, %v, %d compiles; want the entry",
+			res.Cached, err, c.count())
 	}
 }
 
