@@ -252,6 +252,9 @@ func (c *Comm) Contains(ptr uintptr, nbytes int64) bool {
 // Topology is the node layout the backend was built with.
 func (c *Comm) Topology() *topo.Topology { return c.topo }
 
+// Timeout is the bound on every wait for a peer (P2PCOMM_TIMEOUT_MS).
+func (c *Comm) Timeout() time.Duration { return c.opts.Timeout }
+
 // Check returns the error that broke the communicator, if any.
 func (c *Comm) Check() error { return c.broken }
 

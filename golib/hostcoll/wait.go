@@ -35,6 +35,11 @@ func (c *Comm) backoff(i int) {
 	}
 }
 
+// Pace is backoff for waits of other packages on this communicator's
+// peers (MoE across nodes): the i-th poll spins, yields or naps as this
+// backend's own waits do.
+func (c *Comm) Pace(i int) { c.backoff(i) }
+
 // await polls ready until it holds, on behalf of a wait for rank peer (a
 // local peer or a rank of this rank's group) described by what ("its
 // header of call #3"). It fails when any rank reports a failure, when peer

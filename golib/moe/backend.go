@@ -1,10 +1,12 @@
 package moe
 
 import (
+	"time"
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
 )
 
 // PeerMemory is symmetric memory that every rank of the node can address,
@@ -25,9 +27,17 @@ type PeerMemory interface {
 	Check() error
 }
 
-// Host is what the CPU path needs: symmetric host memory.
+// Host is what the CPU path needs: symmetric host memory (mapped only
+// among the ranks of a node), which ranks share a node, and how the
+// backend bounds and paces its waits (the path's own waits across nodes
+// follow them).
 type Host interface {
 	PeerMemory
+	Topology() *topo.Topology
+	// Timeout bounds every wait for a peer (P2PCOMM_TIMEOUT_MS).
+	Timeout() time.Duration
+	// Pace paces the i-th poll of a wait: spin, yield, then nap.
+	Pace(i int)
 }
 
 // GPU is what the kernel path needs of the GPU backend (gpucoll, adapted in

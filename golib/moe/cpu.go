@@ -14,11 +14,16 @@ import (
 // buffers, and every expert rank its partials into the sources', ordered by
 // the backend's barriers (a start and a middle barrier per call, as on the
 // GPU, for the same reasons). The same results as the kernels, bit for bit.
+// Across nodes, what goes to a rank of another node travels through UCX to
+// the same offsets, and the barriers are net's (nodes.go).
 type cpuEngine struct {
 	host Host
 	p    *plan
+	net  *netPeers // nil on one node
+	off  cpuLayout
 
-	// Per rank d, d's buffers as this process maps them:
+	// Per rank d, d's buffers as this process maps them (nil for ranks of
+	// other nodes):
 	recvX  [][]byte  // [W, Tm, H] of dtype: [source, slot] rows sent to d
 	meta   [][]int32 // [W, Tm, 2K+1]: local expert of each k (-1: not on d) | weight bits | source token
 	counts [][]int32 // [W]: tokens each source sent d
@@ -54,30 +59,68 @@ func int32sAt(addr uintptr, n int64) []int32 {
 
 func newCPUEngine(host Host) *cpuEngine { return &cpuEngine{host: host} }
 
-// setup allocates the symmetric buffers (collective) and maps every rank's.
-func (c *cpuEngine) setup(p *plan) error {
-	c.p = p
+// cpuLayout is where each piece lives in every rank's symmetric buffer.
+type cpuLayout struct {
+	recvX, meta, counts, status, comb, flags, pid, size int64
+	// Of one remote rank's outbox: rows, metadata and count of a dispatch
+	// (at 0, boxMeta, boxCount), or partials of a combine (at 0).
+	boxMeta, boxCount, boxBytes int64
+}
+
+func newCPULayout(p *plan) cpuLayout {
 	W, Tm, K, H := int64(p.world), int64(p.maxTokens), int64(p.topK), int64(p.hidden)
 	var l layout
-	recvX := l.take(W * Tm * p.rowBytes())
-	meta := l.take(W * Tm * (2*K + 1) * 4)
-	counts := l.take(W * 4)
-	status := l.take(2 * W * 4)
-	comb := l.take(W * Tm * H * int64(p.transit.Size()))
-	base, err := c.host.Alloc(l.size)
+	var o cpuLayout
+	o.recvX = l.take(W * Tm * p.rowBytes())
+	o.meta = l.take(W * Tm * (2*K + 1) * 4)
+	o.counts = l.take(W * 4)
+	o.status = l.take(2 * W * 4)
+	o.comb = l.take(W * Tm * H * int64(p.transit.Size()))
+	o.flags = l.take(W * 8)
+	o.pid = l.take(8)
+	o.size = l.size
+	var b layout
+	b.take(Tm * p.rowBytes())
+	o.boxMeta = b.take(Tm * (2*K + 1) * 4)
+	o.boxCount = b.take(4)
+	o.boxBytes = (max(b.size, Tm*H*int64(p.transit.Size())) + 255) &^ 255
+	return o
+}
+
+// setup allocates the symmetric buffers (collective), maps every rank's of
+// this node and, across nodes, reaches the others' through UCX.
+func (c *cpuEngine) setup(g Group, p *plan) error {
+	c.p = p
+	c.off = newCPULayout(p)
+	o := &c.off
+	W, Tm, K, H := int64(p.world), int64(p.maxTokens), int64(p.topK), int64(p.hidden)
+	base, err := c.host.Alloc(o.size)
 	if err != nil {
-		return fmt.Errorf("ExpertParallel: allocate %d bytes of buffers: %w", l.size, err)
+		return fmt.Errorf("ExpertParallel: allocate %d bytes of buffers: %w", o.size, err)
 	}
+	tp := c.host.Topology()
+	mapped := make([]uintptr, p.world)
 	for d := range p.world {
-		pb, err := c.host.PeerAddress(base, l.size, d)
+		if !tp.SameNode(d) {
+			c.recvX, c.meta, c.counts, c.status, c.comb = append(c.recvX, nil), append(c.meta, nil), append(c.counts, nil),
+				append(c.status, nil), append(c.comb, nil)
+			continue
+		}
+		pb, err := c.host.PeerAddress(base, o.size, d)
 		if err != nil {
 			return fmt.Errorf("ExpertParallel: rank %d's buffers: %w", d, err)
 		}
-		c.recvX = append(c.recvX, bytesAt(pb+uintptr(recvX), W*Tm*p.rowBytes()))
-		c.meta = append(c.meta, int32sAt(pb+uintptr(meta), W*Tm*(2*K+1)))
-		c.counts = append(c.counts, int32sAt(pb+uintptr(counts), W))
-		c.status = append(c.status, int32sAt(pb+uintptr(status), 2*W))
-		c.comb = append(c.comb, bytesAt(pb+uintptr(comb), W*Tm*H*int64(p.transit.Size())))
+		mapped[d] = pb
+		c.recvX = append(c.recvX, bytesAt(pb+uintptr(o.recvX), W*Tm*p.rowBytes()))
+		c.meta = append(c.meta, int32sAt(pb+uintptr(o.meta), W*Tm*(2*K+1)))
+		c.counts = append(c.counts, int32sAt(pb+uintptr(o.counts), W))
+		c.status = append(c.status, int32sAt(pb+uintptr(o.status), 2*W))
+		c.comb = append(c.comb, bytesAt(pb+uintptr(o.comb), W*Tm*H*int64(p.transit.Size())))
+	}
+	if tp.MultiNode() {
+		if c.net, err = openNetPeers(g, c.host, base, o.size, mapped, o.flags, o.pid, uint64(o.boxBytes)); err != nil {
+			return err
+		}
 	}
 	clear(c.recvX[p.rank])
 	clear(c.meta[p.rank])
@@ -128,6 +171,14 @@ func idsValid(idx uintptr, idxBytes, n, experts int) bool {
 	return true
 }
 
+// barrier is the engine's start or middle barrier over every rank.
+func (c *cpuEngine) barrier(call collective.Call, phase string) error {
+	if c.net != nil {
+		return c.net.barrier(call, phase)
+	}
+	return c.host.StreamBarrier(0, call)
+}
+
 // agreeChecks posts this rank's check of an eager call into every rank's
 // status row of the call's parity, waits at the start barrier and reads
 // every rank's into checks; it reports whether all passed.
@@ -135,10 +186,18 @@ func (c *cpuEngine) agreeChecks(code int32, call collective.Call, checks []int32
 	W := c.p.world
 	par := c.eagerCalls & 1
 	c.eagerCalls++
+	c.status[c.p.rank][par*W+c.p.rank] = code
 	for d := range W {
-		c.status[d][par*W+c.p.rank] = code
+		if d == c.p.rank {
+			continue
+		}
+		if c.status[d] != nil {
+			c.status[d][par*W+c.p.rank] = code
+		} else if err := c.net.putOwn(d, uint64(c.off.status)+uint64(4*(par*W+c.p.rank)), 4, "check of "+call.String()); err != nil {
+			return false, err
+		}
 	}
-	if err := c.host.StreamBarrier(0, call); err != nil {
+	if err := c.barrier(call, "start"); err != nil {
 		return false, err
 	}
 	copy(checks, c.status[c.p.rank][par*W:(par+1)*W])
@@ -161,11 +220,13 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 		if !ok || err != nil {
 			return 0, err
 		}
-	} else if err := c.host.StreamBarrier(0, collective.CallMoeDispatch); err != nil { // start barrier
+	} else if err := c.barrier(collective.CallMoeDispatch, "start"); err != nil {
 		return 0, err
 	}
-	c.send(a)
-	if err := c.host.StreamBarrier(0, collective.CallMoeDispatch); err != nil { // middle barrier
+	if err := c.send(a); err != nil {
+		return 0, err
+	}
+	if err := c.barrier(collective.CallMoeDispatch, "middle"); err != nil {
 		return 0, err
 	}
 	rows := c.countRows()
@@ -178,8 +239,9 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 // send writes, for every destination d (from rank + 1 on, so that ranks
 // that copy at once write into different peers), the rows and metadata of
 // the tokens with an expert on d, in token order, into d's [rank, slot],
-// and their count.
-func (c *cpuEngine) send(a *DispatchArgs) {
+// and their count. For a rank of another node they are built in its outbox
+// and put at the same offsets.
+func (c *cpuEngine) send(a *DispatchArgs) error {
 	p := c.p
 	W, K, L, Tm, T := p.world, p.topK, p.numLocal, p.maxTokens, a.NumTokens
 	rb := int(p.rowBytes())
@@ -188,8 +250,16 @@ func (c *cpuEngine) send(a *DispatchArgs) {
 	MW := 2*K + 1
 	for o := 1; o <= W; o++ {
 		d := (p.rank + o) % W
-		rows := c.recvX[d][p.rank*Tm*rb:]
-		meta := c.meta[d][p.rank*Tm*MW:]
+		var rows []byte
+		var meta []int32
+		var box []byte
+		if c.recvX[d] != nil {
+			rows, meta = c.recvX[d][p.rank*Tm*rb:], c.meta[d][p.rank*Tm*MW:]
+		} else {
+			box = c.net.boxOf(d)
+			rows = box[:Tm*rb]
+			meta = unsafe.Slice((*int32)(unsafe.Pointer(&box[c.off.boxMeta])), Tm*MW)
+		}
 		slot := 0
 		for t := range T {
 			sent := false
@@ -216,9 +286,36 @@ func (c *cpuEngine) send(a *DispatchArgs) {
 			c.sendSlot[d*Tm+t] = int32(slot)
 			slot++
 		}
-		c.counts[d][p.rank] = int32(slot)
+		if box == nil {
+			c.counts[d][p.rank] = int32(slot)
+			continue
+		}
+		*(*int32)(unsafe.Pointer(&box[c.off.boxCount])) = int32(slot)
+		if err := c.putDispatch(d, slot); err != nil {
+			return err
+		}
 	}
 	c.lastT = T
+	return nil
+}
+
+// putDispatch puts the slots rows, their metadata and the count built in
+// remote rank d's outbox where send would have written them.
+func (c *cpuEngine) putDispatch(d, slots int) error {
+	p, o, n := c.p, &c.off, c.net
+	rb, mb, s := uint64(p.rowBytes()), uint64(2*p.topK+1)*4, uint64(slots)
+	at := uint64(p.rank * p.maxTokens)
+	if err := n.put(d, uint64(o.recvX)+at*rb, 0, s*rb, "dispatched rows"); err != nil {
+		return err
+	}
+	if err := n.put(d, uint64(o.meta)+at*mb, uint64(o.boxMeta), s*mb, "dispatch metadata"); err != nil {
+		return err
+	}
+	if err := n.put(d, uint64(o.counts)+4*uint64(p.rank), uint64(o.boxCount), 4, "dispatch count"); err != nil {
+		return err
+	}
+	n.t.Progress()
+	return nil
 }
 
 // pairs calls f for every pair this rank received, in (source, slot, k)
@@ -307,11 +404,13 @@ func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
 		if !ok || err != nil {
 			return err
 		}
-	} else if err := c.host.StreamBarrier(0, collective.CallMoeCombine); err != nil { // start barrier
+	} else if err := c.barrier(collective.CallMoeCombine, "start"); err != nil {
 		return err
 	}
-	c.partials(bytesAt(a.ExpertOut, a.ExpertRows*p.rowBytes()))
-	if err := c.host.StreamBarrier(0, collective.CallMoeCombine); err != nil { // middle barrier
+	if err := c.partials(bytesAt(a.ExpertOut, a.ExpertRows*p.rowBytes())); err != nil {
+		return err
+	}
+	if err := c.barrier(collective.CallMoeCombine, "middle"); err != nil {
 		return err
 	}
 	c.reduce(bytesAt(a.Y, int64(a.NumTokens)*p.rowBytes()), a.NumTokens)
@@ -321,15 +420,21 @@ func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
 // partials writes, for every source s (from rank + 1 on) and every token
 // it sent here, the float32 sum over k ascending of weight * expert row
 // (each product rounded to float32, added from +0), rounded once to the
-// transit type, into s's comb[rank, slot].
-func (c *cpuEngine) partials(out []byte) {
+// transit type, into s's comb[rank, slot] (for a rank of another node,
+// into its outbox, then put there).
+func (c *cpuEngine) partials(out []byte) error {
 	p := c.p
 	W, K, Tm, MW := p.world, p.topK, p.maxTokens, 2*p.topK+1
 	rb, cb := int(p.rowBytes()), p.hidden*p.transit.Size()
 	meta, counts := c.meta[p.rank], c.counts[p.rank]
 	for o := 1; o <= W; o++ {
 		s := (p.rank + o) % W
-		dst := c.comb[s][p.rank*Tm*cb:]
+		var dst []byte
+		if c.comb[s] != nil {
+			dst = c.comb[s][p.rank*Tm*cb:]
+		} else {
+			dst = c.net.boxOf(s)
+		}
 		for slot := range int(counts[s]) {
 			clear(c.acc)
 			for k := range K {
@@ -345,7 +450,15 @@ func (c *cpuEngine) partials(out []byte) {
 			}
 			narrow(dst[slot*cb:(slot+1)*cb], c.acc, p.transit)
 		}
+		if c.comb[s] == nil {
+			at := uint64(c.off.comb) + uint64(p.rank*Tm*cb)
+			if err := c.net.put(s, at, 0, uint64(int(counts[s])*cb), "combine partials"); err != nil {
+				return err
+			}
+			c.net.t.Progress()
+		}
 	}
+	return nil
 }
 
 // reduce sums, for each of this rank's T tokens, the partials of the ranks
@@ -371,7 +484,20 @@ func (c *cpuEngine) reduce(y []byte, T int) {
 	}
 }
 
-func (c *cpuEngine) close() error { return nil }
+func (c *cpuEngine) close() error {
+	if c.net != nil {
+		return c.net.close()
+	}
+	return nil
+}
+
+// check returns what broke the engine across nodes, if anything.
+func (c *cpuEngine) check() error {
+	if c.net != nil && c.net.broken != nil {
+		return c.net.broken
+	}
+	return c.host.Check()
+}
 
 // widen writes the elements of src (of type d) into dst as float32 (exact
 // for the 16-bit types; float64 rounds to nearest).

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap/bootstraptest"
@@ -17,21 +18,44 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/shm"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
 )
 
-// ranks runs f on world goroutines, each one rank of a CPU communicator
-// with an EP of cfg.
+// runner runs f on world goroutines, each one rank of a CPU communicator
+// with an EP of cfg, and returns each rank's error.
+type runner func(t *testing.T, world int, cfg func(rank int) Config, f func(rank int, ep *EP) error) []error
+
+// ranks is a runner of one node.
 func ranks(t *testing.T, world int, cfg func(rank int) Config, f func(rank int, ep *EP) error) []error {
+	t.Helper()
+	return ranksOn(t, world, 0, 0, cfg, f)
+}
+
+// ranksOn is ranks on simulated nodes of localSize consecutive ranks (0:
+// one node), whose waits end after timeout (0: the default).
+func ranksOn(t *testing.T, world, localSize int, timeout time.Duration, cfg func(rank int) Config, f func(rank int, ep *EP) error) []error {
 	t.Helper()
 	shm.Dir = t.TempDir()
 	bs := bootstraptest.NewMem(world)
+	keys := make([][]byte, world)
+	for r := range keys {
+		keys[r] = []byte("host")
+	}
 	errs := make([]error, world)
 	var wg sync.WaitGroup
 	for r := range world {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c, err := hostcoll.New(bs[r], hostcoll.Options{Cooperative: true})
+			o := hostcoll.Options{Cooperative: true, Timeout: timeout} // Cooperative: the ranks are goroutines here
+			if localSize > 0 {
+				var err error
+				if o.Topology, err = topo.Build(r, keys, localSize); err != nil {
+					errs[r] = err
+					return
+				}
+			}
+			c, err := hostcoll.New(bs[r], o)
 			if err != nil {
 				errs[r] = err
 				return
@@ -250,21 +274,33 @@ func emulate(tk tokens, rank, W, E, K, H int, dt, tr reduce.DType) []byte {
 	return y
 }
 
+// roundsCase is one configuration of checkRounds.
+type roundsCase struct {
+	world, E, K, H, Tm int
+	dt, tr             reduce.DType
+	minusOne           float64
+}
+
 func TestCPUDispatchCombineMatchTheDocumentedOrderAndRounding(t *testing.T) {
-	type tc struct {
-		world, E, K, H, Tm int
-		dt, tr             reduce.DType
-		minusOne           float64
-	}
-	var cases []tc
+	var cases []roundsCase
 	for _, world := range []int{1, 2, 3} {
 		for _, dt := range []reduce.DType{reduce.Float32, reduce.BFloat16, reduce.Float16, reduce.Float64} {
 			for _, tr := range []reduce.DType{reduce.Float32, dt} {
-				cases = append(cases, tc{world, 4 * world, 3, 24, 9, dt, tr, 0.2})
+				cases = append(cases, roundsCase{world, 4 * world, 3, 24, 9, dt, tr, 0.2})
 			}
 		}
 	}
-	cases = append(cases, tc{2, 8, 12, 16, 5, reduce.BFloat16, reduce.BFloat16, 0.1}, tc{3, 3, 1, 8, 20, reduce.Float32, reduce.Float32, 0})
+	cases = append(cases, roundsCase{2, 8, 12, 16, 5, reduce.BFloat16, reduce.BFloat16, 0.1},
+		roundsCase{3, 3, 1, 8, 20, reduce.Float32, reduce.Float32, 0})
+	checkRounds(t, ranks, cases)
+}
+
+// checkRounds runs three rounds of dispatch and combine (eager,
+// capturable, eager) of each case on run's ranks, rank 1 sending nothing
+// and the others between 1 and T_max tokens, and checks every row against
+// the documented order and every combine against the emulation of its
+// rounding, bit for bit.
+func checkRounds(t *testing.T, run runner, cases []roundsCase) {
 	for _, c := range cases {
 		name := fmt.Sprintf("W%d/E%d/K%d/%s/%s", c.world, c.E, c.K, c.dt, c.tr)
 		t.Run(name, func(t *testing.T) {
@@ -282,7 +318,7 @@ func TestCPUDispatchCombineMatchTheDocumentedOrderAndRounding(t *testing.T) {
 			cfg := func(int) Config {
 				return Config{NumExperts: c.E, Hidden: c.H, MaxTokens: c.Tm, TopK: c.K, DType: c.dt, CombineDType: c.tr}
 			}
-			errs := ranks(t, c.world, cfg, func(r int, ep *EP) error {
+			errs := run(t, c.world, cfg, func(r int, ep *EP) error {
 				for i, all := range rounds {
 					capturable := i == 1
 					res, err := dispatch(ep, all[r], sizes[r], capturable, 0)
@@ -316,7 +352,10 @@ func TestCPUDispatchCombineMatchTheDocumentedOrderAndRounding(t *testing.T) {
 // A rank that rejects its arguments, or an expert id out of range, makes
 // every rank see the failure in the checks of the same eager call, no data
 // moves, and the latest result still combines.
-func TestCPURejectedCallsMoveNothing(t *testing.T) {
+func TestCPURejectedCallsMoveNothing(t *testing.T) { checkRejected(t, ranks) }
+
+// checkRejected is TestCPURejectedCallsMoveNothing on run's ranks (3).
+func checkRejected(t *testing.T, run runner) {
 	const W, E, K, H, Tm = 3, 6, 2, 8, 4
 	dt := reduce.BFloat16
 	cfg := func(int) Config {
@@ -326,7 +365,7 @@ func TestCPURejectedCallsMoveNothing(t *testing.T) {
 	for q := range W {
 		first[q] = makeTokens(rand.New(rand.NewSource(int64(q))), Tm, H, E, K, dt, 0.1)
 	}
-	errs := ranks(t, W, cfg, func(r int, ep *EP) error {
+	errs := run(t, W, cfg, func(r int, ep *EP) error {
 		res, err := dispatch(ep, first[r], Tm, false, 0)
 		if err != nil {
 			return err

@@ -106,10 +106,12 @@ func NewCPU(g Group, host Host, c Config) (*EP, error) {
 		return nil, err
 	}
 	e := &EP{plan: newPlan(c, g.Rank(), g.Size()), cpu: newCPUEngine(host), checks: make([]int32, g.Size())}
-	if err := e.cpu.setup(&e.plan); err != nil {
+	if err := e.cpu.setup(g, &e.plan); err != nil {
+		e.cpu.close()
 		return nil, err
 	}
 	if err := g.Barrier(); err != nil {
+		e.cpu.close()
 		return nil, err
 	}
 	return e, nil
@@ -139,7 +141,7 @@ func (e *EP) usable() error {
 			err = e.gpu.dev.EnsureContext()
 		}
 	} else {
-		err = e.cpu.host.Check()
+		err = e.cpu.check()
 	}
 	return err
 }

@@ -1,0 +1,331 @@
+package moe
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/collective"
+	"github.com/p2pcomm/p2pcomm/golib/shm"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+)
+
+// The CPU path across nodes. The backend maps only the buffers of this
+// rank's node; a rank of another node is written through UCX instead: each
+// rank registers its symmetric buffer, and what a direct write would store
+// at an offset of a remote peer's buffer is built in this rank's outbox (or
+// already sits at the same offset of its own buffer) and put there. The
+// engine's barriers become a round of flags: a local peer's is stored into
+// its buffer, a remote peer's is a signal that goes out once every earlier
+// put to that peer has landed (SignalFlushed), so a rank past a barrier
+// holds every byte its peers wrote into it before the barrier, wherever they
+// are.
+
+// groupBootstrap is the construction's Group as the bootstrap UCX opens
+// through (the communicator's own, which this EP does not close).
+type groupBootstrap struct{ Group }
+
+func (groupBootstrap) Close() error { return nil }
+
+// netPeers is one rank's reach into the buffers of the other nodes' ranks,
+// and the barrier over every rank.
+type netPeers struct {
+	t           *ucx.Transport
+	topo        *topo.Topology
+	rank, world int
+	timeout     time.Duration
+	pace        func(int)
+	linger      time.Duration
+
+	self     transport.Local    // this rank's symmetric buffer
+	remote   []transport.Remote // by rank: its symmetric buffer; nil on this node
+	outbox   []byte             // [boxes][boxBytes]: what goes to one remote rank per call
+	out      transport.Local
+	boxBytes uint64
+	box      []int // by rank: its outbox, -1 on this node
+
+	flagOff uint64     // the barrier flags' offset in every rank's buffer: [W]uint64, word s written by rank s only
+	flags   [][]uint64 // by rank on this node: its flags as mapped here (this rank's at [rank])
+	pids    []*uint64  // by rank on this node: the pid it published in its buffer
+	entered uint64     // barriers this rank has entered
+
+	broken  error
+	busy    atomic.Bool   // a call is running: it progresses UCX itself
+	idle    chan struct{} // a call ended (capacity 1)
+	stop    chan struct{} // closed to end keepProgressing
+	stopped chan struct{} // closed when keepProgressing has ended
+}
+
+// openNetPeers opens UCX and exchanges keys, collectively. base is this
+// rank's symmetric buffer of size bytes, mapped[r] rank r's as this process
+// maps it (0 for ranks of other nodes); the flags and the pid word live at
+// flagOff and pidOff of every rank's. boxBytes is the outbox each remote
+// rank needs. Any rank's failure is every rank's.
+func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr, flagOff, pidOff int64, boxBytes uint64) (*netPeers, error) {
+	bs := groupBootstrap{g}
+	if err := bootstrap.Agree(bs, ucx.Available(nil)); err != nil {
+		return nil, fmt.Errorf("ExpertParallel across nodes needs UCX: %w", err)
+	}
+	tp := host.Topology()
+	t, err := ucx.Open(bs, ucx.Options{Timeout: host.Timeout(), Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts})
+	if err != nil {
+		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
+	}
+	n := &netPeers{t: t, topo: tp, rank: g.Rank(), world: g.Size(), timeout: host.Timeout(), pace: host.Pace,
+		remote: make([]transport.Remote, g.Size()), box: make([]int, g.Size()), boxBytes: boxBytes,
+		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), pids: make([]*uint64, g.Size())}
+	n.linger = min(n.timeout/8, 500*time.Millisecond)
+	boxes := 0
+	for r := range n.world {
+		n.box[r] = -1
+		if tp.SameNode(r) {
+			n.flags[r] = unsafe.Slice((*uint64)(hostPtr(mapped[r]+uintptr(flagOff))), n.world)
+			n.pids[r] = (*uint64)(hostPtr(mapped[r] + uintptr(pidOff)))
+		} else {
+			n.box[r] = boxes
+			boxes++
+		}
+	}
+	atomic.StoreUint64(n.pids[n.rank], uint64(os.Getpid()))
+	key, err := n.register(base, size, boxes)
+	if err = bootstrap.Agree(bs, err); err != nil {
+		n.close()
+		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
+	}
+	keys, err := g.AllGather(key)
+	if err == nil {
+		err = n.connect(keys)
+	}
+	if err = bootstrap.Agree(bs, err); err != nil {
+		n.close()
+		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
+	}
+	n.stop, n.stopped, n.idle = make(chan struct{}), make(chan struct{}), make(chan struct{}, 1)
+	go n.keepProgressing()
+	return n, nil
+}
+
+// register registers this rank's buffer and maps and registers the outbox;
+// it returns the buffer's key.
+func (n *netPeers) register(base uintptr, size int64, boxes int) ([]byte, error) {
+	var err error
+	if n.self, err = n.t.Register(base, uint64(size), transport.HostMemory); err != nil {
+		return nil, err
+	}
+	if boxes > 0 && n.boxBytes > 0 {
+		if n.outbox, err = unix.Mmap(-1, 0, int(uint64(boxes)*n.boxBytes), unix.PROT_READ|unix.PROT_WRITE,
+			unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+			n.outbox = nil
+			return nil, status.Errorf(status.Capacity, "map %d bytes of outbox for %d ranks of other nodes: %v", uint64(boxes)*n.boxBytes, boxes, err)
+		}
+		if n.out, err = n.t.Register(uintptr(unsafe.Pointer(&n.outbox[0])), uint64(len(n.outbox)), transport.HostMemory); err != nil {
+			return nil, err
+		}
+	}
+	return binary.LittleEndian.AppendUint64(n.self.Key(), uint64(size)), nil
+}
+
+// connect turns the keys of the other nodes' ranks into remote buffers.
+func (n *netPeers) connect(keys [][]byte) error {
+	mine := n.self.Size()
+	for r, k := range keys {
+		if n.box[r] < 0 {
+			continue
+		}
+		if len(k) < 8 {
+			return status.Errorf(status.Bootstrap, "rank %d sent no key of its buffers", r)
+		}
+		if size := binary.LittleEndian.Uint64(k[len(k)-8:]); size != mine {
+			return status.Errorf(status.Mismatch, "rank %d's buffers are %d bytes, this rank's %d", r, size, mine)
+		}
+		var err error
+		if n.remote[r], err = n.t.Remote(r, k[:len(k)-8]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// boxOf is the outbox of remote rank r.
+func (n *netPeers) boxOf(r int) []byte {
+	b := uint64(n.box[r])
+	return n.outbox[b*n.boxBytes : (b+1)*n.boxBytes]
+}
+
+// put copies bytes of rank r's outbox at boxOff to off of r's buffer.
+func (n *netPeers) put(r int, off, boxOff, bytes uint64, what string) error {
+	if bytes == 0 {
+		return nil
+	}
+	if err := n.t.Put(n.remote[r], off, n.out, uint64(n.box[r])*n.boxBytes+boxOff, bytes); err != nil {
+		return n.fail(r, fmt.Sprintf("could not be sent its %s: %v", what, err))
+	}
+	return nil
+}
+
+// putOwn copies bytes at off of this rank's buffer to the same offset of
+// rank r's (what this rank stores into every rank's copy of a word).
+func (n *netPeers) putOwn(r int, off, bytes uint64, what string) error {
+	if err := n.t.Put(n.remote[r], off, n.self, off, bytes); err != nil {
+		return n.fail(r, fmt.Sprintf("could not be sent its %s: %v", what, err))
+	}
+	return nil
+}
+
+// barrier returns once every rank has entered it, and with it every byte
+// any rank wrote into this rank's buffer before entering. It waits at most
+// the timeout, progressing UCX (peers' puts land only while this rank
+// progresses), and names the rank that never arrived.
+func (n *netPeers) barrier(call collective.Call, phase string) error {
+	if n.broken != nil {
+		return n.broken
+	}
+	n.enter()
+	defer n.leave()
+	n.entered++
+	want := n.entered
+	mine := n.flagOff + 8*uint64(n.rank)
+	for o := 1; o < n.world; o++ {
+		r := (n.rank + o) % n.world
+		if n.remote[r] == nil {
+			atomic.StoreUint64(&n.flags[r][n.rank], want) // after this rank's direct writes into r
+			continue
+		}
+		if err := n.t.SignalFlushed(n.remote[r], mine, 1); err != nil {
+			return n.fail(r, fmt.Sprintf("could not be sent the %s barrier of %s: %v", phase, call, err))
+		}
+	}
+	start := time.Now()
+	own := n.flags[n.rank]
+	for o := 1; o < n.world; o++ {
+		r := (n.rank + o) % n.world
+		for i := 0; atomic.LoadUint64(&own[r]) < want; i++ {
+			n.t.Progress() // its only error is a device copier's, and there is none here
+			n.pace(i)
+			if i%64 != 63 {
+				continue
+			}
+			if gone := n.gone(r); gone != "" {
+				return n.fail(r, fmt.Sprintf("%s before the %s barrier of %s", gone, phase, call))
+			}
+			if time.Since(start) > n.timeout {
+				return n.fail(r, fmt.Sprintf("never arrived at the %s barrier of %s within %v (P2PCOMM_TIMEOUT_MS)", phase, call, n.timeout))
+			}
+		}
+	}
+	return nil
+}
+
+// gone says how rank r is known to have failed, or "".
+func (n *netPeers) gone(r int) string {
+	if n.remote[r] == nil {
+		if pid := int(atomic.LoadUint64(n.pids[r])); pid != 0 && !shm.Alive(pid) {
+			return fmt.Sprintf("exited (pid %d)", pid)
+		}
+		return ""
+	}
+	if err := n.t.PeerError(r); err != nil {
+		return fmt.Sprintf("failed (%v)", err)
+	}
+	return ""
+}
+
+// fail breaks the EP with an error naming rank r (why completes "rank 3
+// (node 1) ...").
+func (n *netPeers) fail(r int, why string) error {
+	n.broken = status.Errorf(status.Timeout, "ExpertParallel across nodes: rank %d (node %d) %s; seen by rank %d; the ExpertParallel cannot continue",
+		r, n.topo.NodeOf[r], why, n.rank)
+	return n.broken
+}
+
+// keepProgressing progresses UCX while no call runs: a call returns once
+// this rank has every peer's flag, while its own last signals may still
+// wait for their flushes, and over tcp peers' acknowledgements move only
+// while this rank progresses. At once while something moves, then backing
+// off to once a millisecond; during a call it sleeps (the call progresses).
+func (n *netPeers) keepProgressing() {
+	defer close(n.stopped)
+	nap := 20 * time.Microsecond
+	timer := time.NewTimer(nap)
+	defer timer.Stop()
+	for {
+		select {
+		case <-n.stop:
+			return
+		case <-n.idle:
+			nap = 20 * time.Microsecond
+		case <-timer.C:
+		}
+		if !n.busy.Load() {
+			active, err := n.t.Progress()
+			switch {
+			case err != nil:
+				return
+			case active:
+				nap = 20 * time.Microsecond
+			default:
+				nap = min(2*nap, time.Millisecond)
+			}
+		} else {
+			nap = 10 * time.Millisecond // n.idle wakes it when the call ends
+		}
+		if !timer.Stop() {
+			select {
+			case <-timer.C:
+			default:
+			}
+		}
+		timer.Reset(nap)
+	}
+}
+
+// enter and leave bracket a call's use of UCX: keepProgressing leaves
+// progress to it meanwhile.
+func (n *netPeers) enter() { n.busy.Store(true) }
+
+func (n *netPeers) leave() {
+	n.busy.Store(false)
+	select {
+	case n.idle <- struct{}{}:
+	default:
+	}
+}
+
+// close releases UCX (and with it every registration), then the outbox.
+// Not collective. It first flushes what this rank sent each remote rank,
+// for a bounded time: a peer may still wait in the last barrier for a
+// signal of this rank's, and closing would cut it off unsent.
+func (n *netPeers) close() error {
+	if n.stop != nil {
+		close(n.stop)
+		<-n.stopped
+		n.stop = nil
+	}
+	var err error
+	if n.t != nil {
+		for r, rem := range n.remote {
+			if rem != nil && n.t.PeerError(r) == nil {
+				n.t.FlushWithin(r, max(n.linger, 100*time.Millisecond)) // a failed flush leaves nothing to save
+			}
+		}
+		err = n.t.Close()
+		n.t = nil
+	}
+	if n.outbox != nil {
+		unix.Munmap(n.outbox)
+		n.outbox = nil
+	}
+	if n.broken == nil {
+		n.broken = status.Errorf(status.State, "ExpertParallel is closed")
+	}
+	return err
+}

@@ -1,0 +1,100 @@
+package moe
+
+import (
+	"errors"
+	"fmt"
+	"math/rand"
+	"testing"
+	"time"
+
+	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+)
+
+// needUCX skips a test across nodes where no UCX loads.
+func needUCX(t *testing.T) {
+	t.Helper()
+	if err := ucx.Available(nil); err != nil {
+		t.Skipf("UCX is not installed (pip install libucx-cu13, or set %s): %v", ucx.LibraryEnv, err)
+	}
+}
+
+// onNodes is a runner over simulated nodes of localSize consecutive ranks.
+func onNodes(localSize int) runner {
+	return func(t *testing.T, world int, cfg func(rank int) Config, f func(rank int, ep *EP) error) []error {
+		t.Helper()
+		return ranksOn(t, world, localSize, 0, cfg, f)
+	}
+}
+
+// Across nodes, every row lands in the documented order and every combine
+// has the single-node bits: 2 nodes of 1, 2 of 2, 3 of 1, and uneven nodes
+// (2 + 1).
+func TestCPUAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
+	needUCX(t)
+	layouts := []struct {
+		name         string
+		world, local int
+	}{{"2x1", 2, 1}, {"2x2", 4, 2}, {"3x1", 3, 1}, {"2+1", 3, 2}}
+	for _, l := range layouts {
+		t.Run(l.name, func(t *testing.T) {
+			W := l.world
+			cases := []roundsCase{
+				{W, 2 * W, 3, 24, 9, reduce.BFloat16, reduce.BFloat16, 0.2},
+				{W, 2 * W, 8, 16, 6, reduce.Float32, reduce.Float32, 0.1},
+				{W, W, 1, 8, 7, reduce.Float16, reduce.Float32, 0},
+			}
+			checkRounds(t, onNodes(l.local), cases)
+		})
+	}
+}
+
+// Rejected calls across nodes fail on every rank and move nothing; every
+// rank is usable after.
+func TestCPURejectedCallsAcrossNodesMoveNothing(t *testing.T) {
+	needUCX(t)
+	for _, local := range []int{1, 2} {
+		t.Run(fmt.Sprintf("local%d", local), func(t *testing.T) { checkRejected(t, onNodes(local)) })
+	}
+}
+
+// A rank that never comes to a call is named by every other rank, on its
+// node and on the others, within the timeout; the EP stays broken.
+func TestCPUAbsentRankAcrossNodesIsNamed(t *testing.T) {
+	needUCX(t)
+	const W, E, K, H, Tm = 4, 4, 2, 8, 4
+	for _, absent := range []int{1, 2} {
+		t.Run(fmt.Sprintf("rank%d", absent), func(t *testing.T) {
+			cfg := func(int) Config {
+				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: reduce.Float32, CombineDType: reduce.Float32}
+			}
+			timeout := 400 * time.Millisecond
+			begin := time.Now()
+			errs := ranksOn(t, W, 2, timeout, cfg, func(r int, ep *EP) error {
+				tk := makeTokens(rand.New(rand.NewSource(int64(r))), Tm, H, E, K, reduce.Float32, 0)
+				if _, err := dispatch(ep, tk, Tm, false, 0); err != nil {
+					return fmt.Errorf("first dispatch: %w", err)
+				}
+				if r == absent {
+					return nil
+				}
+				_, err := dispatch(ep, tk, Tm, true, 0)
+				want := fmt.Sprintf("rank %d (node %d)", absent, absent/2)
+				if err == nil || status.CodeOf(err) != status.Timeout || !contains(err, want) || !contains(err, "MoE dispatch") {
+					return fmt.Errorf("dispatch without rank %d = %v, want a timeout naming %q", absent, err, want)
+				}
+				if _, again := dispatch(ep, tk, Tm, false, 0); again == nil {
+					return fmt.Errorf("a dispatch after the failure went through")
+				}
+				return nil
+			})
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+			if took := time.Since(begin); took > 20*timeout {
+				t.Errorf("the failure took %v to be seen, timeout %v", took, timeout)
+			}
+		})
+	}
+}
