@@ -93,7 +93,7 @@ RANKS = $(PYTHON) tests/run_ranks.py --log-dir build/logs/$@-n$(1) -n $(1) --
 test-dist: lib $(PY_ENV)
 	$(call RANKS,2) -m pytest -q -x tests/python/dist
 	$(call RANKS,4) -m pytest -q -x tests/python/dist
-	$(call RANKS,3) -m pytest -q -x tests/python/dist/test_moe.py
+	$(call RANKS,3) -m pytest -q -x tests/python/dist/test_moe.py tests/python/dist/test_moe_nodes.py
 	$(call RANKS,8) -m pytest -q -x tests/python/dist/test_moe.py
 
 test: lib $(PY_ENV)

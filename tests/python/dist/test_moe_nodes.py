@@ -1,0 +1,139 @@
+"""ExpertParallel on the CPU backend across simulated nodes (P2PCOMM_LOCAL_SIZE): the float64 reference and
+the combine emulation of test_moe.py, every element, and the same bits as one node. Two ranks run 2 nodes x 1,
+three 3 x 1, four 2 x 2. Eager and capturable calls, T = 0 and uneven T, -1 ids, K from 1 to 8, both transits,
+outputs poisoned; bad input on a rank of the last node raises on every rank of every node, and every rank is
+usable after."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import p2pcomm
+from test_moe import (CASES, TRANSITS, assert_same_bits, check_combine, check_dispatch, emulate_combine, experts_for,
+                      expert_fn, make_inputs, run_round, transit_dtype)
+from test_nodes import Nodes
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libucx") is None and not os.environ.get("P2PCOMM_UCX_LIB"),
+                                reason="UCX not installed (pip install libucx-cu13)")
+
+
+def layout(world: int):
+    """(name, local size) of the node layout this world size tests."""
+    if world in (2, 3):
+        return f"{world}x1", 1
+    if world % 2 == 0:
+        return f"{world // 2}x2", 2
+    pytest.skip(f"no layout across nodes for {world} ranks")
+
+
+@pytest.fixture(scope="module")
+def nodes(group):
+    W = dist.get_world_size()
+    name, local = layout(W)
+    made = Nodes(name, local, list(range(W)), "cpu")
+    yield made
+    made.comm.close()
+
+
+def ep_of(comm, **kw):
+    return p2pcomm.ExpertParallel(comm, **kw)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}_K{c[1]}_{str(c[4])[6:]}_{c[5]}")
+def test_eager_across_nodes_match_reference(nodes, comms, case):
+    """Every row in the documented order, every element of combine within the float64 reference's bound and
+    bit for bit the emulation's and one node's; twice, and two dispatches before a combine."""
+    E, K, H, Tm, dtype, routing, minus_one = case
+    comm = nodes.comm
+    W, r = comm.world_size, comm.rank
+    E = experts_for(E, W)
+    sizes = [0 if q == 1 else (Tm if q == 0 else 1 + (5 * q) % Tm) for q in range(W)]  # rank 1 sends nothing
+    inputs = [make_inputs(E + K, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
+    cfg = dict(num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    with ep_of(comm, **cfg) as ep:
+        recv, out, y = run_round(ep, inputs, r, "cpu")
+        check_dispatch(recv, inputs, r, W, E, K, dtype)
+        check_combine(y, inputs, r, W, E, K, dtype)
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine across nodes")
+        other = [make_inputs(E + K + 1, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
+        ep.dispatch(inputs[r].x, inputs[r].idx, inputs[r].w)
+        recv2, out2, y2 = run_round(ep, other, r, "cpu")
+        check_dispatch(recv2, other, r, W, E, K, dtype)
+        check_combine(y2, other, r, W, E, K, dtype)
+        assert_same_bits(ep.combine(out2, recv2), y2, "second combine of one dispatch")
+    with ep_of(comms("cpu"), **cfg) as one:  # the same ranks as one node
+        assert_same_bits(run_round(one, inputs, r, "cpu")[2], y, "one node against nodes")
+
+
+@pytest.mark.parametrize("transit", TRANSITS)
+def test_capturable_across_nodes(nodes, transit):
+    """Capturable rounds with uneven T (one rank none) and -1 ids: recv.x and the expert output rows past
+    num_rows poisoned with NaN, which must not reach any result."""
+    comm = nodes.comm
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 48, 12, torch.bfloat16
+    sizes = [(Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
+    combine_dtype = transit_dtype(transit, dtype)
+    rounds = [[make_inputs(200 + i, q, sizes[q], H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype, capturable=True,
+               combine_dtype=combine_dtype) as ep:
+        recv = None
+        for inputs in rounds:
+            if recv is not None:
+                recv.x.fill_(float("nan"))  # rows this dispatch does not write show up
+            inp = inputs[r]
+            recv = ep.dispatch(inp.x, inp.idx, inp.w)
+            assert recv.capturable and recv.x.shape == (W * Tm * K, H)
+            check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+            out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
+            out[int(recv.num_rows.item()):] = float("nan")
+            y = ep.combine(out, recv)
+            check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
+            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype), "capturable combine")
+
+
+def still_works(ep, comm):
+    W = comm.world_size
+    inputs = [make_inputs(3, q, 4, ep.hidden, ep.num_experts, ep.topk, ep.dtype, "random", 0.2) for q in range(W)]
+    recv, out, y = run_round(ep, inputs, comm.rank, "cpu")
+    check_dispatch(recv, inputs, comm.rank, W, ep.num_experts, ep.topk, ep.dtype)
+    check_combine(y, inputs, comm.rank, W, ep.num_experts, ep.topk, ep.dtype)
+
+
+def test_bad_inputs_raise_on_every_rank_of_every_node(nodes):
+    """The last rank (on the last node) passes bad arguments: it raises its own error, every other rank
+    MismatchError naming it, no data moves, and every rank goes on."""
+    comm = nodes.comm
+    W, r = comm.world_size, comm.rank
+    bad_rank = W - 1
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K) as ep:
+        good = make_inputs(9, r, 4, H, E, K, torch.bfloat16)
+        x, idx, w = good.x, good.idx, good.w
+        big = make_inputs(9, r, Tm + 1, H, E, K, torch.bfloat16)
+        bad_id = idx.clone()
+        bad_id[2, 1] = E
+        cases = [((big.x, big.idx, big.w), p2pcomm.InvalidArgumentError, "max_tokens"),
+                 ((x, bad_id, w), p2pcomm.InvalidArgumentError, r"topk_idx\[2, 1\] = "),
+                 ((x.float(), idx, w), p2pcomm.UnsupportedError, "x has dtype")]
+        for args, error, message in cases:
+            if r == bad_rank:
+                with pytest.raises(error, match=message):
+                    ep.dispatch(*args)
+            else:
+                with pytest.raises(p2pcomm.MismatchError, match=f"rank {bad_rank}"):
+                    ep.dispatch(x, idx, w)
+        still_works(ep, comm)
+        recv = ep.dispatch(x, idx, w)
+        out = recv.x.clone()
+        if r == bad_rank:
+            with pytest.raises(p2pcomm.InvalidArgumentError, match="expert_out has shape"):
+                ep.combine(torch.zeros(out.shape[0] + 1, H, dtype=out.dtype), recv)
+        else:
+            with pytest.raises(p2pcomm.MismatchError, match=f"rank {bad_rank}"):
+                ep.combine(out, recv)
+        still_works(ep, comm)
+    comm.check()
