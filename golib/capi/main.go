@@ -136,6 +136,7 @@ func p2p_finalize(h C.uint64_t) C.int {
 		if err != nil {
 			return err
 		}
+		eps.closeOf(c)
 		return c.Close()
 	})
 }

@@ -186,6 +186,24 @@ type moeTable struct {
 
 var eps = moeTable{m: map[uint64]moeHandle{}}
 
+// closeOf closes the eps of communicator c (their handles stay until
+// p2p_moe_destroy; calls on them fail with status.State): an ep across
+// nodes holds UCX registrations of c's symmetric memory, which must end
+// before that memory is unmapped.
+func (t *moeTable) closeOf(c *comm.Comm) {
+	t.mu.Lock()
+	var mine []*moe.EP
+	for _, h := range t.m {
+		if h.comm == c {
+			mine = append(mine, h.ep)
+		}
+	}
+	t.mu.Unlock()
+	for _, e := range mine {
+		e.Close() // not collective; a failed flush toward a peer leaves nothing to save
+	}
+}
+
 func (t *moeTable) add(c *comm.Comm, e *moe.EP) uint64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()

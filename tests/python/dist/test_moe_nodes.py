@@ -137,3 +137,22 @@ def test_bad_inputs_raise_on_every_rank_of_every_node(nodes):
                 ep.combine(out, recv)
         still_works(ep, comm)
     comm.check()
+
+
+def test_communicator_closed_before_its_ep(group):
+    """Closing the communicator first closes its eps (their UCX registrations cover its memory): the ep then
+    raises, closes quietly, and a new communicator works."""
+    W = dist.get_world_size()
+    name, local = layout(W)
+    fresh = Nodes(name, local, list(range(W)), "cpu")
+    ep = ep_of(fresh.comm, num_experts=2 * W, hidden=32, max_tokens_per_rank=4, topk=2)
+    still_works(ep, fresh.comm)
+    dist.barrier()
+    fresh.comm.close()
+    with pytest.raises(p2pcomm.P2PCommError):
+        still_works(ep, fresh.comm)
+    ep.close()
+    again = Nodes(name, local, list(range(W)), "cpu")
+    with ep_of(again.comm, num_experts=2 * W, hidden=32, max_tokens_per_rank=4, topk=2) as ep2:
+        still_works(ep2, again.comm)
+    again.comm.close()
