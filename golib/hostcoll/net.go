@@ -119,69 +119,12 @@ type network struct {
 	node     int
 	chunk    int64 // bytes of partials per put
 	linger   time.Duration
-	calls    uint64        // all-reduces across nodes so far
-	dataSent []uint64      // by node: data chunks signalled to that node's group rank
-	dataBase []uint64      // by node: data chunks its group rank had signalled before this call
-	results  []uint64      // by node: result chunks expected from it so far
-	version  uint64        // of this rank's failure record
-	busy     atomic.Bool   // a call is running: it progresses UCX itself
-	idle     chan struct{} // a call ended (capacity 1)
-	stop     chan struct{} // closed to end keepProgressing
-	stopped  chan struct{} // closed when keepProgressing has ended
-}
-
-// keepProgressing progresses UCX while no call runs. A rank returns from
-// a call once it holds everything it needs, while what it sent last (a
-// signal waiting for its flush, a tail in UCX's send buffers) may still
-// need it to progress, and over tcp peers' acknowledgements too; its group
-// ranks may wait for those. So it never stops: at once while something
-// moves, then backing off to once a millisecond. During a call it sleeps
-// until the call ends (the call progresses itself).
-func (n *network) keepProgressing() {
-	defer close(n.stopped)
-	nap := 20 * time.Microsecond
-	timer := time.NewTimer(nap)
-	defer timer.Stop()
-	for {
-		select {
-		case <-n.stop:
-			return
-		case <-n.idle:
-			nap = 20 * time.Microsecond
-		case <-timer.C:
-		}
-		if !n.busy.Load() {
-			active, err := n.t.Progress()
-			switch {
-			case err != nil:
-				return
-			case active:
-				nap = 20 * time.Microsecond
-			default:
-				nap = min(2*nap, time.Millisecond)
-			}
-		} else {
-			nap = 10 * time.Millisecond // n.idle wakes it when the call ends
-		}
-		if !timer.Stop() {
-			select {
-			case <-timer.C:
-			default:
-			}
-		}
-		timer.Reset(nap)
-	}
-}
-
-// enter and leave bracket a call: keepProgressing leaves UCX to it.
-func (n *network) enter() { n.busy.Store(true) }
-
-func (n *network) leave() {
-	n.busy.Store(false)
-	select {
-	case n.idle <- struct{}{}:
-	default:
-	}
+	calls    uint64          // all-reduces across nodes so far
+	dataSent []uint64        // by node: data chunks signalled to that node's group rank
+	dataBase []uint64        // by node: data chunks its group rank had signalled before this call
+	results  []uint64        // by node: result chunks expected from it so far
+	version  uint64          // of this rank's failure record
+	bg       *ucx.Background // progresses UCX between calls
 }
 
 func (n *network) base() unsafe.Pointer { return unsafe.Pointer(&n.region[0]) }
@@ -243,8 +186,7 @@ func (c *Comm) openNetwork() error {
 		n.close()
 		return fmt.Errorf("all-reduce across nodes: %w", err)
 	}
-	n.stop, n.stopped, n.idle = make(chan struct{}), make(chan struct{}), make(chan struct{}, 1)
-	go n.keepProgressing()
+	n.bg = ucx.StartBackground(n.t)
 	c.net = n
 	return nil
 }
@@ -314,11 +256,8 @@ func (c *Comm) connectGroup(n *network, all [][]byte) error {
 // each for up to linger: a group rank may still be in the last call and
 // wait for it, and closing cuts UCX's send buffers off unsent.
 func (n *network) close() error {
-	if n.stop != nil {
-		close(n.stop)
-		<-n.stopped
-		n.stop = nil
-	}
+	n.bg.Stop()
+	n.bg = nil
 	var err error
 	if n.t != nil {
 		for m, r := range n.group {

@@ -42,8 +42,8 @@ func (c *Comm) allReduceNodes(req collective.AllReduce) error {
 			return err
 		}
 	}
-	c.net.enter()
-	defer c.net.leave()
+	c.net.bg.Enter()
+	defer c.net.bg.Leave()
 	c.seq++
 	seq := c.seq
 	me := c.ctl[c.rank]

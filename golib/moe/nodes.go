@@ -58,11 +58,8 @@ type netPeers struct {
 	pids    []*uint64  // by rank on this node: the pid it published in its buffer
 	entered uint64     // barriers this rank has entered
 
-	broken  error
-	busy    atomic.Bool   // a call is running: it progresses UCX itself
-	idle    chan struct{} // a call ended (capacity 1)
-	stop    chan struct{} // closed to end keepProgressing
-	stopped chan struct{} // closed when keepProgressing has ended
+	broken error
+	bg     *ucx.Background // progresses UCX between calls
 }
 
 // openNetPeers opens UCX and exchanges keys, collectively. base is this
@@ -109,8 +106,7 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		n.close()
 		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
 	}
-	n.stop, n.stopped, n.idle = make(chan struct{}), make(chan struct{}), make(chan struct{}, 1)
-	go n.keepProgressing()
+	n.bg = ucx.StartBackground(n.t)
 	return n, nil
 }
 
@@ -189,8 +185,8 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 	if n.broken != nil {
 		return n.broken
 	}
-	n.enter()
-	defer n.leave()
+	n.bg.Enter()
+	defer n.bg.Leave()
 	n.entered++
 	want := n.entered
 	mine := n.flagOff + 8*uint64(n.rank)
@@ -247,69 +243,13 @@ func (n *netPeers) fail(r int, why string) error {
 	return n.broken
 }
 
-// keepProgressing progresses UCX while no call runs: a call returns once
-// this rank has every peer's flag, while its own last signals may still
-// wait for their flushes, and over tcp peers' acknowledgements move only
-// while this rank progresses. At once while something moves, then backing
-// off to once a millisecond; during a call it sleeps (the call progresses).
-func (n *netPeers) keepProgressing() {
-	defer close(n.stopped)
-	nap := 20 * time.Microsecond
-	timer := time.NewTimer(nap)
-	defer timer.Stop()
-	for {
-		select {
-		case <-n.stop:
-			return
-		case <-n.idle:
-			nap = 20 * time.Microsecond
-		case <-timer.C:
-		}
-		if !n.busy.Load() {
-			active, err := n.t.Progress()
-			switch {
-			case err != nil:
-				return
-			case active:
-				nap = 20 * time.Microsecond
-			default:
-				nap = min(2*nap, time.Millisecond)
-			}
-		} else {
-			nap = 10 * time.Millisecond // n.idle wakes it when the call ends
-		}
-		if !timer.Stop() {
-			select {
-			case <-timer.C:
-			default:
-			}
-		}
-		timer.Reset(nap)
-	}
-}
-
-// enter and leave bracket a call's use of UCX: keepProgressing leaves
-// progress to it meanwhile.
-func (n *netPeers) enter() { n.busy.Store(true) }
-
-func (n *netPeers) leave() {
-	n.busy.Store(false)
-	select {
-	case n.idle <- struct{}{}:
-	default:
-	}
-}
-
 // close releases UCX (and with it every registration), then the outbox.
 // Not collective. It first flushes what this rank sent each remote rank,
 // for a bounded time: a peer may still wait in the last barrier for a
 // signal of this rank's, and closing would cut it off unsent.
 func (n *netPeers) close() error {
-	if n.stop != nil {
-		close(n.stop)
-		<-n.stopped
-		n.stop = nil
-	}
+	n.bg.Stop()
+	n.bg = nil
 	var err error
 	if n.t != nil {
 		for r, rem := range n.remote {
