@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _LOAD_PID = os.getpid()
 # True in a child forked after import: hot paths read this flag instead of
 # calling os.getpid(), a system call (a microsecond in a VM) per call.
@@ -41,6 +41,7 @@ _SIGNATURES = {
     "p2p_register": ([_u64, _u64, _i64], ctypes.c_int),
     "p2p_deregister": ([_u64, _u64], ctypes.c_int),
     "p2p_all_reduce": ([_u64, _u64, _u64, _i64, _i32, _i32, _i32, _u64], ctypes.c_int),
+    "p2p_all_reduce_packed": ([ctypes.c_char_p], ctypes.c_int),
     "p2p_all_reduce_reject": ([_u64, _i32, ctypes.c_char_p, _i64, _i32, _i32, _u64], ctypes.c_int),
     "p2p_all_reduce_rmsnorm": ([_u64, _u64, _u64, _u64, _u64, _u64, _i64, _i64, _i32, ctypes.c_float, _i32, _u64],
                                ctypes.c_int),
