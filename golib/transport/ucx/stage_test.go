@@ -184,7 +184,7 @@ func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Dur
 	me, peer := j.rank, 1-j.rank
 	rng := rand.New(rand.NewPCG(7, 11))
 	want := make([]byte, slotSize)
-	for i := 1; i <= 200; i++ {
+	for i := 1; i <= 64; i++ {
 		// Both ranks draw the same sizes; sizes straddle chunks and rings.
 		n := 1 + rng.IntN(1<<uint(1+rng.IntN(18)))
 		round := i
