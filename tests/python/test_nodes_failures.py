@@ -1,6 +1,8 @@
-"""All-reduce across simulated nodes when a rank of the other node fails: killed (gone at once) or stopped
+"""All-reduce and ExpertParallel across simulated nodes when a rank fails: killed (gone at once) or stopped
 (alive, silent). Every survivor, on either node, raises PeerTimeoutError naming that rank within about
-P2PCOMM_TIMEOUT_MS, and its communicator stays broken. CPU ranks, 2 nodes x 2, TCP bootstrap."""
+P2PCOMM_TIMEOUT_MS, and what failed stays broken. CPU ranks, TCP bootstrap; the all-reduce on 2 nodes x 2,
+ExpertParallel on 2 x 1 and 2 x 2 (the victim on the other node from rank 0, beside a survivor of its own
+node), killed or stopped between its dispatch and its combine."""
 
 import importlib.util
 import os
@@ -51,20 +53,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(how: str, world: int = 4):
-    """Runs SCRIPT on world ranks; returns the survivors' (return code, output); ends the victim."""
+def run_job(how: str, world: int = 4, local: int = 2, victim: int = VICTIM, script: str = SCRIPT,
+            timeout_ms: int = TIMEOUT_MS):
+    """Runs script on world ranks, local per node; returns the survivors' (return code, output); ends the
+    victim."""
     port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), P2PCOMM_TIMEOUT_MS=str(TIMEOUT_MS), P2PCOMM_JOB_TOKEN="%x" % port,
-                   P2PCOMM_LOCAL_SIZE="2")
-        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT.format(victim=VICTIM, how=how))],
+                   MASTER_PORT=str(port), P2PCOMM_TIMEOUT_MS=str(timeout_ms), P2PCOMM_JOB_TOKEN="%x" % port,
+                   P2PCOMM_LOCAL_SIZE=str(local))
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(script.format(victim=victim, how=how))],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = {}
     try:
         for r, p in enumerate(procs):
-            if r == VICTIM:
+            if r == victim:
                 continue
             try:
                 out, _ = p.communicate(timeout=60)
@@ -74,8 +78,8 @@ def run_job(how: str, world: int = 4):
                 out += "\n<<killed by the test: hung>>"
             outs[r] = (p.returncode, out)
     finally:
-        procs[VICTIM].kill()
-        procs[VICTIM].communicate()
+        procs[victim].kill()
+        procs[victim].communicate()
     return outs
 
 
@@ -89,3 +93,63 @@ def test_failed_rank_of_the_other_node_is_named_by_every_survivor(how):
         raised_after = float(out.split("RAISED", 1)[1].split()[0])
         assert raised_after < TIMEOUT_MS / 1000 + 1.5, out  # the timeout, and a little to hear whom peers blame
         assert "AFTER PeerTimeoutError" in out, out
+
+
+MOE_TIMEOUT_MS = 2000  # the ranks leave the ExpertParallel's construction together: its first round needs less
+MOE_SCRIPT = """
+    import os, signal, time, torch, p2pcomm
+    comm = p2pcomm.Communicator(device="cpu", bootstrap="tcp")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(Tm, H, generator=g).bfloat16()
+    idx = torch.rand(Tm, E, generator=g).argsort(dim=1)[:, :K]
+    w = torch.rand(Tm, K, generator=g)
+
+    def round_trip():
+        recv = ep.dispatch(x, idx, w)
+        if r == {victim}:
+            # between its dispatch and its combine: dies without a word, or stays alive and silent until the
+            # test ends it; its last flags may or may not have left
+            os.kill(os.getpid(), signal.SIGKILL if "{how}" == "killed" else signal.SIGSTOP)
+        return ep.combine(recv.x, recv)
+
+    recv = ep.dispatch(x, idx, w)  # a round every rank completes
+    y = ep.combine(recv.x, recv)
+    assert torch.allclose(y.float(), (x.float() * w.sum(1, keepdim=True)), rtol=0.02, atol=0.02)
+    comm.barrier()
+    start = time.monotonic()
+    try:
+        for _ in range(5):
+            round_trip()
+        print("NO ERROR")
+    except p2pcomm.PeerTimeoutError as e:
+        print("RAISED", round(time.monotonic() - start, 2), e)
+    try:
+        round_trip()
+    except p2pcomm.P2PCommError as e:
+        print("AFTER", type(e).__name__)
+    ep.close()
+    comm.close()
+    print("CLOSED")
+"""
+
+
+@NEEDS_UCX
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("world,local", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
+def test_failed_rank_in_expert_parallel_is_named_by_every_survivor(how, world, local):
+    """The victim, rank `local` (the first of node 1), dies or stops after its dispatch; on 2 x 2 rank 3 sees
+    it on its own node (through its pid or the timeout), ranks 0 and 1 across nodes (through UCX or the
+    timeout)."""
+    victim = local
+    outs = run_job(how, world, local, victim, MOE_SCRIPT, MOE_TIMEOUT_MS)
+    assert len(outs) == world - 1
+    for rank, (rc, out) in outs.items():
+        assert rc == 0, out
+        assert "RAISED" in out, out
+        raised = out.split("RAISED", 1)[1].splitlines()[0]
+        assert f"rank {victim} (node 1) " in raised and f"seen by rank {rank};" in raised, out
+        assert float(raised.split()[0]) < MOE_TIMEOUT_MS / 1000 + 1.5, out  # the timeout, and a little
+        assert "AFTER PeerTimeoutError" in out and "CLOSED" in out, out
