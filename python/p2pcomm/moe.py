@@ -30,6 +30,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import sys
 import warnings
 import weakref
 from typing import Optional
@@ -88,6 +89,17 @@ def _destroy(handle: int, pid: int) -> None:
     # Best effort at garbage collection or exit: not collective, never raises.
     if os.getpid() == pid and _lib._lib is not None:
         _lib._lib.p2p_moe_destroy(handle)
+
+
+def _mark_static_address(t: torch.Tensor) -> None:
+    """torch._dynamo.mark_static_address(t) without importing dynamo when
+    nothing has yet: the import costs about a second of each process, and
+    the mark is an attribute of the tensor (tests/python/test_static_mark.py
+    checks it is the one torch sets)."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.mark_static_address(t)
+    else:
+        t._dynamo_static_input_type = "unguarded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +263,7 @@ class ExpertParallel:
         self._op_ident = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._op_order = torch.zeros(1, dtype=torch.int32, device=self.device)
         for t in (self._op_ident, self._op_order):
-            torch._dynamo.mark_static_address(t)
+            _mark_static_address(t)
         ops.track_ep(self)
 
     @property
