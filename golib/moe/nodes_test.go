@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand"
+	"sync"
 	"testing"
 	"time"
 
@@ -71,7 +72,16 @@ func TestCPUAbsentRankAcrossNodesIsNamed(t *testing.T) {
 			}
 			timeout := 400 * time.Millisecond
 			begin := time.Now()
+			// Survivors keep their eps open until every survivor has its error:
+			// one that closed first would fail the others' endpoints to it,
+			// and they could blame it (this tests the absent rank's naming).
+			var survivors sync.WaitGroup
+			survivors.Add(W - 1)
 			errs := ranksOn(t, W, 2, timeout, cfg, func(r int, ep *EP) error {
+				if r != absent {
+					defer survivors.Wait()
+					defer survivors.Done()
+				}
 				tk := makeTokens(rand.New(rand.NewSource(int64(r))), Tm, H, E, K, reduce.Float32, 0)
 				if _, err := dispatch(ep, tk, Tm, false, 0); err != nil {
 					return fmt.Errorf("first dispatch: %w", err)
