@@ -190,15 +190,21 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 	n.entered++
 	want := n.entered
 	mine := n.flagOff + 8*uint64(n.rank)
+	// Arrive at every rank this rank can reach, even past one it cannot:
+	// a rank that stopped short would look to the others like the culprit.
+	var unsent error
 	for o := 1; o < n.world; o++ {
 		r := (n.rank + o) % n.world
 		if n.remote[r] == nil {
 			atomic.StoreUint64(&n.flags[r][n.rank], want) // after this rank's direct writes into r
 			continue
 		}
-		if err := n.t.SignalFlushed(n.remote[r], mine, 1); err != nil {
-			return n.fail(r, fmt.Sprintf("could not be sent the %s barrier of %s: %v", phase, call, err))
+		if err := n.t.SignalFlushed(n.remote[r], mine, 1); err != nil && unsent == nil {
+			unsent = n.fail(r, fmt.Sprintf("could not be sent the %s barrier of %s: %v", phase, call, err))
 		}
+	}
+	if unsent != nil {
+		return unsent
 	}
 	start := time.Now()
 	own := n.flags[n.rank]
@@ -210,8 +216,15 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 			if i%64 != 63 {
 				continue
 			}
-			if gone := n.gone(r); gone != "" {
-				return n.fail(r, fmt.Sprintf("%s before the %s barrier of %s", gone, phase, call))
+			// Any missing rank known to have failed is the one to name, not
+			// merely the first one still awaited.
+			for q := 0; q < n.world; q++ {
+				if q == n.rank || atomic.LoadUint64(&own[q]) >= want {
+					continue
+				}
+				if gone := n.gone(q); gone != "" {
+					return n.fail(q, fmt.Sprintf("%s before the %s barrier of %s", gone, phase, call))
+				}
 			}
 			if time.Since(start) > n.timeout {
 				return n.fail(r, fmt.Sprintf("never arrived at the %s barrier of %s within %v (P2PCOMM_TIMEOUT_MS)", phase, call, n.timeout))
