@@ -16,16 +16,17 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
 
-// The all-reduce across nodes (allreduce_hier.cu) in miniature, on two
-// ranks, pushed from the host: a proxy.Service with hierBlocks FIFOs over
-// this transport, one pushing goroutine per FIFO standing for a block, each
-// with a channel (and semaphore word) of its own. Per call, block 0 puts an
-// 8-byte header with a signal; then block b, for its chunks j of the two
-// parts, puts its partial j of the peer's part with a signal (after the
-// peer's result j-hierRing freed the slot), waits for the peer's partial j
-// of its own part, puts its result j with a signal, and at the end waits
-// for every result; the waits count signals as the kernel does, against a
-// running total kept across calls. Every byte that lands is checked.
+// A pipelined all-reduce across nodes' port-channel traffic in miniature
+// (the pattern a GPU kernel would push), on two ranks, pushed from the
+// host: a proxy.Service with hierBlocks FIFOs over this transport, one
+// pushing goroutine per FIFO standing for a block, each with a channel (and
+// semaphore word) of its own. Per call, block 0 puts an 8-byte header with
+// a signal; then block b, for its chunks j of the two parts, puts its
+// partial j of the peer's part with a signal (after the peer's result
+// j-hierRing freed the slot), waits for the peer's partial j of its own
+// part, puts its result j with a signal, and at the end waits for every
+// result; the waits count signals against a running total kept across
+// calls, as a kernel's would. Every byte that lands is checked.
 const (
 	hierBlocks  = 8
 	hierRing    = 2
