@@ -96,7 +96,8 @@ type set struct {
 	closed bool
 	ptr    uintptr
 	nbytes uint64
-	port   []portPeer // port sets: by rank; zero for self
+	port   []portPeer            // port sets: by rank; zero for self
+	lanes  [][]proxy.PortChannel // lanes after the first over the same FIFO (kernels only)
 }
 
 // Err is the port channels' proxy's sticky error (nil while healthy or

@@ -13,6 +13,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/proxy"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/symm"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 	"github.com/p2pcomm/p2pcomm/golib/transport/cudaipc"
 	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
@@ -176,14 +177,76 @@ func (c *Channels) PortChannels(ptr uintptr, nbytes uint64) (uint64, []proxy.Por
 	if err := c.ensurePort(); err != nil {
 		return 0, nil, err
 	}
-	s, err := c.buildPort(ptr, nbytes)
+	id, lanes, err := c.addPort(ptr, nbytes, false, 1)
+	if err != nil {
+		return 0, nil, err
+	}
+	return id, lanes[0], nil
+}
+
+// HostPortChannels builds channels over buf, pinned host memory mapped into
+// the device, on the GPU backend: lanes sets of channels that share one
+// FIFO (one proxy thread) and each have semaphores of their own, so that
+// each block of a kernel can count its own signals. Entry [k][r] is lane
+// k's channel to rank r when r is on another node (UCX), zero otherwise. The proxy then
+// moves the set's bytes with UCX alone, without a CUDA call: a kernel that
+// waits for its own puts' peers (a collective across nodes) cannot be
+// stalled by a proxy that waits for the device, which a synchronous copy, a
+// module load or a cudaFree elsewhere in the process holds until running
+// kernels end. Collective, like PortChannels; buf is this rank's own, of
+// the same size on every rank.
+func (c *Channels) HostPortChannels(buf *symm.HostBuffer, lanes int) (uint64, [][]proxy.PortChannel, error) {
+	if err := c.usable(); err != nil {
+		return 0, nil, err
+	}
+	var local error
+	switch {
+	case !c.onGPU():
+		local = status.Errorf(status.Unsupported, "host port channels are for GPU communicators (CPU port channels are host memory already)")
+	case buf == nil || buf.Host == nil || buf.Size == 0:
+		local = status.Errorf(status.InvalidArgument, "host port channels over an empty buffer")
+	case lanes < 1 || lanes > maxLanes:
+		local = status.Errorf(status.InvalidArgument, "host port channels: %d lanes, want 1..%d", lanes, maxLanes)
+	case buf.Size-1 > proxy.MaxOffset:
+		local = status.Errorf(status.InvalidArgument,
+			"port channels over %d bytes: trigger offsets address at most %d bytes", buf.Size, uint64(proxy.MaxOffset)+1)
+	}
+	var size uint64
+	if buf != nil {
+		size = buf.Size
+	}
+	if err := c.agreeOnRange("host port channels", local, size); err != nil {
+		return 0, nil, err
+	}
+	if err := c.ensurePort(); err != nil {
+		return 0, nil, err
+	}
+	return c.addPort(uintptr(buf.Host), buf.Size, true, lanes)
+}
+
+// maxLanes bounds the channel sets over one FIFO (each lane's semaphores
+// are a word per rank).
+const maxLanes = 64
+
+// addPort builds lanes port channel sets over this rank's range (host
+// memory mapped into the device when host, else the backend's memory) and
+// adds them as one set; the host calls (Put, Wait, ...) use lane 0.
+func (c *Channels) addPort(ptr uintptr, nbytes uint64, host bool, lanes int) (uint64, [][]proxy.PortChannel, error) {
+	s, err := c.buildPort(ptr, nbytes, host, lanes)
 	if err = bootstrap.Agree(c.cfg.Bootstrap, err); err != nil {
 		return 0, nil, fmt.Errorf("port channels: %w", err)
 	}
 	c.add(s)
-	out := make([]proxy.PortChannel, c.size)
-	for r, p := range s.port {
-		out[r] = p.ch
+	out := make([][]proxy.PortChannel, lanes)
+	for k := range out {
+		out[k] = make([]proxy.PortChannel, c.size)
+		for r := range c.size {
+			if k == 0 {
+				out[k][r] = s.port[r].ch
+			} else {
+				out[k][r] = s.lanes[k-1][r]
+			}
+		}
 	}
 	return s.id, out, nil
 }
@@ -237,9 +300,9 @@ func decodeKeys(r int, b []byte) (keys [4][]byte, ok bool, err error) {
 // buildPort registers the set's memory, exchanges keys and fills every
 // peer's channel. The all-gather runs whatever failed before it, so that
 // no peer waits for this rank.
-func (c *Channels) buildPort(ptr uintptr, nbytes uint64) (*set, error) {
+func (c *Channels) buildPort(ptr uintptr, nbytes uint64, host bool, lanes int) (*set, error) {
 	st := c.port
-	l, err := c.registerPort(ptr, nbytes)
+	l, err := c.registerPort(ptr, nbytes, host, lanes)
 	all, gerr := c.cfg.Bootstrap.AllGather(l.keys(err == nil))
 	if err != nil {
 		return nil, err
@@ -248,6 +311,9 @@ func (c *Channels) buildPort(ptr uintptr, nbytes uint64) (*set, error) {
 		return nil, fmt.Errorf("exchange channel keys: %w", gerr)
 	}
 	s := &set{kind: Port, ptr: ptr, nbytes: nbytes, port: make([]portPeer, c.size)}
+	for range lanes - 1 {
+		s.lanes = append(s.lanes, make([]proxy.PortChannel, c.size))
+	}
 	fifo, err := st.svc.NewFIFO()
 	if err != nil {
 		return nil, err
@@ -261,7 +327,7 @@ func (c *Channels) buildPort(ptr uintptr, nbytes uint64) (*set, error) {
 		errWord = c.cfg.GPU.ErrWord
 	}
 	for r := range c.size {
-		if r == c.rank {
+		if r == c.rank || (host && !c.viaUCX(r)) {
 			continue
 		}
 		keys, ok, err := decodeKeys(r, all[r])
@@ -295,32 +361,42 @@ func (c *Channels) buildPort(ptr uintptr, nbytes uint64) (*set, error) {
 		if err != nil {
 			return nil, err
 		}
-		// Each sender owns one word of the receiver's semaphores: the
-		// transports' signals need a single writer per word.
-		chID, err := st.svc.AddChannel(r, remoteSem, uint64(8*c.rank))
-		if err != nil {
-			return nil, err
+		// Each sender owns one word of the receiver's semaphores (per
+		// lane): the transports' signals need a single writer per word.
+		for k := range lanes {
+			word := uint64(8 * (k*c.size + c.rank))
+			chID, err := st.svc.AddChannel(r, remoteSem, word)
+			if err != nil {
+				return nil, err
+			}
+			mine := uintptr(8 * (k*c.size + r))
+			ch := proxy.PortChannel{
+				FIFO: fifo.Handle(), Sem: sem + mine, Expected: l.expect + mine, Err: errWord,
+				TimeoutNs: uint64(c.cfg.Timeout.Nanoseconds()), Channel: chID, DstMemory: dstID, SrcMemory: src,
+				Rank: int32(c.rank), Peer: int32(r),
+			}
+			if k > 0 {
+				s.lanes[k-1][r] = ch
+				continue
+			}
+			if semHost != nil {
+				semHost = (*uint64)(unsafe.Add(unsafe.Pointer(semHost), mine))
+			}
+			s.port[r] = portPeer{fifo: fifo, semHost: semHost, ch: ch}
 		}
-		if semHost != nil {
-			semHost = (*uint64)(unsafe.Add(unsafe.Pointer(semHost), 8*r))
-		}
-		s.port[r] = portPeer{fifo: fifo, semHost: semHost, ch: proxy.PortChannel{
-			FIFO: fifo.Handle(), Sem: sem + uintptr(8*r), Expected: l.expect + uintptr(8*r), Err: errWord,
-			TimeoutNs: uint64(c.cfg.Timeout.Nanoseconds()), Channel: chID, DstMemory: dstID, SrcMemory: src,
-			Rank: int32(c.rank), Peer: int32(r),
-		}}
 	}
 	return s, nil
 }
 
 // registerPort registers the set's data range with each transport this rank
-// uses and allocates its semaphores, zeroed, registered likewise.
-func (c *Channels) registerPort(ptr uintptr, nbytes uint64) (*portLocal, error) {
+// uses (UCX only for a host range on GPUs) and allocates its semaphores,
+// zeroed, registered likewise.
+func (c *Channels) registerPort(ptr uintptr, nbytes uint64, host bool, lanes int) (*portLocal, error) {
 	st := c.port
 	l := &portLocal{}
-	words := uint64(8 * c.size)
+	words := uint64(8 * c.size * lanes) // bytes of semaphores
 	kind := transport.HostMemory
-	if c.onGPU() {
+	if c.onGPU() && !host {
 		kind = transport.DeviceMemory
 	}
 	var err error
@@ -329,7 +405,7 @@ func (c *Channels) registerPort(ptr uintptr, nbytes uint64) (*portLocal, error) 
 			return l, fmt.Errorf("register the range with UCX: %w", err)
 		}
 	}
-	if st.ipc != nil {
+	if st.ipc != nil && !host {
 		if l.data.ipc, err = st.ipc.Register(ptr, nbytes, kind); err != nil {
 			return l, fmt.Errorf("register the range with the copy engine: %w", err)
 		}
