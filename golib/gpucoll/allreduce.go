@@ -16,8 +16,7 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 		return err
 	}
 	if b.topo.MultiNode() {
-		// Every rank knows the topology, so every rank fails here alike.
-		return b.acrossNodes("all-reduce")
+		return b.allReduceNodes(req)
 	}
 	if req.Reject != nil {
 		return b.reject(req)

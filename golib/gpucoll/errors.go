@@ -28,11 +28,20 @@ const (
 	phaseChannelWait = 7 // channel.cuh kPhaseChannelWait: a semaphore wait
 	phaseFifoPush    = 8 // kPhaseFifoPush: a push waiting for a free FIFO slot (step = FIFO id)
 	phaseFifoFlush   = 9 // kPhaseFifoFlush: a flush waiting for the proxy (step = FIFO id)
+	// allreduce_hier.cu: the nodes' header exchange (mismatches), and a
+	// block's wait for block 0's verdict on it.
+	phaseHierHeader  = 10
+	phaseHierVerdict = 11
 )
 
 func phaseName(p int32) string {
-	if p >= 0 && int(p) < len(phaseNames) {
+	switch {
+	case p >= 0 && int(p) < len(phaseNames):
 		return phaseNames[p]
+	case p == phaseHierHeader:
+		return "header exchange across nodes"
+	case p == phaseHierVerdict:
+		return "verdict of the header exchange across nodes"
 	}
 	return "barrier"
 }
@@ -109,6 +118,9 @@ func describe(e errorWord) error {
 			"ranks disagree: rank %d called all-reduce with different arguments (size, dtype, op, algorithm, or a registered input read in place at another offset or on some ranks only) or rejected its own; nothing was reduced",
 			e.Peer)
 	case errBadParams:
+		if e.Step > 0 {
+			return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d, check %d)", e.Rank, e.Block, e.Step)
+		}
 		return status.Errorf(status.Internal, "kernel rejected its parameters on rank %d (block %d)", e.Rank, e.Block)
 	}
 	return status.Errorf(status.Internal, "kernel reported error code %d (peer %d, phase %d)", e.Code, e.Peer, e.Phase)

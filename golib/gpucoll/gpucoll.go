@@ -58,6 +58,7 @@ type Backend struct {
 	params  allReduceParams // reused per launch: no allocation on the hot path
 	topo    *topo.Topology
 	user    userKernels // kernels compiled from callers' sources
+	nodes   *nodes      // all-reduce across nodes, from the first such call (nodes.go)
 }
 
 var _ collective.Backend = (*Backend)(nil)
@@ -230,6 +231,16 @@ func (b *Backend) Check() error {
 	}
 	e := *w
 	err := describe(e)
+	if perr := b.nodes.proxyErr(); perr != nil && code != errMismatch {
+		// The kernel saw only that its proxy failed, not why. A peer the
+		// transport lost is the failure the caller must see (its code, the
+		// rank it names).
+		if code == errProxy && status.CodeOf(perr) == status.Timeout {
+			err = status.Errorf(status.Timeout, "%v (all-reduce across nodes; on the device: %v)", perr, err)
+		} else {
+			err = fmt.Errorf("%w (all-reduce across nodes, proxy: %v)", err, perr)
+		}
+	}
 	if code == errMismatch {
 		// Nothing was reduced and every rank finished its barriers: usable.
 		atomic.StoreUint32(&w.Code, 0)
@@ -243,13 +254,13 @@ func (b *Backend) Check() error {
 // may have another device's context current, so this device's is made
 // current first (frees and IPC closes act on the current context).
 func (b *Backend) Close() error {
-	var err error
+	err := b.closeNodes() // its proxies use the memory freed below
 	if b.space != nil {
 		// Free even if the context could not be made current: a leak is
 		// worse than a failed free, and both are reported.
 		// Frees wait for the device, so no kernel of the modules unloaded
 		// after them still runs.
-		err = errors.Join(b.drv.EnsureContext(b.device), b.space.Close(), // also frees the host-mapped error word
+		err = errors.Join(err, b.drv.EnsureContext(b.device), b.space.Close(), // also frees the host-mapped error word
 			b.kernels.close())
 		if err != nil {
 			err = fmt.Errorf("close the GPU communicator: %w", err)

@@ -100,6 +100,57 @@ def test_failed_rank_of_the_other_node_is_named_by_every_survivor(how):
         assert "AFTER PeerTimeoutError" in out, out
 
 
+GPU_SCRIPT = """
+    import os, signal, time, torch, p2pcomm
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    comm = p2pcomm.Communicator(device="cuda", bootstrap="tcp")
+    assert comm.nodes == [[0], [1]], comm.nodes
+    x = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    assert torch.equal(comm.all_reduce(x), 2 * x)
+    comm.barrier()
+    if comm.rank == {victim}:
+        if "{how}" == "killed":
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        for _ in range(5):
+            comm.all_reduce(x)
+        torch.cuda.synchronize()
+        comm.check()
+        print("NO ERROR")
+    except p2pcomm.PeerTimeoutError as e:
+        print("RAISED", round(time.monotonic() - start, 2), e)
+    try:
+        comm.all_reduce(x)
+        torch.cuda.synchronize()
+        comm.check()
+    except p2pcomm.P2PCommError as e:
+        print("AFTER", type(e).__name__)
+"""
+
+
+def gpus() -> int:
+    if not os.environ.get("P2PCOMM_TEST_GPU"):
+        return 0
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@NEEDS_UCX
+@pytest.mark.skipif(gpus() < 2, reason="needs P2PCOMM_TEST_GPU=1 and two GPUs")
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_gpu_all_reduce_names_the_failed_rank_of_the_other_node(how):
+    # 2 nodes x 1: the kernel of the survivor waits on its port channels and times out naming the victim.
+    outs = run_job(how, world=2, local=1, victim=1, script=GPU_SCRIPT)
+    for rank, (rc, out) in outs.items():
+        assert rc == 0, out
+        assert "RAISED" in out and ("peer 1 " in out or "rank 1 " in out), out
+        raised_after = float(out.split("RAISED", 1)[1].split()[0])
+        assert raised_after < TIMEOUT_MS / 1000 + 1.5, out
+        assert "AFTER" in out, out
+
+
 MOE_TIMEOUT_MS = TIMEOUT_MS
 MOE_SCRIPT = """
     import os, signal, time, torch, p2pcomm

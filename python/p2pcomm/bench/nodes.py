@@ -7,8 +7,7 @@ The ranks form simulated nodes of --local-size consecutive ranks (P2PCOMM_LOCAL_
 two nodes), so whatever crosses between nodes goes through UCX. UCX_TLS defaults to tcp,self (and cuda_copy on
 GPUs): the network path even on one host, which the rows say. Rows, per size:
 
-- p2pcomm: the hierarchical all-reduce (what ``auto`` runs across nodes; CPU ranks only for now, a GPU row says
-  n/a), in place on ``comm.empty`` memory;
+- p2pcomm: the hierarchical all-reduce (what ``auto`` runs across nodes), in place on ``comm.empty`` memory;
   "net GB/s" is what each rank sends between nodes per second (its shard's partials and results).
 - gloo (CPU) / nccl-socket (GPU): torch.distributed on the same processes; NCCL with NCCL_P2P_DISABLE=1
   NCCL_SHM_DISABLE=1, so all of its traffic, inside the simulated nodes too, goes over its sockets.
