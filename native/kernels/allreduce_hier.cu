@@ -194,13 +194,11 @@ DINLINE Range chunk_range(const Plan& pl, int m, i64 j) {
   return r;
 }
 
-// partials_through is how many partials block b gets from node m's group
-// rank up to and including its partial j of this rank's part (own chunks
-// in all): the first always comes, empty when there is no chunk 0, since
-// it goes out before the nodes' verdict, whatever the verdict says.
-DINLINE u64 partials_through(i64 j, i64 own) {
-  const i64 p = j + 1 < own ? j + 1 : own;
-  return (u64)(p > 1 ? p : 1);
+// signals_before is how many signals block b gets from node m's group rank
+// before iteration j: its partials of this rank's part (mine chunks in
+// all) and its results of its own part (theirs chunks in all).
+DINLINE u64 signals_before(i64 j, i64 mine, i64 theirs) {
+  return (u64)(j < mine ? j : mine) + (u64)(j < theirs ? j : theirs);
 }
 
 // pick_int is pick for the int tables (no dynamic indexing of parameters,
@@ -236,7 +234,6 @@ DINLINE u64 inbox_offset(const HierParams& h, u64 par, int m) {
 DINLINE u64* word_at(const HierParams& h, u64 off) { return reinterpret_cast<u64*>(h.net + off); }
 
 DINLINE Waiter waiter_of(const HierParams& h) { return Waiter{own_signal(h), h.err, h.timeout_ns, h.rank}; }
-DINLINE Ptrs ins_of(const HierParams& h) { return ptrs_all(const_cast<void* const*>(h.peer_in), h.local_size); }
 
 // ---------------------------------------------------------------- folds
 
@@ -461,25 +458,18 @@ DINLINE int node_culprit(const HierParams& h, const BlockState& st) {
   return culprit;
 }
 
-// send_headers (block 0, thread 0) sends this rank's header to every group
-// rank; false when a push failed (recorded).
-DINLINE bool send_headers(const HierParams& h, const BlockState& st, int culprit) {
+// exchange_headers (block 0, thread 0) sends this rank's header to every
+// group rank and compares theirs; ok is true when all made the same call
+// and no node failed its start barrier. False when a wait failed (recorded).
+DINLINE bool exchange_headers(const HierParams& h, const BlockState& st, int culprit, const u64* base, bool& ok) {
   const u64 par = st.epoch & 1;
-  *word_at(h, outbox_offset(h, par)) = start_value(st.epoch, culprit < 0 ? h.call_signature : bad_header(culprit));
+  const u64 mine = start_value(st.epoch, culprit < 0 ? h.call_signature : bad_header(culprit));
+  *word_at(h, outbox_offset(h, par)) = mine;
   __threadfence_system();  // before the trigger the proxy copies it after
   for (int m = 0; m < h.nodes; ++m) {
     if (m == h.node) continue;
     if (h.chans[m].putWithSignal(inbox_offset(h, par, h.node), outbox_offset(h, par), 8) == ~0ull) return false;
   }
-  return true;
-}
-
-// await_headers (block 0, thread 0) compares every group rank's header with
-// this rank's; ok is true when all made the same call and no node failed
-// its start barrier. False when a wait failed (recorded).
-DINLINE bool await_headers(const HierParams& h, const BlockState& st, int culprit, const u64* base, bool& ok) {
-  const u64 par = st.epoch & 1;
-  const u64 mine = start_value(st.epoch, culprit < 0 ? h.call_signature : bad_header(culprit));
   ok = culprit < 0;
   for (int m = 0; m < h.nodes; ++m) {
     if (m == h.node) continue;
@@ -490,6 +480,8 @@ DINLINE bool await_headers(const HierParams& h, const BlockState& st, int culpri
       return false;
     }
     if (ok && theirs != mine) {
+      // Name the rank that spoiled it on its node, else the group rank
+      // whose node made another call.
       report_mismatch_of(h, is_bad_header(theirs) ? (int)(theirs & 0xff) : pick_int(h.group_of, m), mine, theirs);
       ok = false;
     }
@@ -568,37 +560,14 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     if (theirs != mine) report_mismatch_of(h, pick_int(h.global_of, (int)threadIdx.x), mine, theirs);
   }
 
-  // 2. Block 0 sends the header; every block sends its first partial of
-  // each other node's part without waiting for the verdict (empty when this
-  // node disagreed or there is no chunk 0 here); then the verdict.
+  // 2. The call's verdict, the same on every rank of every node.
   const u64 par = st.epoch & 1;
   u64* const verdict_word = word_at(h, verdict_offset(h, par));
-  const bool node_agreed = node_ok && h.signature != kRejectSignature;
-  __shared__ int culprit;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    culprit = node_agreed ? -1 : node_culprit(h, st);
-    if (!send_headers(h, st, culprit)) st.abort |= kAbortFailed;
-  }
-  for (int m = 0; m < h.nodes; ++m) {
-    if (m == n) continue;
-    const bool data = node_agreed && chunks_of(mine, m) > 0;
-    const Range r = chunk_range(mine, m, 0);
-    if (data) fold_partial<T>(ins_of(h), h.local_size, slot(h, false, m, 0), r.begin, r.end, h.op);
-    __syncthreads();
-    if (threadIdx.x == 0 && (st.abort & kAbortFailed) == 0) {
-      __threadfence_system();
-      const u64 bytes = data ? (u64)(r.end - r.begin) * sizeof(Acc) : 0;
-      const u64 pos = data ? chans[m].putWithSignal(slot_offset(h, true, n, 0), slot_offset(h, false, m, 0), bytes)
-                           : chans[m].signal();
-      if (pos == ~0ull) st.abort |= kAbortFailed;
-    }
-  }
-  __syncthreads();
-  if (st.abort & kAbortFailed) return;
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       bool ok = false;
-      const bool alive = await_headers(h, st, culprit, base, ok);
+      const int culprit = node_ok && h.signature != kRejectSignature ? -1 : node_culprit(h, st);
+      const bool alive = exchange_headers(h, st, culprit, base, ok);
       verdict = alive ? (ok ? 1 : 2) : 0;
       if (alive) st_flag_release(verdict_word, (st.epoch << 2) | (ok ? 1u : 2u));
       for (int m = 0; m < h.nodes; ++m) {
@@ -607,16 +576,14 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     }
   } else if (threadIdx.x == 0) {
     u64 seen = 0;
-    const u64 t = h.timeout_ns ? h.timeout_ns : kDefaultTimeoutNs;
-    const Waiter w{own_signal(h), h.err, t + t / 4, h.rank};
-    const bool came = spin_until(w, [&] { return ((seen = ld_flag_acquire(verdict_word)) >> 2) == st.epoch; },
+    const bool came = spin_until(waiter_of(h), [&] { return ((seen = ld_flag_acquire(verdict_word)) >> 2) == st.epoch; },
                                  seen, h.rank, kPhaseHierVerdict, (int)blockIdx.x, st.epoch << 2);
     verdict = came ? (int)(seen & 3) : 0;
   }
   __syncthreads();
   if (verdict != 1) {
     if (verdict == 2 && threadIdx.x < (u32)h.nodes && threadIdx.x != (u32)n) {
-      *chans[threadIdx.x].expected = base[threadIdx.x] + 1;  // the first partial
+      *chans[threadIdx.x].expected = base[threadIdx.x];
     }
     return;  // 0: a failure was recorded; 2: a mismatch on some node
   }
@@ -628,19 +595,19 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     jmax = J > jmax ? J : jmax;
   }
   char* const results = own_hier(h);
-  const Ptrs ins = ins_of(h);
+  const Ptrs ins = ptrs_all(const_cast<void* const*>(h.peer_in), h.local_size);
   const i64 own = chunks_of(mine, n);  // chunks of this rank's part: each other node sends that many partials
   bool ok = true;
   for (i64 j = 0; j < jmax && ok; ++j) {
     for (int s = 1; s < h.nodes && ok; ++s) {
       const int m = (n + s) % h.nodes;
       const i64 theirs = chunks_of(mine, m);  // chunks of part m: its owner returns that many results
-      if (j >= theirs || j == 0) continue;  // chunk 0 went out before the verdict
+      if (j >= theirs) continue;
       if (j >= kHierRing && threadIdx.x == 0) {
         // The slot's previous chunk, j - kHierRing: read by its owner once
         // the owner's result of it is here.
         const i64 jr = j - kHierRing;
-        const u64 want = base[m] + partials_through(jr, own) + (u64)jr + 1;
+        const u64 want = base[m] + signals_before(jr, own, theirs) + (jr < own ? 1 : 0) + 1;
         if (!await_signals(h, chans[m], want, m)) st.abort = 1;
       }
       __syncthreads();
@@ -666,8 +633,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     if (threadIdx.x == 0) {
       for (int m = 0; m < h.nodes; ++m) {
         if (m == n || st.abort) continue;
-        const i64 theirs = chunks_of(mine, m);
-        const u64 want = base[m] + partials_through(j, own) + (u64)(j < theirs ? j : theirs);
+        const u64 want = base[m] + signals_before(j, own, chunks_of(mine, m)) + 1;
         if (!await_signals(h, chans[m], want, m)) st.abort = 1;
       }
     }
@@ -698,7 +664,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     for (int m = 0; m < h.nodes; ++m) {
       if (m == n) continue;
       const i64 theirs = chunks_of(mine, m);
-      const u64 total = base[m] + partials_through(own, own) + (u64)theirs;
+      const u64 total = base[m] + (u64)own + (u64)theirs;
       if (!await_signals(h, chans[m], total, m)) {
         st.abort = 1;
         break;
