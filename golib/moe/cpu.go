@@ -76,7 +76,7 @@ func newCPULayout(p *plan) cpuLayout {
 	o.counts = l.take(W * 4)
 	o.status = l.take(2 * W * 4)
 	o.comb = l.take(W * Tm * H * int64(p.transit.Size()))
-	o.flags = l.take(W * 8)
+	o.flags = l.take(2 * W * 8) // the barrier flags, then the blame words (nodes.go)
 	o.pid = l.take(8)
 	o.size = l.size
 	var b layout

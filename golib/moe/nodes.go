@@ -55,6 +55,8 @@ type netPeers struct {
 
 	flagOff uint64     // the barrier flags' offset in every rank's buffer: [W]uint64, word s written by rank s only
 	flags   [][]uint64 // by rank on this node: its flags as mapped here (this rank's at [rank])
+	blames  [][]uint64 // by rank on this node: its blame words, after its flags, as mapped here
+	blamed  uint64     // the blame word this rank last published
 	pids    []*uint64  // by rank on this node: the pid it published in its buffer
 	entered uint64     // barriers this rank has entered
 
@@ -64,8 +66,8 @@ type netPeers struct {
 
 // openNetPeers opens UCX and exchanges keys, collectively. base is this
 // rank's symmetric buffer of size bytes, mapped[r] rank r's as this process
-// maps it (0 for ranks of other nodes); the flags and the pid word live at
-// flagOff and pidOff of every rank's. boxBytes is the outbox each remote
+// maps it (0 for ranks of other nodes); the flags (then as many blame
+// words) and the pid word live at flagOff and pidOff of every rank's. boxBytes is the outbox each remote
 // rank needs. Any rank's failure is every rank's.
 func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr, flagOff, pidOff int64, boxBytes uint64) (*netPeers, error) {
 	bs := groupBootstrap{g}
@@ -79,13 +81,15 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 	}
 	n := &netPeers{t: t, topo: tp, rank: g.Rank(), world: g.Size(), timeout: host.Timeout(), pace: host.Pace,
 		remote: make([]transport.Remote, g.Size()), box: make([]int, g.Size()), boxBytes: boxBytes,
-		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), pids: make([]*uint64, g.Size())}
+		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), blames: make([][]uint64, g.Size()),
+		pids: make([]*uint64, g.Size())}
 	n.linger = min(n.timeout/8, 500*time.Millisecond)
 	boxes := 0
 	for r := range n.world {
 		n.box[r] = -1
 		if tp.SameNode(r) {
 			n.flags[r] = unsafe.Slice((*uint64)(hostPtr(mapped[r]+uintptr(flagOff))), n.world)
+			n.blames[r] = unsafe.Slice((*uint64)(hostPtr(mapped[r]+uintptr(flagOff)+uintptr(8*n.world))), n.world)
 			n.pids[r] = (*uint64)(hostPtr(mapped[r] + uintptr(pidOff)))
 		} else {
 			n.box[r] = boxes
@@ -216,22 +220,119 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 			if i%64 != 63 {
 				continue
 			}
-			// Any missing rank known to have failed is the one to name, not
+			// A rank that settled whom to blame has the answer; else any
+			// missing rank known to have failed is the one to name, not
 			// merely the first one still awaited.
+			if b, ok := n.settledBlame(); ok {
+				return n.adopt(b, phase, call)
+			}
 			for q := 0; q < n.world; q++ {
 				if q == n.rank || atomic.LoadUint64(&own[q]) >= want {
 					continue
 				}
 				if gone := n.gone(q); gone != "" {
+					n.publish(makeBlame(q, n.rank, blameGone, true))
 					return n.fail(q, fmt.Sprintf("%s before the %s barrier of %s", gone, phase, call))
 				}
 			}
 			if time.Since(start) > n.timeout {
-				return n.fail(r, fmt.Sprintf("never arrived at the %s barrier of %s within %v (P2PCOMM_TIMEOUT_MS)", phase, call, n.timeout))
+				return n.late(r, phase, call)
 			}
 		}
 	}
 	return nil
+}
+
+// A blame word says whom a rank holds responsible for its failure: the
+// culprit + 1 (bits 0-15), the rank that saw it first + 1 (bits 16-31),
+// how (bits 32-33) and whether it is settled (bit 34). Every rank's word
+// sits in every rank's buffer after the flags, written by that rank only:
+// stored on its node, a SignalFlushed of the difference across nodes (the
+// word's running total is the value). A rank that times out waiting for
+// another may only be waiting for a rank that waits in turn: it publishes
+// a tentative blame, listens a little while for the awaited rank's, and
+// settles on whom that one blames, so that every survivor names the rank
+// that stopped, not a neighbour that gave up before it.
+const (
+	blameLate  = 1 // never arrived within the timeout
+	blameGone  = 2 // exited, or its endpoint failed
+	blameFinal = 1 << 34
+)
+
+func makeBlame(culprit, seer, how int, final bool) uint64 {
+	b := uint64(culprit+1) | uint64(seer+1)<<16 | uint64(how)<<32
+	if final {
+		b |= blameFinal
+	}
+	return b
+}
+
+func blameCulprit(b uint64) int { return int(b&0xffff) - 1 }
+func blameSeer(b uint64) int    { return int(b>>16&0xffff) - 1 }
+func blameHow(b uint64) int     { return int(b >> 32 & 3) }
+
+// publish makes b this rank's blame word wherever ranks look for it.
+func (n *netPeers) publish(b uint64) {
+	for r := range n.world {
+		if n.remote[r] == nil {
+			atomic.StoreUint64(&n.blames[r][n.rank], b)
+		} else if n.t.PeerError(r) == nil {
+			n.t.SignalFlushed(n.remote[r], n.flagOff+8*uint64(n.world+n.rank), b-n.blamed) // a failed peer hears nothing anyway
+		}
+	}
+	n.blamed = b
+}
+
+// blameOf is rank q's blame word as this rank has it (0: none).
+func (n *netPeers) blameOf(q int) uint64 { return atomic.LoadUint64(&n.blames[n.rank][q]) }
+
+// settledBlame returns a settled blame of another rank that names someone
+// other than this rank.
+func (n *netPeers) settledBlame() (uint64, bool) {
+	for q := range n.world {
+		if b := n.blameOf(q); q != n.rank && b&blameFinal != 0 && blameCulprit(b) != n.rank {
+			return b, true
+		}
+	}
+	return 0, false
+}
+
+// late ends this rank's wait for rank r at the timeout: it publishes a
+// tentative blame, follows r's own for up to the linger time, and breaks
+// the EP naming whom the chain ends at.
+func (n *netPeers) late(r int, phase string, call collective.Call) error {
+	b := makeBlame(r, n.rank, blameLate, false)
+	n.publish(b)
+	deadline := time.Now().Add(n.linger)
+	for i := 0; time.Now().Before(deadline); i++ {
+		n.t.Progress()
+		n.pace(4096 + i)
+		if got, ok := n.settledBlame(); ok {
+			return n.adopt(got, phase, call)
+		}
+		if got := n.blameOf(blameCulprit(b)); got != 0 && blameCulprit(got) != n.rank {
+			b = got &^ blameFinal
+			if got&blameFinal != 0 {
+				break
+			}
+		}
+	}
+	return n.adopt(b, phase, call)
+}
+
+// adopt settles on blame b as this rank's own, passes it on and breaks the
+// EP naming its culprit.
+func (n *netPeers) adopt(b uint64, phase string, call collective.Call) error {
+	n.publish(b | blameFinal)
+	c := blameCulprit(b)
+	why := fmt.Sprintf("never arrived at the %s barrier of %s within %v (P2PCOMM_TIMEOUT_MS)", phase, call, n.timeout)
+	if blameHow(b) == blameGone {
+		why = fmt.Sprintf("failed before the %s barrier of %s", phase, call)
+	}
+	if seer := blameSeer(b); seer != n.rank {
+		why += fmt.Sprintf(", as rank %d saw it", seer)
+	}
+	return n.fail(c, why)
 }
 
 // gone says how rank r is known to have failed, or "".

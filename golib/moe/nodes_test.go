@@ -108,3 +108,17 @@ func TestCPUAbsentRankAcrossNodesIsNamed(t *testing.T) {
 		})
 	}
 }
+
+// A blame word carries its culprit, the rank that saw it, how and whether it
+// is settled, for every rank number an EP allows.
+func TestBlameWordRoundTrips(t *testing.T) {
+	for _, c := range []struct{ culprit, seer, how int }{{0, 1, blameLate}, {maxRanks - 1, 0, blameGone}, {3, maxRanks - 1, blameLate}} {
+		for _, final := range []bool{false, true} {
+			b := makeBlame(c.culprit, c.seer, c.how, final)
+			if blameCulprit(b) != c.culprit || blameSeer(b) != c.seer || blameHow(b) != c.how || (b&blameFinal != 0) != final {
+				t.Errorf("makeBlame(%d, %d, %d, %v) = %#x reads back %d, %d, %d, %v", c.culprit, c.seer, c.how, final, b,
+					blameCulprit(b), blameSeer(b), blameHow(b), b&blameFinal != 0)
+			}
+		}
+	}
+}

@@ -201,12 +201,11 @@ MOE_SCRIPT = """
 
 @NEEDS_UCX
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-@pytest.mark.parametrize("world,local", [(2, 1)], ids=["2x1"])
+@pytest.mark.parametrize("world,local", [(2, 1), (4, 2)], ids=["2x1", "2x2"])
 def test_failed_rank_in_expert_parallel_is_named_by_every_survivor(how, world, local):
-    """The victim, rank `local` (node 1), dies or stops after its dispatch; the survivor sees it across nodes
-    (through UCX or the timeout). With several survivors, one that failed first may stop short of a later
-    barrier and be named by another instead of the victim: MoE across nodes shares no failure records yet,
-    so only one survivor is tested here (golib/moe tests an absent rank on 2 x 2)."""
+    """The victim, rank `local` (node 1), dies or stops after its dispatch; every survivor, on either node,
+    names it (through UCX, its pid or the timeout), even one that waits at a later barrier for a survivor
+    that gave up first: survivors share whom they blame."""
     victim = local
     outs = run_job(how, world, local, victim, MOE_SCRIPT, MOE_TIMEOUT_MS)
     assert len(outs) == world - 1
