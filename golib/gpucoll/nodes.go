@@ -80,26 +80,11 @@ type nodes struct {
 	fns     [6]cuda.Function    // allreduce_hier<T> by dtype, compiled at setup
 }
 
-// uniformNodes: the same number of ranks on every node (the groups of one
-// local index have one rank per node). Every rank knows the topology, so
-// every rank fails here alike.
-func (b *Backend) uniformNodes() error {
-	per := len(b.topo.Nodes[0])
-	for _, ranks := range b.topo.Nodes {
-		if len(ranks) != per {
-			return status.Errorf(status.Unsupported,
-				"all-reduce across nodes needs the same number of ranks on every node (it pairs the ranks of each local index across nodes); this communicator spans %s",
-				b.topo)
-		}
-	}
-	return nil
-}
-
 // allReduceNodes enqueues one all-reduce across nodes on req.Stream. Like
 // every GPU call it does not wait: a mismatch or a peer that never comes is
 // raised at the next call or Check.
 func (b *Backend) allReduceNodes(req collective.AllReduce) error {
-	if err := b.uniformNodes(); err != nil {
+	if err := b.topo.Uniform("all-reduce"); err != nil {
 		return err
 	}
 	if err := b.drv.EnsureContext(b.device); err != nil {

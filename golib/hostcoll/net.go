@@ -136,22 +136,6 @@ func (n *network) load(sender, kind int) uint64 {
 	return atomic.LoadUint64((*uint64)(n.at(n.lay.word(sender, kind))))
 }
 
-// uniformNodes is the shape an all-reduce across nodes needs: the same
-// number of ranks on every node, so that the ranks of one local index form
-// a group with one rank per node. Every rank knows the topology, so every
-// rank fails here alike, before any exchange.
-func (c *Comm) uniformNodes() error {
-	per := len(c.topo.Nodes[0])
-	for _, ranks := range c.topo.Nodes {
-		if len(ranks) != per {
-			return status.Errorf(status.Unsupported,
-				"all-reduce across nodes needs the same number of ranks on every node (it pairs the ranks of each local index across nodes); this communicator spans %s",
-				c.topo)
-		}
-	}
-	return nil
-}
-
 // openNetwork opens the UCX transport and the region and exchanges keys.
 // Collective over every rank; any rank's failure is every rank's, and
 // leaves nothing open, so a later call may try again.

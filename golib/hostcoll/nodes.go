@@ -34,7 +34,7 @@ import (
 //     is done (so nothing it sent is still on its way), and meets its node
 //     at the end barrier.
 func (c *Comm) allReduceNodes(req collective.AllReduce) error {
-	if err := c.uniformNodes(); err != nil {
+	if err := c.topo.Uniform("all-reduce"); err != nil {
 		return err
 	}
 	if c.net == nil {

@@ -57,6 +57,21 @@ func (t *Topology) SameNode(r int) bool {
 	return r >= 0 && r < len(t.NodeOf) && t.NodeOf[r] == t.Node()
 }
 
+// Uniform returns nil when every node has as many ranks as the others: what
+// a collective across nodes that pairs the ranks of each local index needs
+// (they form groups of one rank per node); else an Unsupported error saying
+// what needs it. Every rank knows the topology, so every rank fails alike.
+func (t *Topology) Uniform(what string) error {
+	for _, ranks := range t.Nodes {
+		if len(ranks) != len(t.Nodes[0]) {
+			return status.Errorf(status.Unsupported,
+				"%s across nodes needs the same number of ranks on every node (it pairs the ranks of each local index across nodes); this communicator spans %s",
+				what, t)
+		}
+	}
+	return nil
+}
+
 // MultiNode reports whether the ranks span more than one node.
 func (t *Topology) MultiNode() bool { return len(t.Nodes) > 1 }
 

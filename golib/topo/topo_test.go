@@ -122,3 +122,16 @@ func TestHostKeyIsStable(t *testing.T) {
 		t.Fatalf("HostKey() = %q then %q", a, b)
 	}
 }
+
+// Uniform accepts nodes of equal size and names the shape it refuses.
+func TestUniform(t *testing.T) {
+	even := &Topology{Rank: 0, NodeOf: []int{0, 0, 1, 1}, Nodes: [][]int{{0, 1}, {2, 3}}}
+	if err := even.Uniform("all-reduce"); err != nil {
+		t.Errorf("2 x 2: %v", err)
+	}
+	uneven := &Topology{Rank: 2, NodeOf: []int{0, 0, 1}, Nodes: [][]int{{0, 1}, {2}}}
+	err := uneven.Uniform("all-reduce")
+	if status.CodeOf(err) != status.Unsupported || !strings.Contains(err.Error(), "all-reduce across nodes") {
+		t.Errorf("2 + 1: got %v, want Unsupported naming the all-reduce", err)
+	}
+}
