@@ -329,6 +329,10 @@ func (r *rank) invalid() error {
 	if err := expect(err, status.Unsupported, "memory channels on the CPU backend", "GPU backend"); err != nil {
 		return err
 	}
+	err = r.ch(func(ch *channel.Channels) error { _, _, err := ch.HostPortChannels(nil, 1); return err })
+	if err := expect(err, status.Unsupported, "host port channels on the CPU backend", "GPU communicators"); err != nil {
+		return err
+	}
 	id, _, err := r.ports(p, n)
 	if err != nil {
 		return fmt.Errorf("a good call after bad ones: %w", err)
