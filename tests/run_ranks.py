@@ -18,20 +18,16 @@ import argparse
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "python"))
+from ports import free_port  # noqa: E402
+
 QUIET_S = 30  # longest stretch without a line on the console
 GRACE_S = 60  # how long the others may take to fail once one rank failed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None) -> int:

@@ -489,6 +489,9 @@ func (c *Channels) peer(id uint64, peer int, op string) (*portPeer, error) {
 	if peer < 0 || peer >= c.size || peer == c.rank {
 		return nil, status.Errorf(status.InvalidArgument, "port %s from rank %d to rank %d: not a peer (world of %d)", op, c.rank, peer, c.size)
 	}
+	if s.port[peer].fifo == nil {
+		return nil, status.Errorf(status.InvalidArgument, "port %s from rank %d to rank %d: this set has no channel to it (host port sets reach only ranks on other nodes)", op, c.rank, peer)
+	}
 	return &s.port[peer], nil
 }
 

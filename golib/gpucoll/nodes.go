@@ -165,8 +165,10 @@ func (b *Backend) launchHier(dt reduce.DType, count int64, op reduce.Op, src, ds
 // openNodes sets up calls across nodes: the hier buffers, one port channel
 // set per block over them (the proxy and UCX start here), and the table of
 // channels the kernel reads. Collective; a failure on any rank fails every
-// rank and leaves nothing behind, so a later call tries again. It allocates
-// and synchronizes, so it cannot run inside a CUDA graph capture.
+// rank and closes the rails it opened, so a later call tries again (the
+// buffers it allocated stay with the communicator's memory until it
+// closes). It allocates and synchronizes, so it cannot run inside a CUDA
+// graph capture.
 func (b *Backend) openNodes(stream uintptr) error {
 	if st, err := b.drv.StreamCaptureStatus(stream); err == nil && st != cuda.CaptureNone {
 		return status.Errorf(status.State,

@@ -331,8 +331,10 @@ func checkRounds(t *testing.T, run runner, cases []roundsCase) {
 					out := expertOut(res, c.H, c.dt)
 					y := make([]byte, sizes[r]*c.H*c.dt.Size())
 					for range 2 { // combining one result twice gives the same bits
-						if err := ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y),
-							NumTokens: sizes[r], Capturable: capturable}); err != nil {
+						err := ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y),
+							NumTokens: sizes[r], Capturable: capturable})
+						runtime.KeepAlive(out) // only its address went in
+						if err != nil {
 							return err
 						}
 						if want := emulate(all[r], r, c.world, c.E, c.K, c.H, c.dt, c.tr); string(y) != string(want) {
@@ -374,7 +376,9 @@ func checkRejected(t *testing.T, run runner) {
 		want := emulate(first[r], r, W, E, K, H, dt, reduce.Float32)
 		combine := func(check int32) ([]byte, error) {
 			y := make([]byte, Tm*H*dt.Size())
-			return y, ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y), NumTokens: Tm, Check: check})
+			err := ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y), NumTokens: Tm, Check: check})
+			runtime.KeepAlive(out) // only its address went in
+			return y, err
 		}
 		other := makeTokens(rand.New(rand.NewSource(int64(50+r))), Tm, H, E, K, dt, 0)
 		for bad := range W {

@@ -57,6 +57,7 @@ type netPeers struct {
 	flags   [][]uint64 // by rank on this node: its flags as mapped here (this rank's at [rank])
 	blames  [][]uint64 // by rank on this node: its blame words, after its flags, as mapped here
 	blamed  uint64     // the blame word this rank last published
+	seen    []uint64   // by rank: the newest blame word read from it
 	pids    []*uint64  // by rank on this node: the pid it published in its buffer
 	entered uint64     // barriers this rank has entered
 
@@ -82,7 +83,7 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 	n := &netPeers{t: t, topo: tp, rank: g.Rank(), world: g.Size(), timeout: host.Timeout(), pace: host.Pace,
 		remote: make([]transport.Remote, g.Size()), box: make([]int, g.Size()), boxBytes: boxBytes,
 		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), blames: make([][]uint64, g.Size()),
-		pids: make([]*uint64, g.Size())}
+		seen: make([]uint64, g.Size()), pids: make([]*uint64, g.Size())}
 	n.linger = min(n.timeout/8, 500*time.Millisecond)
 	boxes := 0
 	for r := range n.world {
@@ -245,7 +246,10 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 
 // A blame word says whom a rank holds responsible for its failure: the
 // culprit + 1 (bits 0-15), the rank that saw it first + 1 (bits 16-31),
-// how (bits 32-33) and whether it is settled (bit 34). Every rank's word
+// how (bits 32-33), whether it is settled (bit 34), and from bit 40 how
+// many this rank has published, so that a later word is a larger one and a
+// reader keeps the largest it has seen (two puts of one peer may land out
+// of order). Every rank's word
 // sits in every rank's buffer after the flags, written by that rank only:
 // stored on its node, a SignalFlushed of the difference across nodes (the
 // word's running total is the value). A rank that times out waiting for
@@ -257,6 +261,7 @@ const (
 	blameLate  = 1 // never arrived within the timeout
 	blameGone  = 2 // exited, or its endpoint failed
 	blameFinal = 1 << 34
+	blameSeq   = 1 << 40
 )
 
 func makeBlame(culprit, seer, how int, final bool) uint64 {
@@ -273,6 +278,7 @@ func blameHow(b uint64) int     { return int(b >> 32 & 3) }
 
 // publish makes b this rank's blame word wherever ranks look for it.
 func (n *netPeers) publish(b uint64) {
+	b = b&(blameSeq-1) | (n.blamed/blameSeq+1)*blameSeq
 	for r := range n.world {
 		if n.remote[r] == nil {
 			atomic.StoreUint64(&n.blames[r][n.rank], b)
@@ -283,8 +289,11 @@ func (n *netPeers) publish(b uint64) {
 	n.blamed = b
 }
 
-// blameOf is rank q's blame word as this rank has it (0: none).
-func (n *netPeers) blameOf(q int) uint64 { return atomic.LoadUint64(&n.blames[n.rank][q]) }
+// blameOf is rank q's newest blame word as this rank has it (0: none).
+func (n *netPeers) blameOf(q int) uint64 {
+	n.seen[q] = max(n.seen[q], atomic.LoadUint64(&n.blames[n.rank][q]))
+	return n.seen[q]
+}
 
 // settledBlame returns a settled blame of another rank that names someone
 // other than this rank.
@@ -311,7 +320,7 @@ func (n *netPeers) late(r int, phase string, call collective.Call) error {
 			return n.adopt(got, phase, call)
 		}
 		if got := n.blameOf(blameCulprit(b)); got != 0 && blameCulprit(got) != n.rank {
-			b = got &^ blameFinal
+			b = got &^ blameFinal & (blameSeq - 1)
 			if got&blameFinal != 0 {
 				break
 			}

@@ -686,6 +686,9 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
       }
     }
   }
+  // A rank that misses a result must not let its node read its region:
+  // without its mid flag they time out naming it instead.
+  if (st.abort) return;
   if (!node_barrier(h, st, kPhaseMid)) return;
   for (int q = 0; q < h.local_size; ++q) {
     const int lq = (h.local_rank + q) % h.local_size;  // own shard first, then stagger peers

@@ -9,7 +9,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from ports import free_port
 
 pytest.importorskip("torch")
 
@@ -48,12 +48,6 @@ SCRIPT = """
     except p2pcomm.P2PCommError as e:
         print("AFTER", type(e).__name__)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(how: str, world: int = 4, local: int = 2, victim: int = VICTIM, script: str = SCRIPT,

@@ -2,22 +2,16 @@
 mismatch at rendezvous, use from a forked child. CPU backend, TCP bootstrap."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+from ports import free_port
 
 torch = pytest.importorskip("torch")
 import p2pcomm  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(script: str, world: int, env_per_rank=None, timeout=60):
