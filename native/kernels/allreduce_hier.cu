@@ -11,7 +11,7 @@
 // host memory) could stall for as long as this kernel runs: a synchronous
 // copy, a module load or a cudaFree on another thread of the process holds
 // the device until the running kernel ends, and this one ends only once the
-// proxy moved its bytes (docs/DESIGN.md, "Port channels and host calls").
+// proxy moved its bytes (docs/DESIGN.md, "Channels and the proxy").
 //
 // Shape. L ranks per node, N nodes, W = L * N ranks. The rank of local
 // index l owns shard l of the elements (slice_range over L); the ranks of
@@ -19,8 +19,9 @@
 // parts (slice_range over N): the group rank on node m owns part m. Parts
 // travel in chunks of chunk_elems elements; chunk k of a part belongs to
 // block k mod kHierBlocks, so each block is a pipeline of its own with a
-// port channel set (FIFO, semaphores) of its own: the j-th signal block b
-// gets from a peer is always that peer's block b's j-th.
+// lane of port channels (semaphores of its own; blocks of a rail share its
+// FIFO): the j-th signal block b gets from a peer is always that peer's
+// block b's j-th.
 //
 // Per block b, with n this rank's node:
 //   1. stage this block's chunks of the input (when not registered), start
@@ -33,8 +34,8 @@
 //      16-bit floats) into a send slot and put it, with a signal, into node
 //      m's group rank; then fold chunk j of the own part likewise, wait for
 //      every other node's partial of it, fold the partials in node order,
-//      round once into the results region and put it, with a signal, to
-//      every group rank. Ring slots are reused after kHierRing chunks: the
+//      round once into the results region and the net buffer, and put it
+//      from there, with a signal, to every group rank. Ring slots are reused after kHierRing chunks: the
 //      sender of chunk j waits for the owner's result of chunk j - kHierRing,
 //      which the owner sends only after it has read that slot.
 //   4. wait for every other part's results of this block's chunks, copy
@@ -65,7 +66,7 @@
 // p2pcomm:instantiate allreduce_hier<int>
 // p2pcomm:instantiate allreduce_hier<long long>
 
-// kHierBlocks is the grid (and the number of port channel sets); kHierRing
+// kHierBlocks is the grid (and the number of channel lanes); kHierRing
 // the chunks in flight per block and peer; kMaxNodes the most nodes.
 constexpr int kHierBlocks = 8;
 constexpr int kHierRing = 2;
