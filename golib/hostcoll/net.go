@@ -244,12 +244,7 @@ func (n *network) close() error {
 	n.bg = nil
 	var err error
 	if n.t != nil {
-		for m, r := range n.group {
-			if m != n.node && n.t.PeerError(r) == nil {
-				n.t.FlushWithin(r, max(n.linger, 100*time.Millisecond)) // a failed flush leaves nothing to save
-			}
-		}
-		err = n.t.Close()
+		err = n.t.CloseAfterFlush(n.group, n.linger) // this rank's own entry is skipped there
 	}
 	if n.region != nil {
 		unix.Munmap(n.region)

@@ -375,12 +375,13 @@ func (n *netPeers) close() error {
 	n.bg = nil
 	var err error
 	if n.t != nil {
+		var remote []int
 		for r, rem := range n.remote {
-			if rem != nil && n.t.PeerError(r) == nil {
-				n.t.FlushWithin(r, max(n.linger, 100*time.Millisecond)) // a failed flush leaves nothing to save
+			if rem != nil {
+				remote = append(remote, r)
 			}
 		}
-		err = n.t.Close()
+		err = n.t.CloseAfterFlush(remote, n.linger)
 		n.t = nil
 	}
 	if n.outbox != nil {

@@ -528,6 +528,19 @@ func (t *Transport) FlushWithin(peer int, timeout time.Duration) error {
 	return t.flushBy(peer, time.Now().Add(timeout))
 }
 
+// CloseAfterFlush flushes what this rank sent each of peers that has not
+// failed, each for up to linger (at least 100 ms), then closes: a peer may
+// still wait for the last of it, and closing would cut it off unsent. A
+// failed flush leaves nothing to save, so only Close's error is returned.
+func (t *Transport) CloseAfterFlush(peers []int, linger time.Duration) error {
+	for _, r := range peers {
+		if r != t.rank && t.PeerError(r) == nil {
+			t.FlushWithin(r, max(linger, 100*time.Millisecond))
+		}
+	}
+	return t.Close()
+}
+
 func (t *Transport) flush(peer int) error { return t.flushBy(peer, time.Now().Add(t.timeout)) }
 
 func (t *Transport) flushBy(peer int, deadline time.Time) error {
