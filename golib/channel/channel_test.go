@@ -18,7 +18,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/comm"
 	"github.com/p2pcomm/p2pcomm/golib/proxy"
 	"github.com/p2pcomm/p2pcomm/golib/status"
-	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx/ucxtest"
 )
 
 // The test binary re-executes itself as every rank of a job; roleEnv says
@@ -34,13 +34,6 @@ func TestMain(m *testing.M) {
 		os.Exit(child(role))
 	}
 	os.Exit(m.Run())
-}
-
-func needUCX(t *testing.T) {
-	t.Helper()
-	if err := ucx.Available(nil); err != nil {
-		t.Skipf("UCX is not installed (pip install libucx-cu13==1.22.0): %v", err)
-	}
 }
 
 // runJob starts size ranks in role and waits for all, killing them after
@@ -59,7 +52,7 @@ func expectOK(t *testing.T, results []bootstraptest.Rank, skip ...int) {
 // Every rank its own node, so every peer is reached over UCX: random pieces
 // of random data put into every peer, each byte checked after signal/wait.
 func TestPortChannelsAcrossNodes(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	for _, size := range []int{2, 3} {
 		t.Run(fmt.Sprintf("nodes%d", size), func(t *testing.T) {
 			expectOK(t, runJob(t, "exchange", size, 60*time.Second, "P2PCOMM_LOCAL_SIZE=1"))
@@ -86,14 +79,14 @@ func TestTopologyAcrossProcesses(t *testing.T) {
 // Bad input fails on every rank with a specific error, and the ranks stay
 // in step: a good call afterwards works.
 func TestPortChannelsBadInput(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	expectOK(t, runJob(t, "invalid", 3, 60*time.Second, "P2PCOMM_LOCAL_SIZE=1"))
 }
 
 // A rank killed in the middle of its puts: the others get status.Timeout
 // naming it within the timeout.
 func TestPortChannelsPeerKilled(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	expectOK(t, runJob(t, "kill", 3, 60*time.Second, "P2PCOMM_LOCAL_SIZE=1"), 2)
 }
 

@@ -17,16 +17,8 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/shm"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/topo"
-	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx/ucxtest"
 )
-
-// needUCX skips a test of the inter-node phase where no UCX loads.
-func needUCX(t *testing.T) {
-	t.Helper()
-	if err := ucx.Available(nil); err != nil {
-		t.Skipf("UCX is not installed (pip install libucx-cu13, or set %s): %v", ucx.LibraryEnv, err)
-	}
-}
 
 // runNodes is run over simulated nodes of localSize consecutive ranks.
 func runNodes(t *testing.T, world, localSize int, opts Options, f func(c *Comm) error) []error {
@@ -97,7 +89,7 @@ func (nc nodesCase) String() string {
 // many of them. Under the race detector (ten times slower), 2 x 1 and the
 // smaller sizes on 3 x 2 only; the dist tests run 2 x 2 and 3 x 1 too.
 func TestAllReduceAcrossNodesIsTheDocumentedExpression(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	for _, nc := range []nodesCase{{2, 1}, {4, 2}, {3, 1}, {6, 2}} {
 		t.Run(nc.String(), func(t *testing.T) {
 			sizes := []int{1, 7, 4097, 30011}
@@ -214,7 +206,7 @@ func allReduceIn(c *Comm, mode string, sym uintptr, in []byte, n int, d reduce.D
 // a call over the staging capacity fail every rank of every node, and every
 // rank is usable after.
 func TestBadCallsAcrossNodesFailEveryRank(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	opts := Options{Timeout: 10 * time.Second, StagingBytes: 1 << 16}
 	errs := runNodes(t, 4, 2, opts, func(c *Comm) error {
 		buf := make([]float32, 1<<15)
@@ -309,7 +301,7 @@ func TestUnevenNodesAreUnsupportedOnEveryRank(t *testing.T) {
 // directly or for a rank that waits for it, fails within about the timeout
 // naming it.
 func TestAbsentRankAcrossNodesIsNamedByEveryRank(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	const timeout = 1500 * time.Millisecond
 	for _, nc := range []nodesCase{{4, 2}, {3, 1}, {6, 2}} {
 		for _, how := range []string{"stopped", "gone"} {

@@ -10,16 +10,8 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
-	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
+	"github.com/p2pcomm/p2pcomm/golib/transport/ucx/ucxtest"
 )
-
-// needUCX skips a test across nodes where no UCX loads.
-func needUCX(t *testing.T) {
-	t.Helper()
-	if err := ucx.Available(nil); err != nil {
-		t.Skipf("UCX is not installed (pip install libucx-cu13, or set %s): %v", ucx.LibraryEnv, err)
-	}
-}
 
 // onNodes is a runner over simulated nodes of localSize consecutive ranks.
 func onNodes(localSize int) runner {
@@ -33,7 +25,7 @@ func onNodes(localSize int) runner {
 // has the single-node bits: 2 nodes of 1, 2 of 2, 3 of 1, and uneven nodes
 // (2 + 1).
 func TestCPUAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	layouts := []struct {
 		name         string
 		world, local int
@@ -54,7 +46,7 @@ func TestCPUAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 // Rejected calls across nodes fail on every rank and move nothing; every
 // rank is usable after.
 func TestCPURejectedCallsAcrossNodesMoveNothing(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	for _, local := range []int{1, 2} {
 		t.Run(fmt.Sprintf("local%d", local), func(t *testing.T) { checkRejected(t, onNodes(local)) })
 	}
@@ -63,7 +55,7 @@ func TestCPURejectedCallsAcrossNodesMoveNothing(t *testing.T) {
 // A rank that never comes to a call is named by every other rank, on its
 // node and on the others, within the timeout; the EP stays broken.
 func TestCPUAbsentRankAcrossNodesIsNamed(t *testing.T) {
-	needUCX(t)
+	ucxtest.Need(t)
 	const W, E, K, H, Tm = 4, 4, 2, 8, 4
 	for _, absent := range []int{1, 2} {
 		t.Run(fmt.Sprintf("rank%d", absent), func(t *testing.T) {
