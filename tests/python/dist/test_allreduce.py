@@ -18,7 +18,7 @@ def rank_input(seed: int, rank: int, n: int, dtype: torch.dtype, op: str) -> tor
     """Rank `rank`'s input, reproducible on every rank (for the reference)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     if dtype.is_floating_point:
-        # float64 draws only for float64 (they take six times as long as float32 ones)
+        # float64 draws only for float64: they are several times slower than float32 ones
         x = torch.randn(n, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         if op == "prod":  # keep products of W factors in range
             x = x.sign() * (0.5 + x.abs().clamp(max=1.5))
