@@ -26,7 +26,7 @@ export NCCL_NVLS_ENABLE := 0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST := 1
 export NVSHMEM_DISABLE_NVLS := 1
 
-.PHONY: setup lib test test-go test-go-race test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
+.PHONY: setup lib test test-go test-go-race test-go-and-python test-mpi test-python test-dist gpu-test gpu-test-shared demo bench fuzz vet clean
 
 setup: $(PY_ENV) build/gomod
 
@@ -96,8 +96,20 @@ test-dist: lib $(PY_ENV)
 	$(call RANKS,3) -m pytest -q -x tests/python/dist/test_moe.py tests/python/dist/test_moe_nodes.py
 	$(call RANKS,8) -m pytest -q -x tests/python/dist/test_moe.py
 
+# The Python tests spend much of their time waiting (for subprocesses to
+# start, for peers' timeouts), so they run beside the Go race tests; their
+# output follows the Go tests'.
+PY_TEST_LOG := build/logs/test-python.log
+test-go-and-python: lib $(PY_ENV)
+	@mkdir -p build/logs; \
+	$(MAKE) --no-print-directory test-python > $(PY_TEST_LOG) 2>&1 & py=$$!; \
+	echo "python tests run beside the Go tests: $(PY_TEST_LOG)"; \
+	$(MAKE) --no-print-directory test-go-race; gorc=$$?; \
+	wait $$py; pyrc=$$?; cat $(PY_TEST_LOG); \
+	test $$gorc -eq 0 && test $$pyrc -eq 0 || { echo "failed: Go tests $$gorc, python tests $$pyrc"; exit 1; }
+
 test: lib $(PY_ENV)
-	$(call BESIDE_KERNELS,$(MAKE) --no-print-directory vet test-go-race fuzz test-mpi test-python test-dist)
+	$(call BESIDE_KERNELS,$(MAKE) --no-print-directory vet test-go-and-python fuzz test-mpi test-dist)
 
 gpu-test: lib $(PY_ENV)
 	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }
