@@ -101,7 +101,7 @@ func New(bs bootstrap.Bootstrap, device int, opts Options) (*Backend, error) {
 		b.Close()
 		return nil, err
 	}
-	b.kernels = newKernelCache(drv, cc, opts.NVRTCOptions)
+	b.kernels = newKernelCache(drv, device, cc, opts.NVRTCOptions)
 	// Every rank's signals are zero before any kernel can write a peer's.
 	if err := bs.Barrier(); err != nil {
 		b.Close()

@@ -3,6 +3,7 @@ package gpucoll
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
@@ -33,24 +34,57 @@ var kernelOf = map[collective.Algorithm]struct{ file, name string }{
 // kernelCache compiles each source once per process (NVRTC, with the disk
 // cache shared by all processes) and keeps every function it looked up.
 type kernelCache struct {
-	drv   *cuda.Driver
-	arch  int
-	extra []string
-	mu    sync.Mutex
+	drv    *cuda.Driver
+	device int
+	arch   int
+	extra  []string
+	mu     sync.Mutex
 	// funcs: all-reduce kernels by (algorithm, dtype), the hot path's lookup.
 	funcs map[[2]int32]cuda.Function
 	// byName: every kernel of every compiled file, by file and name expression.
 	byName map[string]cuda.Function
 	// shared: the dynamic shared memory each function was allowed (allowShared).
 	shared map[cuda.Function]uint32
-	// modules: every module loaded, unloaded by close (a module holds device
-	// memory for its code and constants).
+	// modules: the modules this cache loaded itself, unloaded by close (a
+	// module holds device memory for its code and constants): users'
+	// kernels, and the library's own where they did not go to loaded.
 	modules []cuda.Module
 }
 
-func newKernelCache(drv *cuda.Driver, arch int, extra []string) *kernelCache {
-	return &kernelCache{drv: drv, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{},
+func newKernelCache(drv *cuda.Driver, device, arch int, extra []string) *kernelCache {
+	return &kernelCache{drv: drv, device: device, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{},
 		byName: map[string]cuda.Function{}, shared: map[cuda.Function]uint32{}}
+}
+
+// loaded holds the library's own kernel modules, loaded once per process
+// into a device's primary context (which p2pcomm retains for the life of
+// the process) and never unloaded: loading and unloading them with each
+// communicator left about a megabyte of device memory behind per cycle, and
+// a process that makes communicators one after another pays the load once.
+var loaded struct {
+	mu    sync.Mutex
+	files map[loadedKey]map[string]cuda.Function // by name expression
+}
+
+type loadedKey struct {
+	ctx        cuda.Context
+	file, opts string
+	arch       int
+}
+
+// primaryKey is the key of file's module in loaded when the current context
+// is the device's primary one; ok is false otherwise (a context of the
+// caller's, which may go away: its modules are this cache's own).
+func (k *kernelCache) primaryKey(file string, opts []string) (loadedKey, bool) {
+	cur, err := k.drv.CurrentContext()
+	if err != nil || cur == 0 {
+		return loadedKey{}, false
+	}
+	prim, err := k.drv.PrimaryContext(k.device)
+	if err != nil || prim != cur {
+		return loadedKey{}, false
+	}
+	return loadedKey{ctx: cur, file: file, opts: strings.Join(opts, "\x00"), arch: k.arch}, true
 }
 
 // allowShared lets fn take bytes of dynamic shared memory per block. Without
@@ -74,8 +108,9 @@ func (k *kernelCache) allowShared(fn cuda.Function, bytes uint32) error {
 	return nil
 }
 
-// close unloads every module; the cache is empty afterwards. The caller has
-// made the device's context current and no kernel of these modules runs.
+// close unloads the modules it loaded itself (not those of loaded); the
+// cache is empty afterwards. The caller has made the device's context
+// current and no kernel of these modules runs.
 func (k *kernelCache) close() error {
 	k.mu.Lock()
 	defer k.mu.Unlock()
@@ -113,6 +148,43 @@ func (k *kernelCache) load(res cuda.CompileResult, expr string) (cuda.Function, 
 	return fn, nil
 }
 
+// loadFile compiles file (through the disk cache) and loads it, returning
+// its kernels by name expression; own says whether close unloads it.
+func (k *kernelCache) loadFile(file string, opts []string, own bool) (map[string]cuda.Function, error) {
+	nv, err := cuda.LoadNVRTC()
+	if err != nil {
+		return nil, fmt.Errorf("GPU kernels need NVRTC: %w", err)
+	}
+	src, err := kernels.Source(file)
+	if err != nil {
+		return nil, err
+	}
+	res, err := nv.CompileCached(cuda.CompileRequest{
+		Name: file, Source: src, Headers: kernels.Headers(), Arch: k.arch,
+		Options: opts, NameExpressions: kernels.Instantiations(src),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("compile %s for sm_%d: %w", file, k.arch, err)
+	}
+	mod, err := k.drv.ModuleLoadData(res.CUBIN)
+	if err != nil {
+		return nil, fmt.Errorf("load %s: %w", file, err)
+	}
+	fns := map[string]cuda.Function{}
+	for e, lowered := range res.Lowered {
+		fn, err := k.drv.ModuleFunction(mod, lowered)
+		if err != nil {
+			_ = k.drv.ModuleUnload(mod)
+			return nil, fmt.Errorf("find %s in %s: %w", e, file, err)
+		}
+		fns[e] = fn
+	}
+	if own {
+		k.modules = append(k.modules, mod)
+	}
+	return fns, nil
+}
+
 // function returns the all-reduce kernel of algo for dt.
 func (k *kernelCache) function(algo collective.Algorithm, dt reduce.DType) (cuda.Function, error) {
 	key := [2]int32{int32(algo), int32(dt)}
@@ -145,31 +217,26 @@ func (k *kernelCache) named(file, expr string) (cuda.Function, error) {
 	if fn, ok := k.byName[key]; ok {
 		return fn, nil
 	}
-	nv, err := cuda.LoadNVRTC()
-	if err != nil {
-		return 0, fmt.Errorf("GPU kernels need NVRTC: %w", err)
+	opts := append([]string{"-std=c++17", "-default-device"}, k.extra...)
+	lk, primary := k.primaryKey(file, opts)
+	if primary {
+		loaded.mu.Lock()
+		defer loaded.mu.Unlock()
 	}
-	src, err := kernels.Source(file)
-	if err != nil {
-		return 0, err
-	}
-	res, err := nv.CompileCached(cuda.CompileRequest{
-		Name: file, Source: src, Headers: kernels.Headers(), Arch: k.arch,
-		Options: append([]string{"-std=c++17", "-default-device"}, k.extra...), NameExpressions: kernels.Instantiations(src),
-	})
-	if err != nil {
-		return 0, fmt.Errorf("compile %s for sm_%d: %w", file, k.arch, err)
-	}
-	mod, err := k.drv.ModuleLoadData(res.CUBIN)
-	if err != nil {
-		return 0, fmt.Errorf("load %s: %w", file, err)
-	}
-	k.modules = append(k.modules, mod)
-	for e, lowered := range res.Lowered {
-		fn, err := k.drv.ModuleFunction(mod, lowered)
-		if err != nil {
-			return 0, fmt.Errorf("find %s in %s: %w", e, file, err)
+	fns := loaded.files[lk]
+	if !primary || fns == nil {
+		var err error
+		if fns, err = k.loadFile(file, opts, !primary); err != nil {
+			return 0, err
 		}
+		if primary {
+			if loaded.files == nil {
+				loaded.files = map[loadedKey]map[string]cuda.Function{}
+			}
+			loaded.files[lk] = fns
+		}
+	}
+	for e, fn := range fns {
 		k.byName[file+"\x00"+e] = fn
 	}
 	fn, ok := k.byName[key]
