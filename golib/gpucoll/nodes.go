@@ -156,9 +156,11 @@ func (b *Backend) launchHier(dt reduce.DType, count int64, op reduce.Op, src, ds
 		p.LocalSrc = 0
 		p.Signature = withSource(sig, buf.Seq, uint64(off))
 	}
+	proxy.Mark("launch")
 	if err := b.drv.Launch(n.fns[dt], hierBlocks, kThreads, 0, stream, p.bytes()); err != nil {
 		return fmt.Errorf("launch the all-reduce across nodes: %w", err)
 	}
+	proxy.Mark("launched")
 	return nil
 }
 

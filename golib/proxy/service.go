@@ -246,11 +246,14 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 		}
 		idle = 0
 		if s.Err() == nil {
-			if err := s.run(f, Decode(t), pos); err != nil {
+			op := Decode(t)
+			traceAdd(traceEvent{what: 'p', fifo: f.id, pos: pos, op: op})
+			if err := s.run(f, op, pos); err != nil {
 				s.fail(err)
 				continue
 			}
 			atomic.StoreUint64(&f.hw.Done, pos+1)
+			traceAdd(traceEvent{what: 'd', fifo: f.id, pos: pos, op: op})
 		}
 		last = time.Now()
 	}
@@ -411,5 +414,6 @@ func (s *Service) Close() error {
 				"proxy: close: FIFO %d's proxy did not stop within %v (stuck in a %s call)", f.id, s.timeout, s.tr.Name()))
 		}
 	}
+	errs = append(errs, traceWrite())
 	return errors.Join(errs...)
 }
