@@ -43,8 +43,11 @@ type kernelCache struct {
 	funcs map[[2]int32]cuda.Function
 	// byName: every kernel of every compiled file, by file and name expression.
 	byName map[string]cuda.Function
-	// shared: the dynamic shared memory each function was allowed (allowShared).
+	// shared: the dynamic shared memory each function of this cache's own
+	// modules was allowed (allowShared); loaded.shared has the others'.
 	shared map[cuda.Function]uint32
+	// global: the functions of loaded's modules.
+	global map[cuda.Function]bool
 	// modules: the modules this cache loaded itself, unloaded by close (a
 	// module holds device memory for its code and constants): users'
 	// kernels, and the library's own where they did not go to loaded.
@@ -53,7 +56,7 @@ type kernelCache struct {
 
 func newKernelCache(drv *cuda.Driver, device, arch int, extra []string) *kernelCache {
 	return &kernelCache{drv: drv, device: device, arch: arch, extra: extra, funcs: map[[2]int32]cuda.Function{},
-		byName: map[string]cuda.Function{}, shared: map[cuda.Function]uint32{}}
+		byName: map[string]cuda.Function{}, shared: map[cuda.Function]uint32{}, global: map[cuda.Function]bool{}}
 }
 
 // loaded holds the library's own kernel modules, loaded once per process
@@ -62,8 +65,9 @@ func newKernelCache(drv *cuda.Driver, device, arch int, extra []string) *kernelC
 // communicator left about a megabyte of device memory behind per cycle, and
 // a process that makes communicators one after another pays the load once.
 var loaded struct {
-	mu    sync.Mutex
-	files map[loadedKey]map[string]cuda.Function // by name expression
+	mu     sync.Mutex
+	files  map[loadedKey]map[string]cuda.Function // by name expression
+	shared map[cuda.Function]uint32               // the dynamic shared memory each was allowed
 }
 
 type loadedKey struct {
@@ -98,13 +102,21 @@ func (k *kernelCache) allowShared(fn cuda.Function, bytes uint32) error {
 	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	if k.shared[fn] >= bytes {
+	allowed := k.shared
+	if k.global[fn] {
+		// Every communicator launches this function: one of them must not
+		// lower what another set.
+		loaded.mu.Lock()
+		defer loaded.mu.Unlock()
+		allowed = loaded.shared
+	}
+	if allowed[fn] >= bytes {
 		return nil
 	}
 	if err := k.drv.FuncSetAttribute(fn, cuda.FuncAttrMaxDynamicSharedSizeBytes, int(bytes)); err != nil {
 		return err
 	}
-	k.shared[fn] = bytes
+	allowed[fn] = bytes
 	return nil
 }
 
@@ -124,6 +136,7 @@ func (k *kernelCache) close() error {
 	clear(k.funcs)
 	clear(k.byName)
 	clear(k.shared)
+	clear(k.global)
 	return errors.Join(errs...)
 }
 
@@ -231,13 +244,14 @@ func (k *kernelCache) named(file, expr string) (cuda.Function, error) {
 		}
 		if primary {
 			if loaded.files == nil {
-				loaded.files = map[loadedKey]map[string]cuda.Function{}
+				loaded.files, loaded.shared = map[loadedKey]map[string]cuda.Function{}, map[cuda.Function]uint32{}
 			}
 			loaded.files[lk] = fns
 		}
 	}
 	for e, fn := range fns {
 		k.byName[file+"\x00"+e] = fn
+		k.global[fn] = primary
 	}
 	fn, ok := k.byName[key]
 	if !ok {

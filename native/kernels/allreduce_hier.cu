@@ -26,9 +26,12 @@
 // Per block b, with n this rank's node:
 //   1. stage this block's chunks of the input (when not registered), start
 //      barrier with the node's ranks (block b of each; signatures compared)
-//   2. block 0 trades a header (epoch, signature) with every group rank;
+//   2. block 0 trades a header (epoch, signature) with every group rank,
+//      its partials of chunk 0 (step 3's first) put ahead of it under the
+//      header's signal: a trip less, which is most of a small call's time;
 //      every block waits for its verdict: any difference on any node fails
-//      the call on every rank alike (kErrMismatch, not fatal), nothing moves
+//      the call on every rank alike (kErrMismatch, not fatal), nothing else
+//      moves and what came early is not read
 //   3. for j = 0, 1, ...: for each other node m, fold chunk j of part m over
 //      the node's inputs (rank order, in the accumulator type: float32 for
 //      16-bit floats) into a send slot and put it, with a signal, into node
@@ -53,10 +56,11 @@
 // once they hold this rank's partials of the next call.
 //
 // Order of a peer's signals on block b's channel, per call: the header
-// (block 0 only), then for j = 0, 1, ...: its partial j of this rank's part
-// (if that part has a chunk j for block b), then its result j of its own part
-// (if that has one). signals_before counts them; the channel's expected word
-// keeps the running total across calls (only block b touches it).
+// (block 0 only, with its partial 0), then for j = 0, 1, ...: its partial j
+// of this rank's part (if that part has a chunk j for block b, and but for
+// block 0's partial 0), then its result j of its own part (if that has
+// one). signals_before counts them; the channel's expected word keeps the
+// running total across calls (only block b touches it).
 #include "channel.cuh"
 
 // p2pcomm:instantiate allreduce_hier<float>
@@ -195,12 +199,21 @@ DINLINE Range chunk_range(const Plan& pl, int m, i64 j) {
   return r;
 }
 
+// rides_header is whether chunk j's partial travels with the header's
+// signal instead of one of its own: block 0's chunk 0.
+DINLINE bool rides_header(i64 j) { return blockIdx.x == 0 && j == 0; }
+
 // signals_before is how many signals block b gets from node m's group rank
-// before iteration j: its partials of this rank's part (mine chunks in
-// all) and its results of its own part (theirs chunks in all).
+// after the header and before iteration j: its partials of this rank's part
+// (mine chunks in all; one may ride with the header) and its results of its
+// own part (theirs chunks in all).
 DINLINE u64 signals_before(i64 j, i64 mine, i64 theirs) {
-  return (u64)(j < mine ? j : mine) + (u64)(j < theirs ? j : theirs);
+  const i64 partials = j < mine ? j : mine;
+  return (u64)(partials - (partials > 0 && blockIdx.x == 0 ? 1 : 0)) + (u64)(j < theirs ? j : theirs);
 }
+
+// partial_signal is how many signals partial j of this rank's part adds.
+DINLINE u64 partial_signal(i64 j, i64 mine) { return j < mine && !rides_header(j) ? 1 : 0; }
 
 // pick_int is pick for the int tables (no dynamic indexing of parameters,
 // which would copy them to local memory).
@@ -462,13 +475,23 @@ DINLINE int node_culprit(const HierParams& h, const BlockState& st) {
 // exchange_headers (block 0, thread 0) sends this rank's header to every
 // group rank and compares theirs; ok is true when all made the same call
 // and no node failed its start barrier. False when a wait failed (recorded).
-DINLINE bool exchange_headers(const HierParams& h, const BlockState& st, int culprit, const u64* base, bool& ok) {
+// With early (this rank's plan), the partials of block 0's chunk 0 already
+// folded into the send slots go ahead of each header, under its signal.
+template <typename T>
+DINLINE bool exchange_headers(const HierParams& h, const BlockState& st, int culprit, const u64* base, const Plan* early,
+                              bool& ok) {
+  typedef typename Num<T>::Acc Acc;
   const u64 par = st.epoch & 1;
   const u64 mine = start_value(st.epoch, culprit < 0 ? h.call_signature : bad_header(culprit));
   *word_at(h, outbox_offset(h, par)) = mine;
   __threadfence_system();  // before the trigger the proxy copies it after
   for (int m = 0; m < h.nodes; ++m) {
     if (m == h.node) continue;
+    if (early != nullptr && chunks_of(*early, m) > 0) {
+      const Range r = chunk_range(*early, m, 0);
+      const u64 bytes = (u64)(r.end - r.begin) * sizeof(Acc);
+      if (h.chans[m].put(slot_offset(h, true, h.node, 0), slot_offset(h, false, m, 0), bytes) == ~0ull) return false;
+    }
     if (h.chans[m].putWithSignal(inbox_offset(h, par, h.node), outbox_offset(h, par), 8) == ~0ull) return false;
   }
   ok = culprit < 0;
@@ -561,14 +584,27 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     if (theirs != mine) report_mismatch_of(h, pick_int(h.global_of, (int)threadIdx.x), mine, theirs);
   }
 
-  // 2. The call's verdict, the same on every rank of every node.
+  // 2. The call's verdict, the same on every rank of every node. Block 0's
+  // partials of chunk 0 go with the header, a trip less: folded only where
+  // the node agreed (else its inputs need not fit this rank's plan), and
+  // read only once every node agreed, when every plan is the same.
   const u64 par = st.epoch & 1;
   u64* const verdict_word = word_at(h, verdict_offset(h, par));
+  const Ptrs ins = ptrs_all(const_cast<void* const*>(h.peer_in), h.local_size);
   if (blockIdx.x == 0) {
+    const bool early = node_ok && h.signature != kRejectSignature;
+    if (early) {
+      for (int m = 0; m < h.nodes; ++m) {
+        if (m == n || chunks_of(mine, m) == 0) continue;
+        const Range r = chunk_range(mine, m, 0);
+        fold_partial<T>(ins, h.local_size, slot(h, false, m, 0), r.begin, r.end, h.op);
+      }
+      __syncthreads();  // every thread's partials before the triggers
+    }
     if (threadIdx.x == 0) {
       bool ok = false;
-      const int culprit = node_ok && h.signature != kRejectSignature ? -1 : node_culprit(h, st);
-      const bool alive = exchange_headers(h, st, culprit, base, ok);
+      const int culprit = early ? -1 : node_culprit(h, st);
+      const bool alive = exchange_headers<T>(h, st, culprit, base, early ? &mine : nullptr, ok);
       verdict = alive ? (ok ? 1 : 2) : 0;
       if (alive) st_flag_release(verdict_word, (st.epoch << 2) | (ok ? 1u : 2u));
       for (int m = 0; m < h.nodes; ++m) {
@@ -596,7 +632,6 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     jmax = J > jmax ? J : jmax;
   }
   char* const results = own_hier(h);
-  const Ptrs ins = ptrs_all(const_cast<void* const*>(h.peer_in), h.local_size);
   const i64 own = chunks_of(mine, n);  // chunks of this rank's part: each other node sends that many partials
   bool ok = true;
   for (i64 j = 0; j < jmax && ok; ++j) {
@@ -608,7 +643,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
         // The slot's previous chunk, j - kHierRing: read by its owner once
         // the owner's result of it is here.
         const i64 jr = j - kHierRing;
-        const u64 want = base[m] + signals_before(jr, own, theirs) + (jr < own ? 1 : 0) + 1;
+        const u64 want = base[m] + signals_before(jr, own, theirs) + partial_signal(jr, own) + 1;
         if (!await_signals(h, chans[m], want, m)) st.abort = 1;
       }
       __syncthreads();
@@ -616,6 +651,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
         ok = false;
         break;
       }
+      if (rides_header(j)) continue;  // sent with the header
       const Range r = chunk_range(mine, m, j);
       fold_partial<T>(ins, h.local_size, slot(h, false, m, j), r.begin, r.end, h.op);
       __syncthreads();  // every thread's partial before the trigger
@@ -634,7 +670,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     if (threadIdx.x == 0) {
       for (int m = 0; m < h.nodes; ++m) {
         if (m == n || st.abort) continue;
-        const u64 want = base[m] + signals_before(j, own, chunks_of(mine, m)) + 1;
+        const u64 want = base[m] + signals_before(j, own, chunks_of(mine, m)) + partial_signal(j, own);
         if (!await_signals(h, chans[m], want, m)) st.abort = 1;
       }
     }
@@ -665,7 +701,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     for (int m = 0; m < h.nodes; ++m) {
       if (m == n) continue;
       const i64 theirs = chunks_of(mine, m);
-      const u64 total = base[m] + (u64)own + (u64)theirs;
+      const u64 total = base[m] + signals_before(own > theirs ? own : theirs, own, theirs);
       if (!await_signals(h, chans[m], total, m)) {
         st.abort = 1;
         break;
