@@ -434,19 +434,8 @@ DINLINE bool node_barrier(const HierParams& h, BlockState& st, int phase) {
 // report_mismatch_of records that the group rank of node m (or a rank of
 // this node) made a different call: not fatal, as in p2p_common.cuh.
 DINLINE void report_mismatch_of(const HierParams& h, int peer, u64 expected, u64 seen) {
-  if (h.err == nullptr || h.signature == kRejectSignature) return;  // a rejecting rank raised on the host
-  volatile ErrorWord* e = h.err;
-  if (e->code != 0) return;
-  e->rank = h.rank;
-  e->peer = peer;
-  e->phase = kPhaseHierHeader;
-  e->block = (int)blockIdx.x;
-  e->step = -1;
-  e->expected = expected;
-  e->seen = seen;
-  __threadfence_system();
-  e->code = kErrMismatch;
-  __threadfence_system();
+  if (h.signature == kRejectSignature) return;  // a rejecting rank raised on the host
+  record_mismatch(h.err, h.rank, peer, kPhaseHierHeader, expected, seen);
 }
 
 // A header is start_value(epoch, x): x is the call's signature (count,

@@ -533,17 +533,18 @@ DINLINE void report_error(const P& p, u32 code, int peer, int phase, int step, u
   __threadfence_system();
 }
 
-// report_mismatch records that peer made a different call. Unlike
-// report_error it takes no abort claim: the communicator stays usable, so
-// later calls must not see this rank as failed. Racing writers store the
-// same kind of record; the host clears the code once it has read it.
-DINLINE void report_mismatch(const AllReduceParams& p, int peer, u64 expected, u64 seen) {
-  if (p.err == nullptr || !aligned(p.err, 8)) return;
-  volatile ErrorWord* e = p.err;
+// record_mismatch records that peer made a different call, seen in phase.
+// Unlike report_error it takes no abort claim: the communicator stays
+// usable, so later calls must not see this rank as failed. Racing writers
+// store the same kind of record; the host clears the code once it has read
+// it.
+DINLINE void record_mismatch(ErrorWord* err, int rank, int peer, int phase, u64 expected, u64 seen) {
+  if (err == nullptr || !aligned(err, 8)) return;
+  volatile ErrorWord* e = err;
   if (e->code != 0) return;
-  e->rank = p.rank;
+  e->rank = rank;
   e->peer = peer;
-  e->phase = kPhaseStart;
+  e->phase = phase;
   e->block = (int)blockIdx.x;
   e->step = -1;
   e->expected = expected;
@@ -551,6 +552,11 @@ DINLINE void report_mismatch(const AllReduceParams& p, int peer, u64 expected, u
   __threadfence_system();
   e->code = kErrMismatch;
   __threadfence_system();
+}
+
+// report_mismatch is record_mismatch at the start barrier of a call.
+DINLINE void report_mismatch(const AllReduceParams& p, int peer, u64 expected, u64 seen) {
+  record_mismatch(p.err, p.rank, peer, kPhaseStart, expected, seen);
 }
 
 // spin_until polls arrived() (which reads what it waits for and leaves

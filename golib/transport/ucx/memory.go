@@ -223,6 +223,9 @@ func (t *Transport) ranges(op string, dst transport.Remote, src transport.Local)
 		return nil, nil, status.Errorf(status.InvalidArgument, "UCX %s: destination %T is not a range of this transport", op, dst)
 	}
 	if r.closed {
+		if err := t.peers[r.peer].err; err != nil {
+			return nil, nil, err // closed because its peer failed: that is what the caller must hear
+		}
 		return nil, nil, status.Errorf(status.State, "UCX %s to rank %d: remote range closed", op, r.peer)
 	}
 	if src == nil {
