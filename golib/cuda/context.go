@@ -26,9 +26,9 @@ func (d *Driver) PrimaryContext(ordinal int) (Context, error) {
 	return c, nil
 }
 
-// retainedPrimary is the device's primary context if PrimaryContext
-// retained it, else 0.
-func (d *Driver) retainedPrimary(ordinal int) Context {
+// RetainedPrimary is the device's primary context if PrimaryContext
+// retained it, else 0. It creates nothing.
+func (d *Driver) RetainedPrimary(ordinal int) Context {
 	d.ctxMu.Lock()
 	defer d.ctxMu.Unlock()
 	return d.primary[ordinal]
@@ -49,7 +49,7 @@ func (d *Driver) EnsureContext(ordinal int) error {
 	}
 	// The usual case, torch's thread on the primary context we retained:
 	// one driver call instead of three.
-	if cur != 0 && cur == d.retainedPrimary(ordinal) {
+	if cur != 0 && cur == d.RetainedPrimary(ordinal) {
 		return nil
 	}
 	if cur != 0 {

@@ -64,10 +64,15 @@ func newKernelCache(drv *cuda.Driver, device, arch int, extra []string) *kernelC
 // the process) and never unloaded: loading and unloading them with each
 // communicator left about a megabyte of device memory behind per cycle, and
 // a process that makes communicators one after another pays the load once.
+// A reset of the primary context (cudaDeviceReset) while p2pcomm is in use
+// is not supported: these modules would go with it. Locks are held only
+// around the maps: a compile or a module load can take long, and another
+// communicator's launch must not wait for it.
 var loaded struct {
-	mu     sync.Mutex
-	files  map[loadedKey]map[string]cuda.Function // by name expression
-	shared map[cuda.Function]uint32               // the dynamic shared memory each was allowed
+	mu       sync.Mutex
+	files    map[loadedKey]map[string]cuda.Function // by name expression
+	sharedMu sync.Mutex
+	shared   map[cuda.Function]uint32 // the dynamic shared memory each was allowed
 }
 
 type loadedKey struct {
@@ -77,15 +82,13 @@ type loadedKey struct {
 }
 
 // primaryKey is the key of file's module in loaded when the current context
-// is the device's primary one; ok is false otherwise (a context of the
-// caller's, which may go away: its modules are this cache's own).
+// is the device's primary one, retained by EnsureContext; ok is false
+// otherwise (a context of the caller's, which may go away: its modules are
+// this cache's own). It retains nothing itself, so it never creates a
+// primary context the process did not use.
 func (k *kernelCache) primaryKey(file string, opts []string) (loadedKey, bool) {
 	cur, err := k.drv.CurrentContext()
-	if err != nil || cur == 0 {
-		return loadedKey{}, false
-	}
-	prim, err := k.drv.PrimaryContext(k.device)
-	if err != nil || prim != cur {
+	if err != nil || cur == 0 || cur != k.drv.RetainedPrimary(k.device) {
 		return loadedKey{}, false
 	}
 	return loadedKey{ctx: cur, file: file, opts: strings.Join(opts, "\x00"), arch: k.arch}, true
@@ -106,8 +109,11 @@ func (k *kernelCache) allowShared(fn cuda.Function, bytes uint32) error {
 	if k.global[fn] {
 		// Every communicator launches this function: one of them must not
 		// lower what another set.
-		loaded.mu.Lock()
-		defer loaded.mu.Unlock()
+		loaded.sharedMu.Lock()
+		defer loaded.sharedMu.Unlock()
+		if loaded.shared == nil {
+			loaded.shared = map[cuda.Function]uint32{}
+		}
 		allowed = loaded.shared
 	}
 	if allowed[fn] >= bytes {
@@ -162,40 +168,37 @@ func (k *kernelCache) load(res cuda.CompileResult, expr string) (cuda.Function, 
 }
 
 // loadFile compiles file (through the disk cache) and loads it, returning
-// its kernels by name expression; own says whether close unloads it.
-func (k *kernelCache) loadFile(file string, opts []string, own bool) (map[string]cuda.Function, error) {
+// its kernels by name expression and the module.
+func (k *kernelCache) loadFile(file string, opts []string) (map[string]cuda.Function, cuda.Module, error) {
 	nv, err := cuda.LoadNVRTC()
 	if err != nil {
-		return nil, fmt.Errorf("GPU kernels need NVRTC: %w", err)
+		return nil, 0, fmt.Errorf("GPU kernels need NVRTC: %w", err)
 	}
 	src, err := kernels.Source(file)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	res, err := nv.CompileCached(cuda.CompileRequest{
 		Name: file, Source: src, Headers: kernels.Headers(), Arch: k.arch,
 		Options: opts, NameExpressions: kernels.Instantiations(src),
 	})
 	if err != nil {
-		return nil, fmt.Errorf("compile %s for sm_%d: %w", file, k.arch, err)
+		return nil, 0, fmt.Errorf("compile %s for sm_%d: %w", file, k.arch, err)
 	}
 	mod, err := k.drv.ModuleLoadData(res.CUBIN)
 	if err != nil {
-		return nil, fmt.Errorf("load %s: %w", file, err)
+		return nil, 0, fmt.Errorf("load %s: %w", file, err)
 	}
 	fns := map[string]cuda.Function{}
 	for e, lowered := range res.Lowered {
 		fn, err := k.drv.ModuleFunction(mod, lowered)
 		if err != nil {
 			_ = k.drv.ModuleUnload(mod)
-			return nil, fmt.Errorf("find %s in %s: %w", e, file, err)
+			return nil, 0, fmt.Errorf("find %s in %s: %w", e, file, err)
 		}
 		fns[e] = fn
 	}
-	if own {
-		k.modules = append(k.modules, mod)
-	}
-	return fns, nil
+	return fns, mod, nil
 }
 
 // function returns the all-reduce kernel of algo for dt.
@@ -232,26 +235,41 @@ func (k *kernelCache) named(file, expr string) (cuda.Function, error) {
 	}
 	opts := append([]string{"-std=c++17", "-default-device"}, k.extra...)
 	lk, primary := k.primaryKey(file, opts)
+	var fns map[string]cuda.Function
 	if primary {
 		loaded.mu.Lock()
-		defer loaded.mu.Unlock()
+		fns = loaded.files[lk]
+		loaded.mu.Unlock()
 	}
-	fns := loaded.files[lk]
-	if !primary || fns == nil {
-		var err error
-		if fns, err = k.loadFile(file, opts, !primary); err != nil {
+	if fns == nil {
+		mine, mod, err := k.loadFile(file, opts)
+		if err != nil {
 			return 0, err
 		}
+		fns = mine
+		own := !primary
 		if primary {
+			// Another communicator may have loaded it meanwhile: the first
+			// one published is every communicator's, and a later one stays
+			// this cache's own, unloaded at close.
+			loaded.mu.Lock()
 			if loaded.files == nil {
-				loaded.files, loaded.shared = map[loadedKey]map[string]cuda.Function{}, map[cuda.Function]uint32{}
+				loaded.files = map[loadedKey]map[string]cuda.Function{}
 			}
-			loaded.files[lk] = fns
+			if first := loaded.files[lk]; first != nil {
+				fns, own = first, true
+			} else {
+				loaded.files[lk] = fns
+			}
+			loaded.mu.Unlock()
+		}
+		if own {
+			k.modules = append(k.modules, mod)
 		}
 	}
 	for e, fn := range fns {
 		k.byName[file+"\x00"+e] = fn
-		k.global[fn] = primary
+		k.global[fn] = primary // fns are loaded's exactly when the context is the primary one
 	}
 	fn, ok := k.byName[key]
 	if !ok {

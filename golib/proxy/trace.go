@@ -31,7 +31,7 @@ var (
 	traceTo  = os.Getenv("P2PCOMM_PROXY_TRACE")
 	traceBuf []traceEvent
 	traceN   atomic.Uint64
-	traceMu  sync.Mutex // one writer of the file at a time
+	traceMu  sync.Mutex // guards traceBuf's slots and the file
 )
 
 func init() {
@@ -45,7 +45,9 @@ func traceAdd(e traceEvent) {
 		return
 	}
 	e.ns = time.Now().UnixNano()
+	traceMu.Lock() // an event holds a string: no reader may see half of one
 	traceBuf[(traceN.Add(1)-1)%traceCap] = e
+	traceMu.Unlock()
 }
 
 // Mark records a moment of the caller's (a launch, say) in the trace.
