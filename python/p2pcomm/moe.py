@@ -40,6 +40,7 @@ import torch
 from . import _lib, ops
 from .communicator import _DTYPES, Communicator, _raw_stream
 from .fallback import TorchFallbackCommunicator
+from .moe_result import DispatchResult, _packed_result
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -100,57 +101,6 @@ def _mark_static_address(t: torch.Tensor) -> None:
         torch._dynamo.mark_static_address(t)
     else:
         t._dynamo_static_input_type = "unguarded"
-
-
-@dataclasses.dataclass(frozen=True)
-class DispatchResult:
-    """What :meth:`ExpertParallel.dispatch` received on this rank.
-
-    Rows are expert-major: ordered by local expert, then source rank, then
-    source token index, then k (a token routed twice to the same expert, at
-    two k's, gives two rows). All tensors are on the communicator's device.
-
-    - ``x``: [R, H] tensor of the ep's dtype, contiguous: the token rows.
-    - ``expert_counts``: [E/W] int32: rows per local expert (sums to R).
-    - ``num_rows``: [1] int32: R, on the device (never needs a host sync).
-    - ``local_expert``: [R] int32: local expert id of each row (0..E/W-1).
-    - ``src_rank``: [R] int32: the rank the token came from.
-    - ``src_token``: [R] int32: the token's row index in that rank's ``x``.
-    - ``weight``: [R] float32: the token's topk weight for this (expert, k).
-    - ``capturable``: True when made in capturable mode: then R is the
-      worst case R_max = W * max_tokens_per_rank * topk, only the first
-      ``num_rows`` rows are valid and the rest are undefined (stale data,
-      possibly NaN; weight and src fields there are undefined too).
-
-    A result stays valid for combine until the next dispatch of the same ep
-    (which reuses the ep's buffers, where combine's state lives): combine
-    with an older one raises StateError (see :meth:`ExpertParallel.combine`).
-    """
-
-    x: torch.Tensor
-    expert_counts: torch.Tensor
-    num_rows: torch.Tensor
-    local_expert: torch.Tensor
-    src_rank: torch.Tensor
-    src_token: torch.Tensor
-    weight: torch.Tensor
-    capturable: bool
-    _ep_id: int = dataclasses.field(repr=False)
-    _seq: int = dataclasses.field(repr=False)  # which dispatch of the ep made it (1, 2, ...)
-    _num_tokens: int = dataclasses.field(repr=False)  # T on this (source) rank
-    # (counts [L+1], info [4, R]), of which the public fields are views (the custom op's outputs).
-    _packed: Optional[tuple] = dataclasses.field(default=None, repr=False)
-    # Traced by torch.compile: the public fields are the op's outputs; combine finds the rest by x.
-    _from_op: bool = dataclasses.field(default=False, repr=False)
-
-
-def _packed_result(x, counts, info, num_local: int, capturable: bool, **private) -> DispatchResult:
-    """A DispatchResult of views of counts [L+1] (rows per local expert, then R) and info [4, R]
-    (local expert, source rank, source token, weight's float32 bits)."""
-    L = num_local
-    return DispatchResult(x=x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0],
-                          src_rank=info[1], src_token=info[2], weight=info[3].view(torch.float32),
-                          capturable=capturable, **private)
 
 
 class ExpertParallel:

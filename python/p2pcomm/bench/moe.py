@@ -50,6 +50,8 @@ import torch.distributed as dist
 from ..communicator import gpus_shared, local_cuda_index
 from .harness import DTYPES, Clock, agree_all, header_lines, init_distributed, md_table, mean_over_ranks, na, say, \
     slowest_median, slowest_medians, sync_all, text_table, write_csv
+from .moe_phases import PHASE_COLUMNS, PHASE_HEADERS, PHASE_NUMERIC, PhaseRow, aligned_start, num_cell, one_round, \
+    phase_times
 
 
 @dataclasses.dataclass
@@ -65,41 +67,14 @@ class MoeRow:
     status: str = "ok"
 
     def cells(self) -> list[str]:
-        return [str(self.tokens), self.impl, self.mode, self.partials, _num(self.dispatch_us, 1),
-                _num(self.dispatch_gbps, 1), _num(self.combine_us, 1), _num(self.combine_gbps, 1), self.status]
+        return [str(self.tokens), self.impl, self.mode, self.partials, num_cell(self.dispatch_us, 1),
+                num_cell(self.dispatch_gbps, 1), num_cell(self.combine_us, 1), num_cell(self.combine_gbps, 1),
+                self.status]
 
 
 HEADERS = ["tokens/rank", "impl", "mode", "partials", "dispatch us", "dispatch GB/s", "combine us", "combine GB/s",
            "status"]
 _NUMERIC = (0, 4, 5, 6, 7)
-
-# Phases as ExpertParallel._phase names them, in call order ("stage" only on the kernel path, "size" and
-# "check" only on its eager calls).
-DISPATCH_PHASES = ("agree", "stage", "send", "mid barrier", "size", "expand")
-COMBINE_PHASES = ("agree", "send", "mid barrier", "reduce", "check")
-PHASE_COLUMNS = [f"dispatch {p}" for p in DISPATCH_PHASES + ("total",)] + \
-    [f"combine {p}" for p in COMBINE_PHASES + ("total",)]
-PHASE_HEADERS = ["tokens/rank", "mode", "partials"] + \
-    [c.replace("dispatch ", "d.").replace("combine ", "c.").replace("mid barrier", "mid") for c in PHASE_COLUMNS] + \
-    ["status"]
-_PHASE_NUMERIC = (0,) + tuple(range(3, 3 + len(PHASE_COLUMNS)))
-
-
-@dataclasses.dataclass
-class PhaseRow:
-    tokens: int
-    mode: str
-    partials: str
-    us: dict  # PHASE_COLUMNS name -> microseconds, or None where the path has no such phase
-    status: str = "ok"
-
-    def cells(self) -> list[str]:
-        return [str(self.tokens), self.mode, self.partials] + [_num(self.us.get(c), 1) for c in PHASE_COLUMNS] + \
-            [self.status]
-
-
-def _num(v: Optional[float], places: int) -> str:
-    return "-" if v is None else f"{v:.{places}f}"
 
 
 def routing(T: int, E: int, K: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,29 +82,6 @@ def routing(T: int, E: int, K: int, seed: int, device) -> tuple[torch.Tensor, to
     idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]  # K distinct experts per token
     w = torch.softmax(torch.randn(T, K, generator=g), dim=1)
     return idx.to(device), w.to(device), g.initial_seed()
-
-
-# Graph replays start after a sleep kernel of this many clock cycles (tens
-# of microseconds) and then a stream barrier: the sleep gives this rank's
-# host time to launch the barrier and the replay behind it, and the barrier,
-# which ends on every GPU within a flag's flight of the last arrival, lines
-# the GPUs up whatever their clocks. The sleep comes first because its
-# length follows each GPU's clock: after the barrier it would skew the GPUs
-# again, and the dispatch's in-kernel start barrier would add the slowest
-# GPU's lag to every other rank's time. Without any sleep the replays would
-# measure the host's launch skew. Eager calls get no sleep: their host time
-# is part of their cost.
-_LAUNCH_SLACK_CYCLES = 150_000
-
-
-def aligned_start(comm, graphs: bool) -> Callable:
-    """What time_pair runs before each timed rep: for graph replays the sleep
-    above, then a stream barrier."""
-    def align() -> None:
-        if graphs and torch.cuda.is_available():
-            torch.cuda._sleep(_LAUNCH_SLACK_CYCLES)
-        comm.stream_barrier()
-    return align
 
 
 def time_pair(dispatch: Callable, combine: Callable, reps: int, warmup: int, device, ctl,
@@ -196,94 +148,6 @@ def time_graphs(dispatch: Callable, combine: Callable, reps: int, device, ctl,
     return time_pair(lambda: gd.replay(), lambda _: gc.replay(), reps, 2, device, ctl, align)
 
 
-def phase_times(ep, x, idx, w, mode: str, reps: int, warmup: int, device, ctl) -> dict:
-    """Per-rep seconds of each phase, {PHASE_COLUMNS name: [s, ...]}, of
-    dispatch then combine in `mode` (eager, capturable, or graph: both
-    captured with the phase marks inside), the ranks' streams aligned by a
-    stream barrier before each rep (not timed)."""
-    if mode == "graph":
-        return _graph_phase_times(ep, x, idx, w, reps, device, ctl)
-    clock = Clock(device)
-    capturable = mode == "capturable"
-    for _ in range(warmup):
-        _round(ep, x, idx, w, capturable)
-    times: dict = {}
-    for _ in range(reps):
-        sync_all(device, ctl)
-        ep.comm.stream_barrier()  # every rank's stream starts within one barrier's skew of the others
-        start = clock.mark()
-        dispatch_marks, combine_marks = [], []
-        try:
-            ep._on_phase = lambda name: dispatch_marks.append((name, clock.mark()))
-            recv = ep.dispatch(x, idx, w, capturable=capturable)
-            ep._on_phase = lambda name: combine_marks.append((name, clock.mark()))
-            ep.combine(recv.x, recv)
-        finally:
-            ep._on_phase = None
-        _add_phases(times, "dispatch", start, dispatch_marks, clock)
-        _add_phases(times, "combine", dispatch_marks[-1][1], combine_marks, clock)
-    return times
-
-
-def _graph_phase_times(ep, x, idx, w, reps: int, device, ctl) -> dict:
-    """phase_times for CUDA graphs: the phase marks are event-record nodes
-    (torch.cuda.Event(external=True)) captured with dispatch and combine,
-    so each replay re-records them. No replay runs unless every rank
-    captured."""
-    clock = Clock(device)
-
-    def recorder(marks: list):
-        def mark(name: str) -> None:
-            e = torch.cuda.Event(enable_timing=True, external=True)
-            e.record()
-            marks.append((name, e))
-        return mark
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _round(ep, x, idx, w, True)  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    sync_all(device, ctl)
-    gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    dispatch_marks, combine_marks, captured = [], [], None
-    try:
-        ep._on_phase = recorder(dispatch_marks)
-        with torch.cuda.graph(gd):
-            recv = ep.dispatch(x, idx, w, capturable=True)
-        ep._on_phase = recorder(combine_marks)
-        with torch.cuda.graph(gc, pool=gd.pool()):
-            ep.combine(recv.x, recv)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it below
-        captured = e
-    finally:
-        ep._on_phase = None
-    if not agree_all(captured is None, ctl):
-        raise RuntimeError(f"graph capture with phase events failed on some rank: {captured!r}")
-    sync_all(device, ctl)
-    times: dict = {}
-    align = aligned_start(ep.comm, True)
-    for _ in range(reps):
-        sync_all(device, ctl)
-        align()
-        start = clock.mark()
-        gd.replay()
-        gc.replay()
-        _add_phases(times, "dispatch", start, dispatch_marks, clock)
-        _add_phases(times, "combine", dispatch_marks[-1][1], combine_marks, clock)
-    return times
-
-
-def _add_phases(times: dict, call: str, begin, marks: list, clock: Clock) -> None:
-    """Append each phase's seconds (from the previous mark, the first from
-    begin) and the call's total to times["<call> <phase>"]."""
-    before = begin
-    for name, mark in marks:
-        times.setdefault(f"{call} {name}", []).append(clock.seconds(before, mark))
-        before = mark
-    times.setdefault(f"{call} total", []).append(clock.seconds(begin, marks[-1][1]))
-
-
 def compiled_calls(ep, x, idx, w, capturable: bool) -> tuple[Callable, Callable]:
     """dispatch() and combine(recv) through torch.compile(fullgraph=True):
     eager calls as they are; capturable ones under mode="reduce-overhead",
@@ -303,11 +167,6 @@ def compiled_calls(ep, x, idx, w, capturable: bool) -> tuple[Callable, Callable]
         return cd(x, idx, w)
 
     return dispatch, lambda r: cc(r.x, r)
-
-
-def _round(ep, x, idx, w, capturable: bool):
-    recv = ep.dispatch(x, idx, w, capturable=capturable)
-    return ep.combine(recv.x, recv)
 
 
 class AllToAllBaseline:
@@ -453,7 +312,7 @@ def _bench_moe(args) -> int:
         say("\n".join(text_table(HEADERS, [r.cells() for r in new], _NUMERIC, widths).splitlines()[2:]))
     if phase_rows:
         say("\nper phase, us (ranks aligned by a stream barrier first; each phase the slowest rank's median):")
-        say(text_table(PHASE_HEADERS, [r.cells() for r in phase_rows], _PHASE_NUMERIC))
+        say(text_table(PHASE_HEADERS, [r.cells() for r in phase_rows], PHASE_NUMERIC))
     if rank == 0 and args.out:
         for p in write_outputs(args.out, f"moe_{device.type}_{args.dtype}_w{world}", header, rows, phase_rows):
             print(f"wrote {p}")
@@ -524,7 +383,7 @@ class P2PRun:
             times, failure = {}, e
             self._settle()
         if not agree_all(failure is None, self.ctl):
-            return PhaseRow(self.tokens, mode, label, {}, status=_na(failure) if failure else "n/a: failed elsewhere")
+            return PhaseRow(self.tokens, mode, label, {}, status=na(failure) if failure else "n/a: failed elsewhere")
         medians = slowest_medians(times, PHASE_COLUMNS, self.ctl)
         return PhaseRow(self.tokens, mode, label, {n: (v * 1e6 if v is not None else None) for n, v in medians.items()})
 
@@ -537,7 +396,7 @@ class P2PRun:
                 dispatch, combine = compiled_calls(ep, x, idx, w, capturable)
                 y = combine(dispatch())
             else:
-                y = _round(ep, x, idx, w, capturable)
+                y = one_round(ep, x, idx, w, capturable)
                 dispatch = lambda: ep.dispatch(x, idx, w, capturable=capturable)  # noqa: E731
                 combine = lambda r: ep.combine(r.x, r)  # noqa: E731
             ok = agree_all(self.ref is None or _close(y, self.ref, self.dtype, transit), self.ctl)
@@ -589,7 +448,7 @@ def write_outputs(out_dir: str, stem: str, header: list[str], rows: list[MoeRow]
         if phase_rows:
             f.write("\n## Per phase, µs\n\nRanks aligned by a stream barrier first; each phase is the slowest rank's "
                     "median (d. dispatch, c. combine).\n\n")
-            f.write(md_table(PHASE_HEADERS, [r.cells() for r in phase_rows], _PHASE_NUMERIC) + "\n")
+            f.write(md_table(PHASE_HEADERS, [r.cells() for r in phase_rows], PHASE_NUMERIC) + "\n")
     return paths + [md_path]
 
 
