@@ -263,9 +263,18 @@ func (c *Comm) put(m int, dst transport.Remote, dstOff uint64, src transport.Loc
 	return c.signal(m, kind, what)
 }
 
+// signal adds one to word kind of this rank's in group rank m. A header's,
+// partials' or results' signal follows its data on the endpoint (a weak
+// fence: tcp keeps an endpoint's puts in order), so several chunks can be
+// in flight; a done goes out only once everything before it has landed
+// (SignalFlushed), which is what lets its receiver reuse or free buffers.
 func (c *Comm) signal(m, kind int, what string) error {
 	n := c.net
-	if err := n.t.SignalFlushed(n.regionR[m], n.lay.word(c.rank, kind), 1); err != nil {
+	send := n.t.Signal
+	if kind == wordDone {
+		send = n.t.SignalFlushed
+	}
+	if err := send(n.regionR[m], n.lay.word(c.rank, kind), 1); err != nil {
 		return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its %s: %v", what, err), true)
 	}
 	return nil

@@ -218,16 +218,6 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 			if m == n.node {
 				continue
 			}
-			// One chunk in flight per peer: UCX flushes the endpoint before
-			// each signal, and a flush waits for the endpoint's send buffer to
-			// drain, which back-to-back puts would keep from happening until
-			// the last one (the owner could fold nothing before then).
-			r := n.group[m]
-			if err := c.await(r, fmt.Sprintf("the flush before a signal of call #%d", seq), func() bool {
-				return n.t.SignalsQueued(r) == 0
-			}); err != nil {
-				return err
-			}
 			dst := n.lay.recv + uint64(n.node)*n.lay.slot + uint64((lo-a)*p.as)
 			if err := c.put(m, n.regionR[m], dst, n.regionL, off, uint64(cnt*p.as), wordData,
 				fmt.Sprintf("partials of call #%d", seq)); err != nil {
