@@ -193,18 +193,3 @@ func (t *Transport) PeerError(peer int) error {
 	}
 	return t.check(peer, "endpoint")
 }
-
-// SignalsQueued is how many of peer's SignalFlushed signals still wait for
-// their flush. A flush completes only once the endpoint's send buffer has
-// drained, so a caller that keeps putting to a peer starves the signals
-// queued behind those puts; such a caller waits for this to reach zero
-// (progressing) before its next put, which makes each signal go out right
-// after the data it covers.
-func (t *Transport) SignalsQueued(peer int) int {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if peer < 0 || peer >= len(t.peers) {
-		return 0
-	}
-	return len(t.peers[peer].flushed)
-}
