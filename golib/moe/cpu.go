@@ -30,11 +30,13 @@ type cpuEngine struct {
 	status [][]int32 // [2, W]: each rank's check of an eager call, by call parity
 	comb   [][]byte  // [W, Tm, H] of the transit type: [expert rank, slot] partials for d
 
-	sendSlot []int32 // [W, Tm]: slot of this rank's token t on rank d, -1: not sent
-	combRows []int32 // [W*Tm, K]: output row of received pair (source, slot, k), -1: none
-	lastT    int     // tokens of the latest dispatch
-	acc, tmp []float32
-	perExp   []int64 // [L+1]: rows per local expert, then the next row of each
+	sendSlot []int32     // [W, Tm]: slot of this rank's token t on rank d, -1: not sent
+	combRows []int32     // [W*Tm, K]: output row of received pair (source, slot, k), -1: none
+	lastT    int         // tokens of the latest dispatch
+	acc, tmp [][]float32 // [worker][H]: scratch of each worker of split
+	perExp   []int64     // [L+1]: rows per local expert, then the next row of each
+	moves    []rowMove   // expand's row copies
+	sent     []int32     // send's token of each slot
 
 	eagerCalls int
 }
@@ -135,7 +137,10 @@ func (c *cpuEngine) setup(g Group, p *plan) error {
 	for i := range c.combRows {
 		c.combRows[i] = -1
 	}
-	c.acc, c.tmp = make([]float32, H), make([]float32, H)
+	c.acc, c.tmp = make([][]float32, maxSplit), make([][]float32, maxSplit)
+	for w := range maxSplit {
+		c.acc[w], c.tmp[w] = make([]float32, H), make([]float32, H)
+	}
 	c.perExp = make([]int64, 2*(p.numLocal+1))
 	return nil
 }
@@ -261,6 +266,7 @@ func (c *cpuEngine) send(a *DispatchArgs) error {
 			meta = unsafe.Slice((*int32)(unsafe.Pointer(&box[c.off.boxMeta])), Tm*MW)
 		}
 		slot := 0
+		bySlot := c.sent[:0] // the token of each slot
 		for t := range T {
 			sent := false
 			for k := range K {
@@ -273,7 +279,7 @@ func (c *cpuEngine) send(a *DispatchArgs) error {
 				c.sendSlot[d*Tm+t] = -1
 				continue
 			}
-			copy(rows[slot*rb:(slot+1)*rb], x[t*rb:(t+1)*rb])
+			bySlot = append(bySlot, int32(t))
 			m := meta[slot*MW : (slot+1)*MW]
 			for k := range K {
 				m[k] = -1
@@ -286,6 +292,12 @@ func (c *cpuEngine) send(a *DispatchArgs) error {
 			c.sendSlot[d*Tm+t] = int32(slot)
 			slot++
 		}
+		c.sent = bySlot
+		split(slot, workers(slot, int64(rb)), func(_, lo, hi int) {
+			for i, t := range bySlot[lo:hi] {
+				copy(rows[(lo+i)*rb:(lo+i+1)*rb], x[int(t)*rb:(int(t)+1)*rb])
+			}
+		})
 		if box == nil {
 			c.counts[d][p.rank] = int32(slot)
 			continue
@@ -356,13 +368,27 @@ func (c *cpuEngine) countRows() int64 {
 	return rows
 }
 
+// received is the rows the latest dispatch that moved data brought here.
+func (c *cpuEngine) received() int64 {
+	var rows int64
+	for _, n := range c.perExp[:c.p.numLocal] {
+		rows += n
+	}
+	return rows
+}
+
+// rowMove is one row expand copies: from byte src of the own received
+// rows to output row dst.
+type rowMove struct{ src, dst int64 }
+
 // expand writes the received rows into out in expert-major order: by local
 // expert, then source, slot (token order) and k, with their metadata, and
-// notes each pair's row for combine.
+// notes each pair's row for combine. The order is settled first; the rows
+// are copied after, split among workers.
 func (c *cpuEngine) expand(out Rows) error {
 	p := c.p
 	K, L, Tm, MW := p.topK, p.numLocal, p.maxTokens, 2*p.topK+1
-	rb := int(p.rowBytes())
+	rb := int64(p.rowBytes())
 	cnt, next := c.perExp[:L], c.perExp[L+1:2*L+1]
 	var rows int64
 	for e, n := range cnt {
@@ -372,10 +398,11 @@ func (c *cpuEngine) expand(out Rows) error {
 	if rows > out.Rows {
 		return fmt.Errorf("ExpertParallel: %d rows received, room for %d", rows, out.Rows)
 	}
-	x := bytesAt(out.X, out.Rows*int64(rb))
+	x := bytesAt(out.X, out.Rows*rb)
 	info := int32sAt(out.Info, 4*out.Rows)
 	counts := int32sAt(out.Counts, int64(L+1))
 	own, meta := c.recvX[p.rank], c.meta[p.rank]
+	moves := c.moves[:0]
 	c.pairs(func(s, slot, k, lid int) {
 		i := (s*Tm+slot)*K + k
 		if lid < 0 {
@@ -385,10 +412,15 @@ func (c *cpuEngine) expand(out Rows) error {
 		row := next[lid]
 		next[lid]++
 		c.combRows[i] = int32(row)
-		src := (s*Tm + slot) * rb
-		copy(x[row*int64(rb):(row+1)*int64(rb)], own[src:src+rb])
+		moves = append(moves, rowMove{int64(s*Tm+slot) * rb, row})
 		m := meta[(s*Tm+slot)*MW:]
 		info[row], info[out.Rows+row], info[2*out.Rows+row], info[3*out.Rows+row] = int32(lid), int32(s), m[2*K], m[K+k]
+	})
+	c.moves = moves
+	split(len(moves), workers(len(moves), rb), func(_, lo, hi int) {
+		for _, m := range moves[lo:hi] {
+			copy(x[m.dst*rb:(m.dst+1)*rb], own[m.src:m.src+rb])
+		}
 	})
 	for e, n := range cnt {
 		counts[e] = int32(n)
@@ -435,21 +467,25 @@ func (c *cpuEngine) partials(out []byte) error {
 		} else {
 			dst = c.net.boxOf(s)
 		}
-		for slot := range int(counts[s]) {
-			clear(c.acc)
-			for k := range K {
-				row := int(c.combRows[(s*Tm+slot)*K+k])
-				if row < 0 {
-					continue
+		n := int(counts[s])
+		split(n, workers(n, int64(K)*int64(rb)), func(wk, lo, hi int) {
+			acc, tmp := c.acc[wk], c.tmp[wk]
+			for slot := lo; slot < hi; slot++ {
+				clear(acc)
+				for k := range K {
+					row := int(c.combRows[(s*Tm+slot)*K+k])
+					if row < 0 {
+						continue
+					}
+					w := math.Float32frombits(uint32(meta[(s*Tm+slot)*MW+K+k]))
+					widen(tmp, out[row*rb:(row+1)*rb], p.dtype)
+					for i, v := range tmp {
+						acc[i] += float32(w * v) // the conversion rounds the product: no fused multiply-add
+					}
 				}
-				w := math.Float32frombits(uint32(meta[(s*Tm+slot)*MW+K+k]))
-				widen(c.tmp, out[row*rb:(row+1)*rb], p.dtype)
-				for i, v := range c.tmp {
-					c.acc[i] += float32(w * v) // the conversion rounds the product: no fused multiply-add
-				}
+				narrow(dst[slot*cb:(slot+1)*cb], acc, p.transit)
 			}
-			narrow(dst[slot*cb:(slot+1)*cb], c.acc, p.transit)
-		}
+		})
 		if c.comb[s] == nil {
 			at := uint64(c.off.comb) + uint64(p.rank*Tm*cb)
 			if err := c.net.put(s, at, 0, uint64(int(counts[s])*cb), "combine partials"); err != nil {
@@ -467,21 +503,24 @@ func (c *cpuEngine) reduce(y []byte, T int) {
 	p := c.p
 	Tm, rb, cb := p.maxTokens, int(p.rowBytes()), p.hidden*p.transit.Size()
 	comb := c.comb[p.rank]
-	for t := range T {
-		clear(c.acc)
-		for d := range p.world {
-			slot := int(c.sendSlot[d*Tm+t])
-			if slot < 0 {
-				continue
+	split(T, workers(T, int64(p.world)*int64(cb)), func(wk, lo, hi int) {
+		acc, tmp := c.acc[wk], c.tmp[wk]
+		for t := lo; t < hi; t++ {
+			clear(acc)
+			for d := range p.world {
+				slot := int(c.sendSlot[d*Tm+t])
+				if slot < 0 {
+					continue
+				}
+				at := (d*Tm + slot) * cb
+				widen(tmp, comb[at:at+cb], p.transit)
+				for i, v := range tmp {
+					acc[i] += v
+				}
 			}
-			at := (d*Tm + slot) * cb
-			widen(c.tmp, comb[at:at+cb], p.transit)
-			for i, v := range c.tmp {
-				c.acc[i] += v
-			}
+			narrow(y[t*rb:(t+1)*rb], acc, p.dtype)
 		}
-		narrow(y[t*rb:(t+1)*rb], c.acc, p.dtype)
-	}
+	})
 }
 
 func (c *cpuEngine) close() error {

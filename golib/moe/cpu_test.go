@@ -35,6 +35,16 @@ func ranks(t *testing.T, world int, cfg func(rank int) Config, f func(rank int, 
 // one node), whose waits end after timeout (0: the default).
 func ranksOn(t *testing.T, world, localSize int, timeout time.Duration, cfg func(rank int) Config, f func(rank int, ep *EP) error) []error {
 	t.Helper()
+	return ranksWith(t, world, localSize, timeout, func(_ int, g Group, c *hostcoll.Comm, cfg Config) (*EP, error) {
+		return NewCPU(g, c, cfg)
+	}, cfg, f)
+}
+
+// ranksWith is ranksOn with the EPs that build makes over each rank's host
+// backend.
+func ranksWith(t *testing.T, world, localSize int, timeout time.Duration, build func(rank int, g Group, c *hostcoll.Comm, cfg Config) (*EP, error),
+	cfg func(rank int) Config, f func(rank int, ep *EP) error) []error {
+	t.Helper()
 	shm.Dir = t.TempDir()
 	bs := bootstraptest.NewMem(world)
 	keys := make([][]byte, world)
@@ -61,7 +71,7 @@ func ranksOn(t *testing.T, world, localSize int, timeout time.Duration, cfg func
 				return
 			}
 			defer c.Close()
-			ep, err := NewCPU(bs[r], c, cfg(r))
+			ep, err := build(r, bs[r], c, cfg(r))
 			if err != nil {
 				errs[r] = err
 				return
@@ -291,7 +301,8 @@ func TestCPUDispatchCombineMatchTheDocumentedOrderAndRounding(t *testing.T) {
 		}
 	}
 	cases = append(cases, roundsCase{2, 8, 12, 16, 5, reduce.BFloat16, reduce.BFloat16, 0.1},
-		roundsCase{3, 3, 1, 8, 20, reduce.Float32, reduce.Float32, 0})
+		roundsCase{3, 3, 1, 8, 20, reduce.Float32, reduce.Float32, 0},
+		roundsCase{2, 8, 4, 1024, 200, reduce.BFloat16, reduce.Float32, 0.1}) // large enough to be split among workers
 	checkRounds(t, ranks, cases)
 }
 
