@@ -57,6 +57,7 @@ type Comm struct {
 	device   int
 	topo     *topo.Topology
 	timeout  time.Duration
+	job      uint64 // names the job's shared-memory segments (bootstrap.JobToken)
 	port     portConfig
 	channels *channel.Channels // created at the first channel call
 	closed   bool
@@ -103,7 +104,7 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 		return nil, err
 	}
 	return &Comm{bs: bs, backend: be, device: cfg.Device, topo: top, timeout: time.Duration(timeoutMs) * time.Millisecond,
-		port: port}, nil
+		job: bootstrap.JobToken(cfg.Lookup), port: port}, nil
 }
 
 // portConfig is how port channels are built: P2PCOMM_PORT_TRANSPORT=ucx

@@ -21,15 +21,30 @@ var _ moe.GPU = moeGPU{}
 // EnsureContext makes the backend's device current on the calling thread.
 func (g moeGPU) EnsureContext() error { return g.Driver.EnsureContext(g.Backend.Device()) }
 
+// stagedHostStaging is the staging area of the host backend an EP across
+// nodes makes: its path keeps everything in its own allocations.
+const stagedHostStaging = 64 << 10
+
 // NewMoE builds an expert-parallel engine over this communicator's
-// backend. Collective (see moe.NewGPU).
+// backend. Collective (see moe.NewGPU); on GPUs of several nodes, see
+// moe.NewStaged.
 func (c *Comm) NewMoE(cfg moe.Config) (*moe.EP, error) {
 	var ep *moe.EP
 	err := c.Do(func(b collective.Backend) error {
 		var err error
 		switch be := b.(type) {
 		case *gpucoll.Backend:
-			ep, err = moe.NewGPU(c.bs, moeGPU{be, be.Driver()}, cfg)
+			if !c.topo.MultiNode() {
+				ep, err = moe.NewGPU(c.bs, moeGPU{be, be.Driver()}, cfg)
+				break
+			}
+			// Across nodes the rows go through host memory on the host
+			// path, over a host backend of the same ranks for this EP.
+			var host *hostcoll.Comm
+			if host, err = hostcoll.New(c.bs, hostcoll.Options{Job: c.job, StagingBytes: stagedHostStaging,
+				Timeout: c.timeout, Topology: c.topo}); err == nil {
+				ep, err = moe.NewStaged(c.bs, host, moeGPU{be, be.Driver()}, cfg)
+			}
 		case *hostcoll.Comm:
 			ep, err = moe.NewCPU(c.bs, be, cfg)
 		default:

@@ -1,6 +1,7 @@
 package moe
 
 import (
+	"io"
 	"sync"
 
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -17,7 +18,8 @@ type EP struct {
 	plan
 	gpu    *gpuEngine
 	cpu    *cpuEngine
-	checks []int32 // every rank's check of the latest eager call
+	staged *stagedEngine // GPU tensors through cpu's path (ranks on several nodes)
+	checks []int32       // every rank's check of the latest eager call
 	// pending: an eager dispatch has run up to the host's read of the counts
 	// and awaits Expand with pendingRows rows.
 	pending     bool
@@ -96,23 +98,52 @@ func NewGPU(g Group, dev GPU, c Config) (*EP, error) {
 
 // NewCPU builds an EP on the CPU backend, collectively (see NewGPU).
 func NewCPU(g Group, host Host, c Config) (*EP, error) {
+	return newHostPath(g, host, nil, nil, c)
+}
+
+// NewStaged builds, collectively, an EP of GPU tensors on ranks that span
+// nodes: each call copies its tensors to pinned host memory on the
+// caller's stream and runs the CPU path over host, a host backend of the
+// same ranks and nodes that the EP owns from here on (closed with it, or
+// here on failure). Capturable calls run, but cannot be recorded in a CUDA
+// graph.
+func NewStaged(g Group, host interface {
+	Host
+	io.Closer
+}, dev StagedDevice, c Config) (*EP, error) {
+	return newHostPath(g, host, host, dev, c)
+}
+
+// newHostPath builds an EP on the host path, staged through dev's pinned
+// memory when dev is not nil (owning closer).
+func newHostPath(g Group, host Host, closer io.Closer, dev StagedDevice, c Config) (*EP, error) {
 	var problem error
 	if c.Rejected {
 		problem = ErrRejected
 	} else {
 		problem = c.check()
 	}
-	if _, err := agree(g, c, problem, 0); err != nil {
+	e := &EP{plan: newPlan(c, g.Rank(), g.Size()), cpu: newCPUEngine(host), checks: make([]int32, g.Size())}
+	if problem == nil && dev != nil {
+		e.staged, problem = newStagedEngine(dev, closer, &e.plan)
+	}
+	fail := func(err error) (*EP, error) {
+		e.cpu.close()
+		if e.staged != nil {
+			e.staged.close()
+		} else if closer != nil {
+			closer.Close()
+		}
 		return nil, err
 	}
-	e := &EP{plan: newPlan(c, g.Rank(), g.Size()), cpu: newCPUEngine(host), checks: make([]int32, g.Size())}
+	if _, err := agree(g, c, problem, 0); err != nil {
+		return fail(err)
+	}
 	if err := e.cpu.setup(g, &e.plan); err != nil {
-		e.cpu.close()
-		return nil, err
+		return fail(err)
 	}
 	if err := g.Barrier(); err != nil {
-		e.cpu.close()
-		return nil, err
+		return fail(err)
 	}
 	return e, nil
 }
@@ -136,11 +167,16 @@ func (e *EP) usable() error {
 		return status.Errorf(status.State, "ExpertParallel is closed")
 	}
 	var err error
-	if e.gpu != nil {
+	switch {
+	case e.gpu != nil:
 		if err = e.gpu.dev.Check(); err == nil {
 			err = e.gpu.dev.EnsureContext()
 		}
-	} else {
+	case e.staged != nil:
+		if err = e.cpu.check(); err == nil {
+			err = e.staged.dev.EnsureContext()
+		}
+	default:
 		err = e.cpu.check()
 	}
 	return err
@@ -176,9 +212,12 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 	clear(e.checks)
 	var rows int64
 	var err error
-	if e.gpu != nil {
+	switch {
+	case e.gpu != nil:
 		rows, err = e.gpu.dispatch(a, e.checks)
-	} else {
+	case e.staged != nil:
+		rows, err = e.staged.dispatch(e.cpu, a, e.checks)
+	default:
 		rows, err = e.cpu.dispatch(a, e.checks)
 	}
 	if err != nil || a.Capturable {
@@ -209,8 +248,11 @@ func (e *EP) Expand(out Rows, stream uintptr) error {
 	if err := e.usable(); err != nil {
 		return err
 	}
-	if e.gpu != nil {
+	switch {
+	case e.gpu != nil:
 		return e.gpu.expand(out, stream, 0)
+	case e.staged != nil:
+		return e.staged.expand(e.cpu, out, stream)
 	}
 	return e.cpu.expand(out)
 }
@@ -236,8 +278,11 @@ func (e *EP) Combine(a *CombineArgs) error {
 		return status.Errorf(status.InvalidArgument, "ExpertParallel: combine of %d tokens (at most %d)", a.NumTokens, e.maxTokens)
 	}
 	clear(e.checks)
-	if e.gpu != nil {
+	switch {
+	case e.gpu != nil:
 		return e.gpu.combine(a, e.checks)
+	case e.staged != nil:
+		return e.staged.combine(e.cpu, a, e.checks)
 	}
 	return e.cpu.combine(a, e.checks)
 }
@@ -266,5 +311,11 @@ func (e *EP) Close() error {
 	if e.gpu != nil {
 		return e.gpu.close()
 	}
-	return e.cpu.close()
+	err := e.cpu.close()
+	if e.staged != nil {
+		if serr := e.staged.close(); err == nil {
+			err = serr
+		}
+	}
+	return err
 }

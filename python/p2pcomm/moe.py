@@ -219,8 +219,10 @@ class ExpertParallel:
     @property
     def uses_kernels(self) -> bool:
         """True when dispatch and combine run the GPU kernels of native/kernels/moe_*.cu: every GPU
-        ep (a configuration they cannot take, such as float64 or rows of a size that is not a
-        multiple of 16 bytes, raises UnsupportedError there); False on the CPU."""
+        ep of one node (a configuration they cannot take, such as float64 or rows of a size that is not a
+        multiple of 16 bytes, raises UnsupportedError there); False on the CPU, and on GPUs across nodes,
+        where each call's tensors go through pinned host memory and the CPU path's protocol (the same
+        bits), and cannot be captured in a CUDA graph."""
         return self._kernels
 
     def __repr__(self) -> str:

@@ -2,8 +2,8 @@
 (alive, silent). Every survivor, on either node, raises PeerTimeoutError naming that rank within about
 P2PCOMM_TIMEOUT_MS, and what failed stays broken. TCP bootstrap. CPU ranks: the all-reduce on 2 nodes x 2, and
 ExpertParallel on 2 x 2 (the victim on the other node from rank 0, beside a survivor of its own node), killed
-or stopped between its dispatch and its combine; GPUs (P2PCOMM_TEST_GPU=1, two or more): the all-reduce on
-2 x 1."""
+or stopped between its dispatch and its combine; GPUs (P2PCOMM_TEST_GPU=1, two or more): the all-reduce and
+ExpertParallel on 2 x 1."""
 
 import importlib.util
 import os
@@ -149,14 +149,17 @@ def test_gpu_all_reduce_names_the_failed_rank_of_the_other_node(how):
 MOE_TIMEOUT_MS = TIMEOUT_MS
 MOE_SCRIPT = """
     import os, signal, time, torch, p2pcomm
-    comm = p2pcomm.Communicator(device="cpu", bootstrap="tcp")
+    device = "@DEVICE@"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    comm = p2pcomm.Communicator(device=device, bootstrap="tcp")
     W, r = comm.world_size, comm.rank
     E, K, H, Tm = 2 * W, 2, 64, 16
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
     g = torch.Generator().manual_seed(r)
-    x = torch.randn(Tm, H, generator=g).bfloat16()
-    idx = torch.rand(Tm, E, generator=g).argsort(dim=1)[:, :K]
-    w = torch.rand(Tm, K, generator=g)
+    x = torch.randn(Tm, H, generator=g).bfloat16().to(device)
+    idx = torch.rand(Tm, E, generator=g).argsort(dim=1)[:, :K].to(device)
+    w = torch.rand(Tm, K, generator=g).to(device)
 
     def round_trip():
         recv = ep.dispatch(x, idx, w)
@@ -196,13 +199,17 @@ MOE_SCRIPT = """
 
 @NEEDS_UCX
 @pytest.mark.parametrize("how", ["killed", "stopped"])
-@pytest.mark.parametrize("world,local", [(4, 2)], ids=["2x2"])
-def test_failed_rank_in_expert_parallel_is_named_by_every_survivor(how, world, local):
+@pytest.mark.parametrize("device,world,local", [
+    ("cpu", 4, 2),
+    pytest.param("cuda", 2, 1, marks=pytest.mark.skipif(gpus() < 2, reason="needs P2PCOMM_TEST_GPU=1 and two GPUs")),
+], ids=["cpu-2x2", "cuda-2x1"])
+def test_failed_rank_in_expert_parallel_is_named_by_every_survivor(how, device, world, local):
     """The victim, rank `local` (node 1), dies or stops after its dispatch; every survivor, on either node,
     names it (through UCX, its pid or the timeout), even one that waits at a later barrier for a survivor
-    that gave up first: survivors share whom they blame."""
+    that gave up first: survivors share whom they blame. On GPUs the rows cross nodes through pinned host
+    memory, and the failure is seen the same way."""
     victim = local
-    outs = run_job(how, world, local, victim, MOE_SCRIPT, MOE_TIMEOUT_MS)
+    outs = run_job(how, world, local, victim, MOE_SCRIPT.replace("@DEVICE@", device), MOE_TIMEOUT_MS)
     assert len(outs) == world - 1
     for rank, (rc, out) in outs.items():
         assert rc == 0, out

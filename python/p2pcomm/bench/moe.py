@@ -264,14 +264,21 @@ def _bench_moe(args) -> int:
     else:
         base_group = dist.group.WORLD if "nccl" in default_backend else dist.new_group(backend="nccl")
     base_name = "nccl a2a" if cuda else "gloo a2a"
+    comm = Communicator(group=dist.group.WORLD, device=device)
+    nodes = len(comm.nodes)
+    if not cuda:
+        path = "golib/moe's CPU path; num_sms is not bounded"
+    elif nodes > 1:
+        path = (f"{nodes} nodes: rows cross them through pinned host memory (golib/moe's host path over UCX); "
+                "num_sms is not used")
+    else:
+        path = f"fused kernels (native/kernels/moe_*.cu) on {args.num_sms} SMs"
     header = header_lines(args, device, dtype, world) + [
         f"experts: {E} ({E // world} per rank), hidden: {hidden}, topk: {K}, random routing (distinct experts)",
-        ("note: fused kernels (native/kernels/moe_*.cu) on " + str(args.num_sms) + " SMs" if cuda else
-         "note: golib/moe's CPU path; num_sms is not bounded") + "; capturable mode moves worst-case buffers",
+        f"note: {path}; capturable mode moves worst-case buffers",
         "combine partials travel in: " + ", ".join(_name(t) for t in transits) + " (column partials)",
     ]
     say("\n".join(header) + "\n")
-    comm = Communicator(group=dist.group.WORLD, device=device)
     baseline = AllToAllBaseline(base_group, E, world, rank, device)
     rows: list[MoeRow] = []
     phase_rows: list[PhaseRow] = []

@@ -56,12 +56,19 @@ _LAUNCH_SLACK_CYCLES = 150_000
 
 def aligned_start(comm, graphs: bool) -> Callable:
     """What time_pair runs before each timed rep: for graph replays the sleep
-    above, then a stream barrier."""
+    above, then a stream barrier (none across nodes, where calls start on
+    the host: the host barrier before it lines them up)."""
     def align() -> None:
         if graphs and torch.cuda.is_available():
             torch.cuda._sleep(_LAUNCH_SLACK_CYCLES)
-        comm.stream_barrier()
+        stream_barrier(comm)
     return align
+
+
+def stream_barrier(comm) -> None:
+    """comm.stream_barrier() on a communicator of one node; nothing across nodes."""
+    if len(comm.nodes) == 1:
+        comm.stream_barrier()
 
 
 def one_round(ep, x, idx, w, capturable: bool):
@@ -83,7 +90,7 @@ def phase_times(ep, x, idx, w, mode: str, reps: int, warmup: int, device, ctl) -
     times: dict = {}
     for _ in range(reps):
         sync_all(device, ctl)
-        ep.comm.stream_barrier()  # every rank's stream starts within one barrier's skew of the others
+        stream_barrier(ep.comm)  # every rank's stream starts within one barrier's skew of the others
         start = clock.mark()
         dispatch_marks, combine_marks = [], []
         try:

@@ -1,6 +1,7 @@
-"""ExpertParallel on the CPU backend across simulated nodes (P2PCOMM_LOCAL_SIZE): the float64 reference and
-the combine emulation of test_moe.py, every element, and the same bits as one node. Two ranks run 2 nodes x 1,
-three 3 x 1, four 2 x 2. Eager and capturable calls, T = 0 and uneven T, -1 ids, K from 1 to 8, both transits,
+"""ExpertParallel across simulated nodes (P2PCOMM_LOCAL_SIZE), on CPU tensors and on GPU tensors (whose rows
+cross nodes through pinned host memory): the float64 reference and the combine emulation of test_moe.py, every
+element, and the same bits as one node (on GPUs: as the kernels of one node). Two ranks run 2 nodes x 1, three
+3 x 1, four 2 x 2. Eager and capturable calls, T = 0 and uneven T, -1 ids, K from 1 to 12, both transits,
 outputs poisoned; bad input on a rank of the last node raises on every rank of every node, and every rank is
 usable after."""
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
+from conftest import DEVICES
 from test_moe import (CASES, TRANSITS, assert_same_bits, check_combine, check_dispatch, emulate_combine, experts_for,
                       expert_fn, make_inputs, run_round, transit_dtype)
 from test_nodes import Nodes
@@ -29,11 +31,11 @@ def layout(world: int):
     pytest.skip(f"no layout across nodes for {world} ranks")
 
 
-@pytest.fixture(scope="module")
-def nodes(group):
+@pytest.fixture(scope="module", params=DEVICES)
+def nodes(group, request):
     W = dist.get_world_size()
     name, local = layout(W)
-    made = Nodes(name, local, list(range(W)), "cpu")
+    made = Nodes(name, local, list(range(W)), request.param)
     yield made
     made.comm.close()
 
@@ -47,32 +49,36 @@ def test_eager_across_nodes_match_reference(nodes, comms, case):
     """Every row in the documented order, every element of combine within the float64 reference's bound and
     bit for bit the emulation's and one node's; twice, and two dispatches before a combine."""
     E, K, H, Tm, dtype, routing, minus_one = case
-    comm = nodes.comm
+    comm, dev = nodes.comm, nodes.device
     W, r = comm.world_size, comm.rank
     E = experts_for(E, W)
     sizes = [0 if q == 1 else (Tm if q == 0 else 1 + (5 * q) % Tm) for q in range(W)]  # rank 1 sends nothing
     inputs = [make_inputs(E + K, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
     cfg = dict(num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
     with ep_of(comm, **cfg) as ep:
-        recv, out, y = run_round(ep, inputs, r, "cpu")
+        assert ep.uses_kernels is False
+        recv, out, y = run_round(ep, inputs, r, dev)
         check_dispatch(recv, inputs, r, W, E, K, dtype)
         check_combine(y, inputs, r, W, E, K, dtype)
         assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine across nodes")
         other = [make_inputs(E + K + 1, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
-        ep.dispatch(inputs[r].x, inputs[r].idx, inputs[r].w)
-        recv2, out2, y2 = run_round(ep, other, r, "cpu")
+        ep.dispatch(inputs[r].x.to(dev), inputs[r].idx.to(dev), inputs[r].w.to(dev))
+        recv2, out2, y2 = run_round(ep, other, r, dev)
         check_dispatch(recv2, other, r, W, E, K, dtype)
         check_combine(y2, other, r, W, E, K, dtype)
-        assert_same_bits(ep.combine(out2, recv2), y2, "second combine of one dispatch")
-    with ep_of(comms("cpu"), **cfg) as one:  # the same ranks as one node
-        assert_same_bits(run_round(one, inputs, r, "cpu")[2], y, "one node against nodes")
+        assert_same_bits(ep.combine(out2, recv2), y2.cpu(), "second combine of one dispatch")
+    one_node = comms(dev)
+    if dev == "cuda" and (K > 8 or H * dtype.itemsize % 16):
+        one_node = comms("cpu")  # beyond what the kernels take; the CPU path gives their bits
+    with ep_of(one_node, **cfg) as one:  # the same ranks as one node
+        assert_same_bits(run_round(one, inputs, r, one_node.device.type)[2], y.cpu(), "one node against nodes")
 
 
 @pytest.mark.parametrize("transit", TRANSITS)
 def test_capturable_across_nodes(nodes, transit):
     """Capturable rounds with uneven T (one rank none) and -1 ids: recv.x and the expert output rows past
     num_rows poisoned with NaN, which must not reach any result."""
-    comm = nodes.comm
+    comm, dev = nodes.comm, nodes.device
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 4, 48, 12, torch.bfloat16
     sizes = [(Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
@@ -85,7 +91,7 @@ def test_capturable_across_nodes(nodes, transit):
             if recv is not None:
                 recv.x.fill_(float("nan"))  # rows this dispatch does not write show up
             inp = inputs[r]
-            recv = ep.dispatch(inp.x, inp.idx, inp.w)
+            recv = ep.dispatch(inp.x.to(dev), inp.idx.to(dev), inp.w.to(dev))
             assert recv.capturable and recv.x.shape == (W * Tm * K, H)
             check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
             out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
@@ -98,7 +104,7 @@ def test_capturable_across_nodes(nodes, transit):
 def still_works(ep, comm):
     W = comm.world_size
     inputs = [make_inputs(3, q, 4, ep.hidden, ep.num_experts, ep.topk, ep.dtype, "random", 0.2) for q in range(W)]
-    recv, out, y = run_round(ep, inputs, comm.rank, "cpu")
+    recv, out, y = run_round(ep, inputs, comm.rank, comm.device.type)
     check_dispatch(recv, inputs, comm.rank, W, ep.num_experts, ep.topk, ep.dtype)
     check_combine(y, inputs, comm.rank, W, ep.num_experts, ep.topk, ep.dtype)
 
@@ -106,14 +112,15 @@ def still_works(ep, comm):
 def test_bad_inputs_raise_on_every_rank_of_every_node(nodes):
     """The last rank (on the last node) passes bad arguments: it raises its own error, every other rank
     MismatchError naming it, no data moves, and every rank goes on."""
-    comm = nodes.comm
+    comm, dev = nodes.comm, nodes.device
     W, r = comm.world_size, comm.rank
     bad_rank = W - 1
     E, K, H, Tm = 2 * W, 2, 64, 8
     with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K) as ep:
         good = make_inputs(9, r, 4, H, E, K, torch.bfloat16)
-        x, idx, w = good.x, good.idx, good.w
+        x, idx, w = good.x.to(dev), good.idx.to(dev), good.w.to(dev)
         big = make_inputs(9, r, Tm + 1, H, E, K, torch.bfloat16)
+        big.x, big.idx, big.w = big.x.to(dev), big.idx.to(dev), big.w.to(dev)
         bad_id = idx.clone()
         bad_id[2, 1] = E
         cases = [((big.x, big.idx, big.w), p2pcomm.InvalidArgumentError, "max_tokens"),
@@ -131,7 +138,7 @@ def test_bad_inputs_raise_on_every_rank_of_every_node(nodes):
         out = recv.x.clone()
         if r == bad_rank:
             with pytest.raises(p2pcomm.InvalidArgumentError, match="expert_out has shape"):
-                ep.combine(torch.zeros(out.shape[0] + 1, H, dtype=out.dtype), recv)
+                ep.combine(torch.zeros(out.shape[0] + 1, H, dtype=out.dtype, device=dev), recv)
         else:
             with pytest.raises(p2pcomm.MismatchError, match=f"rank {bad_rank}"):
                 ep.combine(out, recv)
@@ -139,12 +146,13 @@ def test_bad_inputs_raise_on_every_rank_of_every_node(nodes):
     comm.check()
 
 
-def test_communicator_closed_before_its_ep(group):
+@pytest.mark.parametrize("device", DEVICES)
+def test_communicator_closed_before_its_ep(group, device):
     """Closing the communicator first closes its eps (their UCX registrations cover its memory): the ep then
     raises, closes quietly, and a new communicator works."""
     W = dist.get_world_size()
     name, local = layout(W)
-    fresh = Nodes(name, local, list(range(W)), "cpu")
+    fresh = Nodes(name, local, list(range(W)), device)
     ep = ep_of(fresh.comm, num_experts=2 * W, hidden=32, max_tokens_per_rank=4, topk=2)
     still_works(ep, fresh.comm)
     dist.barrier()
@@ -152,7 +160,30 @@ def test_communicator_closed_before_its_ep(group):
     with pytest.raises(p2pcomm.P2PCommError):
         still_works(ep, fresh.comm)
     ep.close()
-    again = Nodes(name, local, list(range(W)), "cpu")
+    again = Nodes(name, local, list(range(W)), device)
     with ep_of(again.comm, num_experts=2 * W, hidden=32, max_tokens_per_rank=4, topk=2) as ep2:
         still_works(ep2, again.comm)
     again.comm.close()
+
+
+def test_cuda_graph_capture_is_refused(nodes):
+    """On GPUs across nodes the rows go through the host between copies, which a CUDA graph cannot hold:
+    recording a dispatch raises UnsupportedError on every rank before anything is recorded, and the ep goes
+    on."""
+    if nodes.device != "cuda":
+        pytest.skip("CUDA graphs: GPU tensors only")
+    comm = nodes.comm
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, capturable=True) as ep:
+        inp = make_inputs(11, r, 4, H, E, K, torch.bfloat16)
+        x, idx, w = inp.x.cuda(), inp.idx.cuda(), inp.w.cuda()
+        graph, raised = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(graph):
+            try:
+                ep.dispatch(x, idx, w)
+            except p2pcomm.UnsupportedError as e:
+                raised = e
+        assert raised is not None and "CUDA graph" in str(raised)
+        still_works(ep, comm)
+    comm.check()

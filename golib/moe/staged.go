@@ -1,0 +1,303 @@
+package moe
+
+import (
+	"fmt"
+	"io"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// The staged path: an EP of GPU tensors whose ranks span nodes. Without a
+// NIC that reaches GPU memory (UCX over tcp cannot, usefully), every byte
+// that crosses nodes goes through host memory anyway, so the call runs the
+// CPU path's protocol on pinned host copies of its tensors: the inputs
+// come down on the caller's stream, the host path moves them (node-local
+// peers through shared memory, other nodes through UCX), and the outputs go
+// back up on the same stream. Results are the host path's, which are the
+// kernels' bit for bit.
+
+// StagedDevice is what the staged path needs of the GPU backend: copies,
+// streams, events and pinned memory, and whether a stream is capturing.
+type StagedDevice interface {
+	Runtime
+	StreamCaptureStatus(stream uintptr) (cuda.CaptureStatus, error)
+}
+
+// pinned is a pinned host buffer that grows on demand.
+type pinned struct {
+	p   unsafe.Pointer
+	cap uint64
+}
+
+func (b *pinned) addr() uintptr { return uintptr(b.p) }
+
+// reserve makes room for n bytes (keeping none of the old contents).
+func (b *pinned) reserve(dev Runtime, n uint64, what string) error {
+	if n <= b.cap {
+		return nil
+	}
+	n = max(n, 2*b.cap)
+	if b.p != nil {
+		dev.MemFreeHost(b.p)
+		b.p, b.cap = nil, 0
+	}
+	p, err := dev.MemHostAlloc(n, cuda.HostAllocPortable)
+	if err != nil {
+		return status.Errorf(status.Capacity, "ExpertParallel across nodes: pin %d bytes of host memory for %s: %v", n, what, err)
+	}
+	b.p, b.cap = p, n
+	return nil
+}
+
+func (b *pinned) free(dev Runtime) {
+	if b.p != nil {
+		dev.MemFreeHost(b.p)
+	}
+	b.p, b.cap = nil, 0
+}
+
+// stagedEngine carries one EP's calls between the device and the host path.
+type stagedEngine struct {
+	dev  StagedDevice
+	host io.Closer // the host backend this EP made for itself
+	p    *plan
+	// in: a dispatch's x, then its ids and weights; a combine's y.
+	// rows: dispatched rows out, then a combine's expert rows in.
+	in, rows, info, counts pinned
+	done                   cuda.Event // recorded after the latest upload
+	uploading              bool       // done awaits a wait before the buffers are reused
+	lastRows               int64      // rows of the latest dispatch that moved data
+}
+
+// reserveRows makes room for n dispatched rows and their metadata.
+func (s *stagedEngine) reserveRows(n int64) error {
+	if err := s.rows.reserve(s.dev, uint64(max(n, 1))*uint64(s.p.rowBytes()), "the dispatched rows"); err != nil {
+		return err
+	}
+	return s.info.reserve(s.dev, 16*uint64(max(n, 1)), "the rows' metadata")
+}
+
+func newStagedEngine(dev StagedDevice, host io.Closer, p *plan) (*stagedEngine, error) {
+	s := &stagedEngine{dev: dev, host: host, p: p}
+	if err := dev.EnsureContext(); err != nil {
+		return nil, err
+	}
+	Tm, K := uint64(p.maxTokens), uint64(p.topK)
+	err := s.in.reserve(dev, Tm*uint64(p.rowBytes())+Tm*K*12, "a call's tokens")
+	if err == nil {
+		err = s.counts.reserve(dev, 4*uint64(p.numLocal+1), "the row counts")
+	}
+	if err == nil && p.capturable {
+		// Capturable calls return every row position: room for all of them.
+		err = s.reserveRows(p.maxRecvRows)
+	}
+	if err == nil {
+		s.done, err = dev.EventCreate(cuda.EventDisableTiming)
+	}
+	if err != nil {
+		s.release()
+		return nil, err
+	}
+	return s, nil
+}
+
+// settle waits until the latest upload has left the pinned buffers.
+func (s *stagedEngine) settle() error {
+	if !s.uploading {
+		return nil
+	}
+	s.uploading = false
+	return s.dev.EventSynchronize(s.done)
+}
+
+// uploaded marks the end of this call's uploads on stream.
+func (s *stagedEngine) uploaded(stream uintptr) error {
+	if err := s.dev.EventRecord(s.done, stream); err != nil {
+		return err
+	}
+	s.uploading = true
+	return nil
+}
+
+// refuseCapture: the host path cannot be recorded into a CUDA graph.
+func (s *stagedEngine) refuseCapture(stream uintptr, what string) error {
+	st, err := s.dev.StreamCaptureStatus(stream)
+	if err != nil {
+		return err
+	}
+	if st != cuda.CaptureNone {
+		return status.Errorf(status.Unsupported, "ExpertParallel across nodes on GPUs cannot be captured in a CUDA graph "+
+			"(its %s runs on the host between copies); call it outside the capture", what)
+	}
+	return nil
+}
+
+// download copies n bytes from the device at src to host dst, ordered on
+// stream; the caller synchronizes.
+func (s *stagedEngine) download(dst, src uintptr, n uint64, stream uintptr) error {
+	if n == 0 || src == 0 {
+		return nil
+	}
+	return s.dev.MemcpyAsync(dst, src, n, stream)
+}
+
+func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32) (int64, error) {
+	p := s.p
+	if err := s.refuseCapture(a.Stream, "dispatch"); err != nil {
+		return 0, err
+	}
+	if err := s.settle(); err != nil {
+		return 0, err
+	}
+	h := *a
+	T, K, rb := uint64(a.NumTokens), uint64(p.topK), uint64(p.rowBytes())
+	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(T*rb), s.in.addr()+uintptr(T*rb+T*K*8)
+	if a.X == 0 {
+		h.X, h.TopkIdx, h.TopkWeights = 0, 0, 0
+	}
+	err := s.download(h.X, a.X, T*rb, a.Stream)
+	if err == nil {
+		err = s.download(h.TopkIdx, a.TopkIdx, T*K*uint64(a.IdxBytes), a.Stream)
+	}
+	if err == nil {
+		err = s.download(h.TopkWeights, a.TopkWeights, T*K*4, a.Stream)
+	}
+	if err == nil {
+		err = s.dev.StreamSynchronize(a.Stream)
+	}
+	if err != nil {
+		return 0, err
+	}
+	if a.Capturable {
+		if err := s.reserveRows(p.maxRecvRows); err != nil {
+			return 0, err
+		}
+		h.Out = Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: p.maxRecvRows}
+	}
+	rows, err := cpu.dispatch(&h, checks)
+	if err != nil {
+		return 0, err
+	}
+	s.lastRows = cpu.received()
+	if !a.Capturable {
+		return rows, nil
+	}
+	return rows, s.upload(a.Out, p.maxRecvRows, a.Stream)
+}
+
+// expand finishes an eager dispatch of out.Rows rows into out.
+func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
+	if err := s.refuseCapture(stream, "dispatch"); err != nil {
+		return err
+	}
+	if err := s.settle(); err != nil {
+		return err
+	}
+	if err := s.reserveRows(out.Rows); err != nil {
+		return err
+	}
+	if err := cpu.expand(Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows}); err != nil {
+		return err
+	}
+	return s.upload(out, out.Rows, stream)
+}
+
+// upload copies the expanded rows (s.lastRows of them), their metadata
+// and the counts from the pinned buffers to out on stream. The pinned
+// metadata has the layout of held rows (as cpuEngine.expand wrote it).
+func (s *stagedEngine) upload(out Rows, held int64, stream uintptr) error {
+	p := s.p
+	n, rb := uint64(s.lastRows), uint64(p.rowBytes())
+	var err error
+	if n > 0 {
+		err = s.dev.MemcpyAsync(out.X, s.rows.addr(), n*rb, stream)
+		for j := uint64(0); j < 4 && err == nil; j++ {
+			err = s.dev.MemcpyAsync(out.Info+uintptr(4*j*uint64(out.Rows)), s.info.addr()+uintptr(4*j*uint64(held)), 4*n, stream)
+		}
+	}
+	if err == nil {
+		err = s.dev.MemcpyAsync(out.Counts, s.counts.addr(), 4*uint64(p.numLocal+1), stream)
+	}
+	if err == nil {
+		err = s.uploaded(stream)
+	}
+	return err
+}
+
+func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) error {
+	p := s.p
+	if err := s.refuseCapture(a.Stream, "combine"); err != nil {
+		return err
+	}
+	if err := s.settle(); err != nil {
+		return err
+	}
+	rb := uint64(p.rowBytes())
+	h := *a
+	if a.ExpertOut != 0 {
+		// Only rows the latest dispatch filled are read (a capturable
+		// call's tail is the caller's).
+		n := uint64(min(a.ExpertRows, s.lastRows))
+		if err := s.rows.reserve(s.dev, max(n, 1)*rb, "the expert rows"); err != nil {
+			return err
+		}
+		// Rows past n are never read, but the host path's view spans them.
+		h.ExpertRows = int64(n)
+		h.ExpertOut = s.rows.addr()
+		if err := s.download(h.ExpertOut, a.ExpertOut, n*rb, a.Stream); err != nil {
+			return err
+		}
+	}
+	if a.Y != 0 {
+		h.Y = s.in.addr()
+	}
+	if err := s.dev.StreamSynchronize(a.Stream); err != nil {
+		return err
+	}
+	if err := cpu.combine(&h, checks); err != nil {
+		return err
+	}
+	if a.Y == 0 {
+		return nil
+	}
+	for _, c := range checks {
+		if c != 0 {
+			return nil // no data moved
+		}
+	}
+	if err := s.dev.MemcpyAsync(a.Y, h.Y, uint64(a.NumTokens)*rb, a.Stream); err != nil {
+		return err
+	}
+	return s.uploaded(a.Stream)
+}
+
+// release frees the pinned buffers and the event (after the latest upload).
+func (s *stagedEngine) release() {
+	if s.uploading {
+		s.dev.EventSynchronize(s.done)
+		s.uploading = false
+	}
+	if s.done != 0 {
+		s.dev.EventDestroy(s.done)
+		s.done = 0
+	}
+	for _, b := range []*pinned{&s.in, &s.rows, &s.info, &s.counts} {
+		b.free(s.dev)
+	}
+}
+
+// close releases the engine and the host backend it made (after the EP's
+// host path has closed).
+func (s *stagedEngine) close() error {
+	err := s.dev.EnsureContext()
+	s.release()
+	if cerr := s.host.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("ExpertParallel across nodes: close: %w", err)
+	}
+	return nil
+}
