@@ -32,6 +32,7 @@ func split(n, workers int, f func(worker, lo, hi int)) {
 		return
 	}
 	var wg sync.WaitGroup
+	panics := make([]any, workers)
 	for w := range workers {
 		lo, hi := n*w/workers, n*(w+1)/workers
 		if lo == hi {
@@ -40,8 +41,17 @@ func split(n, workers int, f func(worker, lo, hi int)) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			// A panic goes back to the caller's goroutine, where the C
+			// boundary's recover turns it into an error; here it would end
+			// the process.
+			defer func() { panics[w] = recover() }()
 			f(w, lo, hi)
 		}()
 	}
 	wg.Wait()
+	for _, p := range panics {
+		if p != nil {
+			panic(p)
+		}
+	}
 }

@@ -36,3 +36,19 @@ func TestSplitCoversEveryItemOnce(t *testing.T) {
 		t.Errorf("workers(1 TiB) = %d, want %d", got, most)
 	}
 }
+
+// A worker's panic reaches split's caller (where the C boundary recovers
+// it), not the process.
+func TestSplitPanicReachesTheCaller(t *testing.T) {
+	defer func() {
+		if p := recover(); p != "item 7" {
+			t.Errorf("recovered %v, want item 7's panic", p)
+		}
+	}()
+	split(10, 3, func(_, lo, hi int) {
+		if lo <= 7 && 7 < hi {
+			panic("item 7")
+		}
+	})
+	t.Error("split returned past a worker's panic")
+}

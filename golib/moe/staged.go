@@ -33,12 +33,13 @@ type pinned struct {
 
 func (b *pinned) addr() uintptr { return uintptr(b.p) }
 
-// reserve makes room for n bytes (keeping none of the old contents).
-func (b *pinned) reserve(dev Runtime, n uint64, what string) error {
+// reserve makes room for n bytes (keeping none of the old contents),
+// growing by doubling up to most, the most any call needs.
+func (b *pinned) reserve(dev Runtime, n, most uint64, what string) error {
 	if n <= b.cap {
 		return nil
 	}
-	n = max(n, 2*b.cap)
+	n = max(n, min(2*b.cap, most))
 	if b.p != nil {
 		dev.MemFreeHost(b.p)
 		b.p, b.cap = nil, 0
@@ -68,15 +69,26 @@ type stagedEngine struct {
 	in, rows, info, counts pinned
 	done                   cuda.Event // recorded after the latest upload
 	uploading              bool       // done awaits a wait before the buffers are reused
-	lastRows               int64      // rows of the latest dispatch that moved data
+	lastRows               int64      // rows of the latest result laid out (what combine reads)
 }
 
 // reserveRows makes room for n dispatched rows and their metadata.
 func (s *stagedEngine) reserveRows(n int64) error {
-	if err := s.rows.reserve(s.dev, uint64(max(n, 1))*uint64(s.p.rowBytes()), "the dispatched rows"); err != nil {
+	n, most := max(n, 1), uint64(s.p.maxRecvRows)
+	rb := uint64(s.p.rowBytes())
+	if err := s.rows.reserve(s.dev, uint64(n)*rb, most*rb, "the dispatched rows"); err != nil {
 		return err
 	}
-	return s.info.reserve(s.dev, 16*uint64(max(n, 1)), "the rows' metadata")
+	return s.info.reserve(s.dev, 16*uint64(n), 16*most, "the rows' metadata")
+}
+
+// inLayout is where a dispatch's x, ids and weights of T tokens sit in
+// s.in (the ids 8-byte aligned), and its size for T.
+func (s *stagedEngine) inLayout(T int) (idx, w, size uint64) {
+	K := uint64(s.p.topK)
+	idx = (uint64(T)*uint64(s.p.rowBytes()) + 7) &^ 7
+	w = idx + uint64(T)*K*8
+	return idx, w, w + uint64(T)*K*4
 }
 
 func newStagedEngine(dev StagedDevice, host io.Closer, p *plan) (*stagedEngine, error) {
@@ -84,10 +96,11 @@ func newStagedEngine(dev StagedDevice, host io.Closer, p *plan) (*stagedEngine, 
 	if err := dev.EnsureContext(); err != nil {
 		return nil, err
 	}
-	Tm, K := uint64(p.maxTokens), uint64(p.topK)
-	err := s.in.reserve(dev, Tm*uint64(p.rowBytes())+Tm*K*12, "a call's tokens")
+	_, _, in := s.inLayout(p.maxTokens)
+	err := s.in.reserve(dev, in, in, "a call's tokens")
 	if err == nil {
-		err = s.counts.reserve(dev, 4*uint64(p.numLocal+1), "the row counts")
+		counts := 4 * uint64(p.numLocal+1)
+		err = s.counts.reserve(dev, counts, counts, "the row counts")
 	}
 	if err == nil && p.capturable {
 		// Capturable calls return every row position: room for all of them.
@@ -153,7 +166,8 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	}
 	h := *a
 	T, K, rb := uint64(a.NumTokens), uint64(p.topK), uint64(p.rowBytes())
-	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(T*rb), s.in.addr()+uintptr(T*rb+T*K*8)
+	idxAt, wAt, _ := s.inLayout(a.NumTokens)
+	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(idxAt), s.in.addr()+uintptr(wAt)
 	if a.X == 0 {
 		h.X, h.TopkIdx, h.TopkWeights = 0, 0, 0
 	}
@@ -177,13 +191,10 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 		h.Out = Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: p.maxRecvRows}
 	}
 	rows, err := cpu.dispatch(&h, checks)
-	if err != nil {
-		return 0, err
+	if err != nil || !a.Capturable {
+		return rows, err
 	}
 	s.lastRows = cpu.received()
-	if !a.Capturable {
-		return rows, nil
-	}
 	return rows, s.upload(a.Out, p.maxRecvRows, a.Stream)
 }
 
@@ -201,6 +212,8 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	if err := cpu.expand(Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows}); err != nil {
 		return err
 	}
+	// Combine reads what expand laid out: set only once a result exists.
+	s.lastRows = cpu.received()
 	return s.upload(out, out.Rows, stream)
 }
 
@@ -223,6 +236,10 @@ func (s *stagedEngine) upload(out Rows, held int64, stream uintptr) error {
 	if err == nil {
 		err = s.uploaded(stream)
 	}
+	if err != nil {
+		// Copies queued before the failure may still read the buffers.
+		s.dev.StreamSynchronize(stream)
+	}
 	return err
 }
 
@@ -240,7 +257,7 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 		// Only rows the latest dispatch filled are read (a capturable
 		// call's tail is the caller's).
 		n := uint64(min(a.ExpertRows, s.lastRows))
-		if err := s.rows.reserve(s.dev, max(n, 1)*rb, "the expert rows"); err != nil {
+		if err := s.rows.reserve(s.dev, max(n, 1)*rb, uint64(p.maxRecvRows)*rb, "the expert rows"); err != nil {
 			return err
 		}
 		// Rows past n are never read, but the host path's view spans them.
@@ -267,10 +284,14 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 			return nil // no data moved
 		}
 	}
-	if err := s.dev.MemcpyAsync(a.Y, h.Y, uint64(a.NumTokens)*rb, a.Stream); err != nil {
-		return err
+	err := s.dev.MemcpyAsync(a.Y, h.Y, uint64(a.NumTokens)*rb, a.Stream)
+	if err == nil {
+		err = s.uploaded(a.Stream)
 	}
-	return s.uploaded(a.Stream)
+	if err != nil {
+		s.dev.StreamSynchronize(a.Stream) // the copy may have been queued
+	}
+	return err
 }
 
 // release frees the pinned buffers and the event (after the latest upload).

@@ -17,12 +17,15 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/transport/ucx/ucxtest"
 )
 
-// hostDevice is a StagedDevice whose "device" memory is host memory: its
-// copies run at once, and it keeps count of what it moved and of the
-// pinned memory it holds, so that tests see the staged path's traffic.
+// hostDevice is a StagedDevice whose "device" memory is host memory. Its
+// copies wait in a queue until the stream is synchronized or an event is
+// recorded after them, so that a path that read a download before waiting
+// for it would read stale bytes. It keeps count of what it moved and of
+// the pinned memory it holds, so that tests see the staged path's traffic.
 type hostDevice struct {
 	mu        sync.Mutex
 	pinned    map[unsafe.Pointer][]byte
+	queued    []func()
 	copied    uint64 // bytes of every copy
 	capturing bool
 }
@@ -32,17 +35,30 @@ func newHostDevice() *hostDevice { return &hostDevice{pinned: map[unsafe.Pointer
 func (d *hostDevice) EnsureContext() error { return nil }
 func (d *hostDevice) MemcpyAsync(dst, src uintptr, n uint64, _ uintptr) error {
 	d.mu.Lock()
+	defer d.mu.Unlock()
 	d.copied += n
-	d.mu.Unlock()
-	copy(unsafe.Slice((*byte)(hostPtr(dst)), n), unsafe.Slice((*byte)(hostPtr(src)), n))
+	d.queued = append(d.queued, func() {
+		copy(unsafe.Slice((*byte)(hostPtr(dst)), n), unsafe.Slice((*byte)(hostPtr(src)), n))
+	})
 	return nil
 }
+
+// run carries out the queued copies, in order.
+func (d *hostDevice) run() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, f := range d.queued {
+		f()
+	}
+	d.queued = nil
+}
+
 func (d *hostDevice) MemsetD8Async(uintptr, byte, uint64, uintptr) error { return nil }
-func (d *hostDevice) StreamSynchronize(uintptr) error                    { return nil }
+func (d *hostDevice) StreamSynchronize(uintptr) error                    { d.run(); return nil }
 func (d *hostDevice) StreamCreate(uint32) (uintptr, error)               { return 1, nil }
 func (d *hostDevice) StreamDestroy(uintptr) error                        { return nil }
 func (d *hostDevice) EventCreate(uint32) (cuda.Event, error)             { return 1, nil }
-func (d *hostDevice) EventRecord(cuda.Event, uintptr) error              { return nil }
+func (d *hostDevice) EventRecord(cuda.Event, uintptr) error              { d.run(); return nil }
 func (d *hostDevice) StreamWaitEvent(uintptr, cuda.Event) error          { return nil }
 func (d *hostDevice) EventSynchronize(cuda.Event) error                  { return nil }
 func (d *hostDevice) EventDestroy(cuda.Event) error                      { return nil }
