@@ -36,7 +36,10 @@ type cpuEngine struct {
 	acc, tmp [][]float32 // [worker][H]: scratch of each worker of split
 	perExp   []int64     // [L+1]: rows per local expert, then the next row of each
 	moves    []rowMove   // expand's row copies
-	sent     []int32     // send's token of each slot
+	// fill, when set, writes this rank's partials for source s into dst
+	// instead of computing them (the staged path's kernels made them).
+	fill func(s int, dst []byte)
+	sent []int32 // send's token of each slot
 
 	eagerCalls int
 }
@@ -235,8 +238,11 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 		return 0, err
 	}
 	rows := c.countRows()
-	if a.Capturable {
+	if a.Capturable && !a.orderOnly {
 		return p.maxRecvRows, c.expand(a.Out)
+	}
+	if a.Capturable {
+		return p.maxRecvRows, nil
 	}
 	return rows, nil
 }
@@ -383,9 +389,27 @@ type rowMove struct{ src, dst int64 }
 
 // expand writes the received rows into out in expert-major order: by local
 // expert, then source, slot (token order) and k, with their metadata, and
-// notes each pair's row for combine. The order is settled first; the rows
-// are copied after, split among workers.
+// notes each pair's row for combine. The order is settled first (order);
+// the rows are copied after, split among workers.
 func (c *cpuEngine) expand(out Rows) error {
+	moves, err := c.order(out)
+	if err != nil {
+		return err
+	}
+	rb := c.p.rowBytes()
+	x, own := bytesAt(out.X, out.Rows*rb), c.recvX[c.p.rank]
+	split(len(moves), workers(len(moves), rb), func(_, lo, hi int) {
+		for _, m := range moves[lo:hi] {
+			copy(x[m.dst*rb:(m.dst+1)*rb], own[m.src:m.src+rb])
+		}
+	})
+	return nil
+}
+
+// order settles expand's order: out's metadata and counts (out.X is not
+// touched), each pair's row for combine, and the row copies it takes, in
+// pair order (valid until the next call).
+func (c *cpuEngine) order(out Rows) ([]rowMove, error) {
 	p := c.p
 	K, L, Tm, MW := p.topK, p.numLocal, p.maxTokens, 2*p.topK+1
 	rb := int64(p.rowBytes())
@@ -396,12 +420,11 @@ func (c *cpuEngine) expand(out Rows) error {
 		rows += n
 	}
 	if rows > out.Rows {
-		return fmt.Errorf("ExpertParallel: %d rows received, room for %d", rows, out.Rows)
+		return nil, fmt.Errorf("ExpertParallel: %d rows received, room for %d", rows, out.Rows)
 	}
-	x := bytesAt(out.X, out.Rows*rb)
 	info := int32sAt(out.Info, 4*out.Rows)
 	counts := int32sAt(out.Counts, int64(L+1))
-	own, meta := c.recvX[p.rank], c.meta[p.rank]
+	meta := c.meta[p.rank]
 	moves := c.moves[:0]
 	c.pairs(func(s, slot, k, lid int) {
 		i := (s*Tm+slot)*K + k
@@ -417,16 +440,11 @@ func (c *cpuEngine) expand(out Rows) error {
 		info[row], info[out.Rows+row], info[2*out.Rows+row], info[3*out.Rows+row] = int32(lid), int32(s), m[2*K], m[K+k]
 	})
 	c.moves = moves
-	split(len(moves), workers(len(moves), rb), func(_, lo, hi int) {
-		for _, m := range moves[lo:hi] {
-			copy(x[m.dst*rb:(m.dst+1)*rb], own[m.src:m.src+rb])
-		}
-	})
 	for e, n := range cnt {
 		counts[e] = int32(n)
 	}
 	counts[L] = int32(rows)
-	return nil
+	return moves, nil
 }
 
 func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
@@ -456,9 +474,9 @@ func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
 // into its outbox, then put there).
 func (c *cpuEngine) partials(out []byte) error {
 	p := c.p
-	W, K, Tm, MW := p.world, p.topK, p.maxTokens, 2*p.topK+1
-	rb, cb := int(p.rowBytes()), p.hidden*p.transit.Size()
-	meta, counts := c.meta[p.rank], c.counts[p.rank]
+	W, Tm := p.world, p.maxTokens
+	cb := p.hidden * p.transit.Size()
+	counts := c.counts[p.rank]
 	for o := 1; o <= W; o++ {
 		s := (p.rank + o) % W
 		var dst []byte
@@ -468,33 +486,47 @@ func (c *cpuEngine) partials(out []byte) error {
 			dst = c.net.boxOf(s)
 		}
 		n := int(counts[s])
-		split(n, workers(n, int64(K)*int64(rb)), func(wk, lo, hi int) {
-			acc, tmp := c.acc[wk], c.tmp[wk]
-			for slot := lo; slot < hi; slot++ {
-				clear(acc)
-				for k := range K {
-					row := int(c.combRows[(s*Tm+slot)*K+k])
-					if row < 0 {
-						continue
-					}
-					w := math.Float32frombits(uint32(meta[(s*Tm+slot)*MW+K+k]))
-					widen(tmp, out[row*rb:(row+1)*rb], p.dtype)
-					for i, v := range tmp {
-						acc[i] += float32(w * v) // the conversion rounds the product: no fused multiply-add
-					}
-				}
-				narrow(dst[slot*cb:(slot+1)*cb], acc, p.transit)
-			}
-		})
+		if c.fill != nil {
+			c.fill(s, dst[:n*cb])
+		} else {
+			c.partialsOf(s, n, out, dst)
+		}
 		if c.comb[s] == nil {
 			at := uint64(c.off.comb) + uint64(p.rank*Tm*cb)
-			if err := c.net.put(s, at, 0, uint64(int(counts[s])*cb), "combine partials"); err != nil {
+			if err := c.net.put(s, at, 0, uint64(n*cb), "combine partials"); err != nil {
 				return err
 			}
 			c.net.t.Progress()
 		}
 	}
 	return nil
+}
+
+// partialsOf computes this rank's partials of the n tokens source s sent
+// it from the expert rows out into dst, split among workers.
+func (c *cpuEngine) partialsOf(s, n int, out, dst []byte) {
+	p := c.p
+	K, Tm, MW := p.topK, p.maxTokens, 2*p.topK+1
+	rb, cb := int(p.rowBytes()), p.hidden*p.transit.Size()
+	meta := c.meta[p.rank]
+	split(n, workers(n, int64(K)*int64(rb)), func(wk, lo, hi int) {
+		acc, tmp := c.acc[wk], c.tmp[wk]
+		for slot := lo; slot < hi; slot++ {
+			clear(acc)
+			for k := range K {
+				row := int(c.combRows[(s*Tm+slot)*K+k])
+				if row < 0 {
+					continue
+				}
+				w := math.Float32frombits(uint32(meta[(s*Tm+slot)*MW+K+k]))
+				widen(tmp, out[row*rb:(row+1)*rb], p.dtype)
+				for i, v := range tmp {
+					acc[i] += float32(w * v) // the conversion rounds the product: no fused multiply-add
+				}
+			}
+			narrow(dst[slot*cb:(slot+1)*cb], acc, p.transit)
+		}
+	})
 }
 
 // reduce sums, for each of this rank's T tokens, the partials of the ranks

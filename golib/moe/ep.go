@@ -48,6 +48,9 @@ type DispatchArgs struct {
 	Capturable              bool
 	Stream                  uintptr // GPU: the caller's stream
 	Out                     Rows    // capturable: MaxRecvRows rows
+	// orderOnly: a capturable call of the host path stops once the rows'
+	// order is settled (the staged path's kernels lay them out).
+	orderOnly bool
 }
 
 // CombineArgs is one combine: ExpertOut [ExpertRows, H] of dtype in the

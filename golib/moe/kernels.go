@@ -10,6 +10,7 @@ import (
 const (
 	dispatchFile = "moe_dispatch.cu"
 	combineFile  = "moe_combine.cu"
+	stagedFile   = "moe_staged.cu"
 )
 
 // kernel names one of the MoE kernels.
@@ -72,3 +73,9 @@ func (k kernel) expr(dt, tr reduce.DType, world int) string {
 // needed says whether an EP of this world launches k (the self-local
 // reduce is for a world of 2 only).
 func (k kernel) needed(world int) bool { return k != kReduceSelf || world == 2 }
+
+// stagedExprs are the name expressions of the staged path's kernels
+// (moe_staged.cu) for element type dt and combine transit tr.
+func stagedExprs(dt, tr reduce.DType) (expand, partials string) {
+	return "moe_staged_expand", fmt.Sprintf("moe_staged_partials<%s, %s>", cTypes[dt], cTypes[tr])
+}

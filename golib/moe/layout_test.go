@@ -35,7 +35,7 @@ func source(t *testing.T, name string) string {
 // mirrors are the Go structs the kernels take, by their CUDA names.
 var mirrors = map[string]any{
 	"MoeSync": syncParams{}, "MoeDispatchParams": dispatchParams{}, "MoeExpandParams": expandParams{},
-	"MoeCombineParams": combineParams{}, "MoePostParams": postParams{},
+	"MoeCombineParams": combineParams{}, "MoePostParams": postParams{}, "MoeStagedParams": stagedParams{},
 }
 
 type field struct{ offset, size int }
@@ -97,7 +97,7 @@ func TestMirrorsMatchTheTables(t *testing.T) {
 		names = append(names, n)
 	}
 	sort.Strings(names)
-	if want := []string{"MoeCombineParams", "MoeDispatchParams", "MoeExpandParams", "MoePostParams", "MoeSync"}; !reflect.DeepEqual(names, want) {
+	if want := []string{"MoeCombineParams", "MoeDispatchParams", "MoeExpandParams", "MoePostParams", "MoeStagedParams", "MoeSync"}; !reflect.DeepEqual(names, want) {
 		t.Fatalf("tables of %v, want %v", names, want)
 	}
 	for name, tab := range tabs {
@@ -178,7 +178,7 @@ func TestLayoutsCompile(t *testing.T) {
 // each in the file kernel.file names.
 func TestKernelExpressionsAreInstantiated(t *testing.T) {
 	declared := map[string]string{}
-	for _, file := range []string{dispatchFile, combineFile} {
+	for _, file := range []string{dispatchFile, combineFile, stagedFile} {
 		for _, e := range kernels.Instantiations(source(t, file)) {
 			if _, dup := declared[e]; dup {
 				t.Errorf("%s declared twice", e)
@@ -196,6 +196,12 @@ func TestKernelExpressionsAreInstantiated(t *testing.T) {
 					}
 				}
 			}
+		}
+	}
+	for dt := range cTypes {
+		for _, tr := range []reduce.DType{reduce.Float32, dt} {
+			expand, partials := stagedExprs(dt, tr)
+			used[expand], used[partials] = stagedFile, stagedFile
 		}
 	}
 	if !reflect.DeepEqual(used, declared) {

@@ -122,8 +122,19 @@ type postParams struct {
 	Pad        int32            `c:"pad"`
 }
 
+// stagedParams mirrors MoeStagedParams.
+type stagedParams struct {
+	Src      uint64 `c:"src"`
+	Dst      uint64 `c:"dst"`
+	Index    uint64 `c:"index"`
+	Weights  uint64 `c:"weights"`
+	Items    int64  `c:"items"`
+	RowPacks int32  `c:"row_packs"`
+	TopK     int32  `c:"topk"`
+}
+
 // paramBytes is the bytes of a parameter struct, for a launch (the driver
 // copies them before the launch returns). The structs hold no Go pointers.
-func paramBytes[T dispatchParams | expandParams | combineParams | postParams](p *T) []byte {
+func paramBytes[T dispatchParams | expandParams | combineParams | postParams | stagedParams](p *T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(p)), unsafe.Sizeof(*p))
 }

@@ -19,10 +19,15 @@ import (
 // kernels' bit for bit.
 
 // StagedDevice is what the staged path needs of the GPU backend: copies,
-// streams, events and pinned memory, and whether a stream is capturing.
+// streams, events, pinned and device memory, whether a stream is
+// capturing, and its kernels (see GPU).
 type StagedDevice interface {
 	Runtime
 	StreamCaptureStatus(stream uintptr) (cuda.CaptureStatus, error)
+	MemAlloc(n uint64) (uintptr, error)
+	MemFree(p uintptr) error
+	KernelFunction(file, expr string) (cuda.Function, error)
+	LaunchFunction(fn cuda.Function, grid, block, sharedBytes uint32, stream uintptr, params []byte) error
 }
 
 // pinned is a pinned host buffer that grows on demand.
@@ -65,21 +70,28 @@ type stagedEngine struct {
 	host io.Closer // the host backend this EP made for itself
 	p    *plan
 	// in: a dispatch's x, then its ids and weights; a combine's y.
-	// rows: dispatched rows out, then a combine's expert rows in.
-	in, rows, info, counts pinned
-	done                   cuda.Event // recorded after the latest upload
-	uploading              bool       // done awaits a wait before the buffers are reused
-	lastRows               int64      // rows of the latest result laid out (what combine reads)
+	// rows: dispatched rows out, then a combine's expert rows in (with
+	// kernels: the received rows up, then the partials down).
+	// index: the kernels' row indices and weights.
+	in, rows, info, counts, index pinned
+	k                             *stagedKernels // nil: the host does the kernels' work
+	done                          cuda.Event     // recorded after the latest upload
+	uploading                     bool           // done awaits a wait before the buffers are reused
+	lastRows                      int64          // rows of the latest result laid out (what combine reads)
 }
 
 // reserveRows makes room for n dispatched rows and their metadata.
 func (s *stagedEngine) reserveRows(n int64) error {
-	n, most := max(n, 1), uint64(s.p.maxRecvRows)
-	rb := uint64(s.p.rowBytes())
-	if err := s.rows.reserve(s.dev, uint64(n)*rb, most*rb, "the dispatched rows"); err != nil {
+	rb, most := uint64(s.p.rowBytes()), uint64(s.p.maxRecvRows)
+	if err := s.rows.reserve(s.dev, uint64(max(n, 1))*rb, most*rb, "the dispatched rows"); err != nil {
 		return err
 	}
-	return s.info.reserve(s.dev, 16*uint64(n), 16*most, "the rows' metadata")
+	return s.reserveMeta(n)
+}
+
+// reserveMeta makes room for the metadata of n dispatched rows.
+func (s *stagedEngine) reserveMeta(n int64) error {
+	return s.info.reserve(s.dev, 16*uint64(max(n, 1)), 16*uint64(s.p.maxRecvRows), "the rows' metadata")
 }
 
 // inLayout is where a dispatch's x, ids and weights of T tokens sit in
@@ -102,7 +114,10 @@ func newStagedEngine(dev StagedDevice, host io.Closer, p *plan) (*stagedEngine, 
 		counts := 4 * uint64(p.numLocal+1)
 		err = s.counts.reserve(dev, counts, counts, "the row counts")
 	}
-	if err == nil && p.capturable {
+	if err == nil {
+		s.k, err = loadStagedKernels(dev, p)
+	}
+	if err == nil && p.capturable && s.k == nil {
 		// Capturable calls return every row position: room for all of them.
 		err = s.reserveRows(p.maxRecvRows)
 	}
@@ -184,7 +199,9 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	if err != nil {
 		return 0, err
 	}
-	if a.Capturable {
+	if a.Capturable && s.k != nil {
+		h.orderOnly = true // expandOnDevice lays the rows out
+	} else if a.Capturable {
 		if err := s.reserveRows(p.maxRecvRows); err != nil {
 			return 0, err
 		}
@@ -194,8 +211,11 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	if err != nil || !a.Capturable {
 		return rows, err
 	}
+	if s.k != nil {
+		return rows, s.expandOnDevice(cpu, a.Out, p.maxRecvRows, a.Stream)
+	}
 	s.lastRows = cpu.received()
-	return rows, s.upload(a.Out, p.maxRecvRows, a.Stream)
+	return rows, s.upload(a.Out, p.maxRecvRows, true, a.Stream)
 }
 
 // expand finishes an eager dispatch of out.Rows rows into out.
@@ -206,6 +226,9 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	if err := s.settle(); err != nil {
 		return err
 	}
+	if s.k != nil {
+		return s.expandOnDevice(cpu, out, out.Rows, stream)
+	}
 	if err := s.reserveRows(out.Rows); err != nil {
 		return err
 	}
@@ -214,18 +237,21 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	}
 	// Combine reads what expand laid out: set only once a result exists.
 	s.lastRows = cpu.received()
-	return s.upload(out, out.Rows, stream)
+	return s.upload(out, out.Rows, true, stream)
 }
 
-// upload copies the expanded rows (s.lastRows of them), their metadata
-// and the counts from the pinned buffers to out on stream. The pinned
-// metadata has the layout of held rows (as cpuEngine.expand wrote it).
-func (s *stagedEngine) upload(out Rows, held int64, stream uintptr) error {
+// upload copies the expanded rows (s.lastRows of them; unless the device
+// laid them out), their metadata and the counts from the pinned buffers to
+// out on stream. The pinned metadata has the layout of held rows (as
+// cpuEngine.order wrote it).
+func (s *stagedEngine) upload(out Rows, held int64, rows bool, stream uintptr) error {
 	p := s.p
 	n, rb := uint64(s.lastRows), uint64(p.rowBytes())
 	var err error
 	if n > 0 {
-		err = s.dev.MemcpyAsync(out.X, s.rows.addr(), n*rb, stream)
+		if rows {
+			err = s.dev.MemcpyAsync(out.X, s.rows.addr(), n*rb, stream)
+		}
 		for j := uint64(0); j < 4 && err == nil; j++ {
 			err = s.dev.MemcpyAsync(out.Info+uintptr(4*j*uint64(out.Rows)), s.info.addr()+uintptr(4*j*uint64(held)), 4*n, stream)
 		}
@@ -253,7 +279,25 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	}
 	rb := uint64(p.rowBytes())
 	h := *a
-	if a.ExpertOut != 0 {
+	if a.ExpertOut != 0 && s.k != nil {
+		bases, err := s.partialsOnDevice(cpu, a.ExpertOut, a.Stream)
+		if err != nil {
+			s.dev.StreamSynchronize(a.Stream)
+			return err
+		}
+		cb := int64(p.hidden * p.transit.Size())
+		parts := bytesAt(s.rows.addr(), int64(s.rows.cap))
+		counts := cpu.counts[p.rank]
+		cpu.fill = func(src int, dst []byte) {
+			n := int(counts[src])
+			from := bases[src] * cb
+			split(n, workers(n, cb), func(_, lo, hi int) {
+				copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
+			})
+		}
+		defer func() { cpu.fill = nil }()
+		h.ExpertOut, h.ExpertRows = 0, 0
+	} else if a.ExpertOut != 0 {
 		// Only rows the latest dispatch filled are read (a capturable
 		// call's tail is the caller's).
 		n := uint64(min(a.ExpertRows, s.lastRows))
@@ -304,8 +348,11 @@ func (s *stagedEngine) release() {
 		s.dev.EventDestroy(s.done)
 		s.done = 0
 	}
-	for _, b := range []*pinned{&s.in, &s.rows, &s.info, &s.counts} {
+	for _, b := range []*pinned{&s.in, &s.rows, &s.info, &s.counts, &s.index} {
 		b.free(s.dev)
+	}
+	if s.k != nil {
+		s.k.free(s.dev)
 	}
 }
 

@@ -26,7 +26,9 @@ type hostDevice struct {
 	mu        sync.Mutex
 	pinned    map[unsafe.Pointer][]byte
 	queued    []func()
-	copied    uint64 // bytes of every copy
+	kernels   []string // by handle - 1
+	launched  []string // every launch's kernel
+	copied    uint64   // bytes of every copy
 	capturing bool
 }
 
@@ -69,6 +71,75 @@ func (d *hostDevice) StreamCaptureStatus(uintptr) (cuda.CaptureStatus, error) {
 	return cuda.CaptureNone, nil
 }
 
+func (d *hostDevice) MemAlloc(n uint64) (uintptr, error) {
+	p, err := d.MemHostAlloc(n, 0)
+	return uintptr(p), err
+}
+
+func (d *hostDevice) MemFree(p uintptr) error { return d.MemFreeHost(hostPtr(p)) }
+
+// KernelFunction hands out moe_staged.cu's kernels, which LaunchFunction
+// runs on the host (in stream order, like the copies).
+func (d *hostDevice) KernelFunction(file, expr string) (cuda.Function, error) {
+	if file != stagedFile {
+		return 0, fmt.Errorf("no kernels of %s here", file)
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.kernels = append(d.kernels, expr)
+	return cuda.Function(len(d.kernels)), nil
+}
+
+func (d *hostDevice) LaunchFunction(fn cuda.Function, _, _, _ uint32, _ uintptr, params []byte) error {
+	var sp stagedParams
+	copy(unsafe.Slice((*byte)(unsafe.Pointer(&sp)), unsafe.Sizeof(sp)), params)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	expr := d.kernels[fn-1]
+	d.launched = append(d.launched, expr)
+	d.queued = append(d.queued, func() { runStagedKernel(expr, sp) })
+	return nil
+}
+
+// runStagedKernel does on the host what moe_staged.cu's kernel expr does.
+func runStagedKernel(expr string, sp stagedParams) {
+	rb := int64(sp.RowPacks) * 16
+	index := unsafe.Slice((*int32)(hostPtr(uintptr(sp.Index))), max(sp.Items*int64(max(sp.TopK, 1)), 1))
+	if expr == "moe_staged_expand" {
+		for r := range sp.Items {
+			copy(unsafe.Slice((*byte)(hostPtr(uintptr(sp.Dst+uint64(r*rb)))), rb),
+				unsafe.Slice((*byte)(hostPtr(uintptr(sp.Src+uint64(int64(index[r])*rb)))), rb))
+		}
+		return
+	}
+	var dt, tr reduce.DType
+	for d := range cTypes {
+		for _, t := range []reduce.DType{reduce.Float32, d} {
+			if _, e := stagedExprs(d, t); e == expr {
+				dt, tr = d, t
+			}
+		}
+	}
+	K, H := int64(sp.TopK), rb/int64(dt.Size())
+	weights := unsafe.Slice((*float32)(hostPtr(uintptr(sp.Weights))), sp.Items*K)
+	acc, tmp := make([]float32, H), make([]float32, H)
+	cb := H * int64(tr.Size())
+	for i := range sp.Items {
+		clear(acc)
+		for k := range K {
+			row := int64(index[i*K+k])
+			if row < 0 {
+				continue
+			}
+			widen(tmp, unsafe.Slice((*byte)(hostPtr(uintptr(sp.Src+uint64(row*rb)))), rb), dt)
+			for e, v := range tmp {
+				acc[e] += float32(weights[i*K+k] * v)
+			}
+		}
+		narrow(unsafe.Slice((*byte)(hostPtr(uintptr(sp.Dst+uint64(i*cb)))), cb), acc, tr)
+	}
+}
+
 func (d *hostDevice) MemHostAlloc(n uint64, _ uint32) (unsafe.Pointer, error) {
 	b, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
@@ -109,23 +180,32 @@ func onStagedNodes(localSize int, devs *[]*hostDevice) runner {
 
 // GPU tensors across nodes go through pinned host memory and give the
 // host path's bits: 2 nodes of 1 and of 2, eager and capturable, both
-// transits; every pinned byte is given back when the EPs close.
+// transits; the kernels lay out the rows and make the partials where they
+// take the configuration (not float64), the host otherwise; every pinned
+// and device byte is given back when the EPs close.
 func TestStagedAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 	ucxtest.Need(t)
 	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
 		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) {
 			W := l.world
-			var devs []*hostDevice
-			checkRounds(t, onStagedNodes(l.local, &devs), []roundsCase{
+			for _, c := range []roundsCase{
 				{W, 2 * W, 3, 24, 9, reduce.BFloat16, reduce.BFloat16, 0.2},
 				{W, 2 * W, 8, 16, 6, reduce.Float32, reduce.Float32, 0.1},
-			})
-			for r, d := range devs {
-				if d.copied == 0 {
-					t.Errorf("rank %d: nothing went between device and host", r)
-				}
-				if len(d.pinned) != 0 {
-					t.Errorf("rank %d: %d pinned buffers left after close", r, len(d.pinned))
+				{W, 2 * W, 4, 1024, 40, reduce.BFloat16, reduce.Float32, 0.1}, // split among workers
+				{W, 2 * W, 3, 8, 5, reduce.Float64, reduce.Float32, 0.1},
+			} {
+				var devs []*hostDevice
+				checkRounds(t, onStagedNodes(l.local, &devs), []roundsCase{c})
+				for r, d := range devs {
+					if d.copied == 0 {
+						t.Errorf("%s: rank %d: nothing went between device and host", c.dt, r)
+					}
+					if kernels := len(d.launched) > 0; kernels != (c.dt != reduce.Float64) {
+						t.Errorf("%s: rank %d launched %v", c.dt, r, d.launched)
+					}
+					if len(d.pinned) != 0 {
+						t.Errorf("%s: rank %d: %d pinned or device buffers left after close", c.dt, r, len(d.pinned))
+					}
 				}
 			}
 		})

@@ -76,30 +76,6 @@ template <typename T, typename C> struct Transit {
   static constexpr int kIn = PackOf<T>::kElems / PackOf<C>::kElems;  // C packs per T pack
 };
 
-// store_partial rounds the float32 sums acc of one pack of T to C (exact
-// for float) and stores them at pack c of the partial row dst.
-template <typename T, typename C>
-DINLINE void store_partial(C* dst, i64 c, const float (&acc)[PackOf<T>::kElems]) {
-  constexpr int P = PackOf<T>::kElems, PC = PackOf<C>::kElems;
-#pragma unroll
-  for (int q = 0; q < P / PC; ++q) {
-    float part[PC];
-#pragma unroll
-    for (int e = 0; e < PC; ++e) part[e] = acc[q * PC + e];
-    st_v16(dst + c * P + q * PC, narrow<C>(part));
-  }
-}
-
-// add_weighted: acc += weight * in, elementwise, each product and sum
-// rounded to float32 (no FMA: the same bits as torch's mul, then add).
-template <typename T>
-DINLINE void add_weighted(float (&acc)[PackOf<T>::kElems], float weight, V16 raw) {
-  float in[PackOf<T>::kElems];
-  widen<T>(raw, in);
-#pragma unroll
-  for (int e = 0; e < PackOf<T>::kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(weight, in[e]));
-}
-
 // ItemRows is one combine item's valid pairs, one per lane (lane = k):
 // row is its expert_out row (-1: none), weight its topk weight. `valid`
 // has bit k set for each valid pair, identical on every lane.

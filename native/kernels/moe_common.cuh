@@ -1,5 +1,5 @@
 // moe_common.cuh: what the mixture-of-experts kernels (moe_dispatch.cu,
-// moe_combine.cu) share: limits, the buffers, the parameter layouts that
+// moe_combine.cu, moe_staged.cu) share: limits, the buffers, the parameter layouts that
 // golib/moe fills, the in-kernel barriers and a few work-splitting helpers.
 // Each layer uses only what is above it.
 //
@@ -321,7 +321,55 @@ struct MoePostParams {
 static_assert(sizeof(MoePostParams) == 104, "MoePostParams size");
 static_assert(sizeof(MoePostParams::peer_status) + sizeof(void*) + 8 * sizeof(int) == 104, "MoePostParams fields");
 
+// MoeStagedParams: moe_staged_expand and moe_staged_partials (moe_staged.cu),
+// an ep of GPU tensors whose ranks span nodes.
+//   offset size field
+//   0      8    src        expand: the received rows, packed; partials: expert_out [R, H] of T
+//   8      8    dst        expand: out_x [R, H] of T; partials: [items, H] of C
+//   16     8    index      expand: [R] i32, the packed row of each output row;
+//                          partials: [items, K] i32, expert_out row of each pair (-1: none)
+//   24     8    weights    partials: [items, K] f32, each pair's weight
+//   32     8    items      expand: R; partials: items
+//   40     4    row_packs  16-byte packs of one row of T
+//   44     4    topk       K
+//   total  48
+struct MoeStagedParams {
+  const char* src;
+  char* dst;
+  const int* index;
+  const float* weights;
+  i64 items;
+  int row_packs;
+  int topk;
+};
+static_assert(sizeof(MoeStagedParams) == 48, "MoeStagedParams size");
+
 // ---------------------------------------------------------------- helpers
+
+// store_partial rounds the float32 sums acc of one pack of T to C (exact
+// for float) and stores them at pack c of the partial row dst.
+template <typename T, typename C>
+DINLINE void store_partial(C* dst, i64 c, const float (&acc)[PackOf<T>::kElems]) {
+  constexpr int P = PackOf<T>::kElems, PC = PackOf<C>::kElems;
+#pragma unroll
+  for (int q = 0; q < P / PC; ++q) {
+    float part[PC];
+#pragma unroll
+    for (int e = 0; e < PC; ++e) part[e] = acc[q * PC + e];
+    st_v16(dst + c * P + q * PC, narrow<C>(part));
+  }
+}
+
+// add_weighted: acc += weight * in, elementwise, each product and sum
+// rounded to float32 (no FMA: the same bits as torch's mul, then add).
+template <typename T>
+DINLINE void add_weighted(float (&acc)[PackOf<T>::kElems], float weight, V16 raw) {
+  float in[PackOf<T>::kElems];
+  widen<T>(raw, in);
+#pragma unroll
+  for (int e = 0; e < PackOf<T>::kElems; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(weight, in[e]));
+}
+
 
 DINLINE u32 lanemask_lt() {
   u32 m;

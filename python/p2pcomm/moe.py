@@ -221,8 +221,9 @@ class ExpertParallel:
         """True when dispatch and combine run the GPU kernels of native/kernels/moe_*.cu: every GPU
         ep of one node (a configuration they cannot take, such as float64 or rows of a size that is not a
         multiple of 16 bytes, raises UnsupportedError there); False on the CPU, and on GPUs across nodes,
-        where each call's tensors go through pinned host memory and the CPU path's protocol (the same
-        bits), and cannot be captured in a CUDA graph."""
+        where rows travel through pinned host memory with the CPU path's protocol (the GPU lays them
+        out and computes the partials, with the same bits), and calls cannot be captured in a CUDA
+        graph."""
         return self._kernels
 
     def __repr__(self) -> str:

@@ -1,0 +1,46 @@
+// moe_staged.cu: the device half of golib/moe's staged path, an ep of GPU
+// tensors whose ranks span nodes. The host moves rows between ranks and
+// decides their order; these kernels do the work that would otherwise take
+// the rows through the host twice: moe_staged_expand lays the received rows
+// out in expert-major order, moe_staged_partials computes each received
+// token's weighted partial from the expert outputs, with the host path's
+// bits (float32 from +0, k ascending, each product and sum rounded, the
+// partial rounded once to C). One block per row or item, any grid.
+#include "moe_common.cuh"
+
+// p2pcomm:instantiate moe_staged_expand
+// p2pcomm:instantiate moe_staged_partials<bf16, float>
+// p2pcomm:instantiate moe_staged_partials<bf16, bf16>
+// p2pcomm:instantiate moe_staged_partials<half16, float>
+// p2pcomm:instantiate moe_staged_partials<half16, half16>
+// p2pcomm:instantiate moe_staged_partials<float, float>
+
+__global__ void __launch_bounds__(kThreads, 1) moe_staged_expand(const MoeStagedParams p) {
+  const i64 rb = (i64)p.row_packs * kPackBytes;
+  for (i64 r = blockIdx.x; r < p.items; r += gridDim.x) {
+    const char* src = p.src + (i64)p.index[r] * rb;
+    char* dst = p.dst + r * rb;
+    for (int c = threadIdx.x; c < p.row_packs; c += blockDim.x) st_v16(dst + (i64)c * kPackBytes, ld_v16(src + (i64)c * kPackBytes));
+  }
+}
+
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads, 1) moe_staged_partials(const MoeStagedParams p) {
+  constexpr int P = PackOf<T>::kElems;
+  const int K = p.topk;
+  for (i64 i = blockIdx.x; i < p.items; i += gridDim.x) {
+    const int* rows = p.index + i * K;
+    const float* w = p.weights + i * K;
+    C* dst = reinterpret_cast<C*>(p.dst) + i * p.row_packs * P;
+    for (int c = threadIdx.x; c < p.row_packs; c += blockDim.x) {
+      float acc[P];
+#pragma unroll
+      for (int e = 0; e < P; ++e) acc[e] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        const int row = rows[k];
+        if (row >= 0) add_weighted<T>(acc, w[k], ld_v16(p.src + ((i64)row * p.row_packs + c) * kPackBytes));
+      }
+      store_partial<T, C>(dst, c, acc);
+    }
+  }
+}
