@@ -98,9 +98,17 @@ def test_failed_rank_of_the_other_node_is_named_by_every_survivor(how):
 GPU_SCRIPT = """
     import os, signal, time, torch, p2pcomm
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    x = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
+    # Kernels compile at their first use; on a cold cache one rank may finish seconds after the other, longer
+    # than the short timeout below: a first communicator under a long one compiles them (the disk cache keeps
+    # them).
+    short, os.environ["P2PCOMM_TIMEOUT_MS"] = os.environ["P2PCOMM_TIMEOUT_MS"], "300000"
+    warm = p2pcomm.Communicator(device="cuda", bootstrap="tcp")
+    warm.all_reduce(x)
+    warm.close()
+    os.environ["P2PCOMM_TIMEOUT_MS"] = short
     comm = p2pcomm.Communicator(device="cuda", bootstrap="tcp")
     assert comm.nodes == [[0], [1]], comm.nodes
-    x = torch.arange(1 << 16, dtype=torch.float32, device="cuda")
     assert torch.equal(comm.all_reduce(x), 2 * x)
     comm.barrier()
     if comm.rank == {victim}:
@@ -152,9 +160,16 @@ MOE_SCRIPT = """
     device = "@DEVICE@"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-    comm = p2pcomm.Communicator(device=device, bootstrap="tcp")
-    W, r = comm.world_size, comm.rank
+    W = int(os.environ["WORLD_SIZE"])
     E, K, H, Tm = 2 * W, 2, 64, 16
+    # As in the all-reduce's script: the kernels compile under a long timeout first.
+    short, os.environ["P2PCOMM_TIMEOUT_MS"] = os.environ["P2PCOMM_TIMEOUT_MS"], "300000"
+    warm = p2pcomm.Communicator(device=device, bootstrap="tcp")
+    p2pcomm.ExpertParallel(warm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K).close()
+    warm.close()
+    os.environ["P2PCOMM_TIMEOUT_MS"] = short
+    comm = p2pcomm.Communicator(device=device, bootstrap="tcp")
+    r = comm.rank
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
     g = torch.Generator().manual_seed(r)
     x = torch.randn(Tm, H, generator=g).bfloat16().to(device)
