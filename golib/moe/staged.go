@@ -131,6 +131,10 @@ func newStagedEngine(dev StagedDevice, host io.Closer, p *plan) (*stagedEngine, 
 	return s, nil
 }
 
+// kernelsFor says whether the kernels may read or write the rows at addr
+// (device rows are read and written 16 bytes at a time).
+func (s *stagedEngine) kernelsFor(addr uintptr) bool { return s.k != nil && addr%16 == 0 }
+
 // settle waits until the latest upload has left the pinned buffers.
 func (s *stagedEngine) settle() error {
 	if !s.uploading {
@@ -199,7 +203,7 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	if err != nil {
 		return 0, err
 	}
-	if a.Capturable && s.k != nil {
+	if a.Capturable && s.kernelsFor(a.Out.X) {
 		h.orderOnly = true // expandOnDevice lays the rows out
 	} else if a.Capturable {
 		if err := s.reserveRows(p.maxRecvRows); err != nil {
@@ -211,7 +215,7 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	if err != nil || !a.Capturable {
 		return rows, err
 	}
-	if s.k != nil {
+	if h.orderOnly {
 		return rows, s.expandOnDevice(cpu, a.Out, p.maxRecvRows, a.Stream)
 	}
 	s.lastRows = cpu.received()
@@ -226,7 +230,7 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	if err := s.settle(); err != nil {
 		return err
 	}
-	if s.k != nil {
+	if s.kernelsFor(out.X) {
 		return s.expandOnDevice(cpu, out, out.Rows, stream)
 	}
 	if err := s.reserveRows(out.Rows); err != nil {
@@ -279,8 +283,8 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	}
 	rb := uint64(p.rowBytes())
 	h := *a
-	if a.ExpertOut != 0 && s.k != nil {
-		bases, err := s.partialsOnDevice(cpu, a.ExpertOut, a.Stream)
+	if a.ExpertOut != 0 && s.kernelsFor(a.ExpertOut) {
+		bases, err := s.partialsOnDevice(cpu, a.ExpertOut, a.ExpertRows, a.Stream)
 		if err != nil {
 			s.dev.StreamSynchronize(a.Stream)
 			return err

@@ -186,11 +186,13 @@ func (s *stagedEngine) expandOnDevice(cpu *cpuEngine, out Rows, held int64, stre
 	return s.upload(out, held, false, stream)
 }
 
-// partialsOnDevice computes, from the expert rows at expertOut (device),
-// this rank's partial for every token it received, packed in source
-// order, and downloads them into s.rows; it returns where each source's
-// begin (in partials). The caller synchronizes the stream before reading.
-func (s *stagedEngine) partialsOnDevice(cpu *cpuEngine, expertOut uintptr, stream uintptr) ([]int64, error) {
+// partialsOnDevice computes, from the expertRows rows at expertOut
+// (device), this rank's partial for every token it received, packed in
+// source order, and downloads them into s.rows; it returns where each
+// source's begin (in partials). A pair whose row lies past expertRows
+// counts as none, as in the single-node kernels. The caller synchronizes
+// the stream before reading.
+func (s *stagedEngine) partialsOnDevice(cpu *cpuEngine, expertOut uintptr, expertRows int64, stream uintptr) ([]int64, error) {
 	p, k := s.p, s.k
 	K, Tm, MW := p.topK, p.maxTokens, 2*p.topK+1
 	counts, meta := cpu.counts[p.rank], cpu.meta[p.rank]
@@ -206,7 +208,12 @@ func (s *stagedEngine) partialsOnDevice(cpu *cpuEngine, expertOut uintptr, strea
 		for slot := range int(c) {
 			i := (bases[src] + int64(slot)) * int64(K)
 			at := (src*Tm + slot) * K
-			copy(rows[i:i+int64(K)], cpu.combRows[at:at+K])
+			for k, row := range cpu.combRows[at : at+K] {
+				if int64(row) >= expertRows {
+					row = -1
+				}
+				rows[i+int64(k)] = row
+			}
 			copy(rows[int64(pairs)+i:int64(pairs)+i+int64(K)], meta[(src*Tm+slot)*MW+K:(src*Tm+slot)*MW+2*K])
 		}
 	}

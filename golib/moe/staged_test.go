@@ -246,3 +246,55 @@ func TestStagedRefusesCapture(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Rows the kernels cannot address 16 bytes at a time (a tensor view at an
+// odd offset) take the host's layout and partials instead, with the same
+// results: no staged kernel runs for them.
+func TestStagedMisalignedRowsTakeTheHostPath(t *testing.T) {
+	ucxtest.Need(t)
+	const W, E, K, H, Tm = 2, 4, 2, 16, 6
+	dt := reduce.BFloat16
+	cfg := func(int) Config {
+		return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: reduce.Float32}
+	}
+	all := make([]tokens, W)
+	for q := range W {
+		all[q] = makeTokens(rand.New(rand.NewSource(int64(7+q))), Tm, H, E, K, dt, 0)
+	}
+	rb := H * dt.Size()
+	var devs []*hostDevice
+	errs := onStagedNodes(1, &devs)(t, W, cfg, func(r int, ep *EP) error {
+		a := &DispatchArgs{X: addr(all[r].x), TopkIdx: addr(all[r].idx), TopkWeights: addr(all[r].w), NumTokens: Tm, IdxBytes: 8}
+		rows, err := ep.Dispatch(a)
+		if err != nil {
+			return err
+		}
+		// Room for the rows at an offset of 8 bytes: not 16-byte aligned.
+		x := make([]byte, rows*int64(rb)+8)
+		res := result{x: x[8:], info: make([]int32, 4*rows), counts: make([]int32, E/W+1), rows: rows}
+		launched := len(devs[r].launched)
+		if err := ep.Expand(Rows{X: addr(res.x), Info: addr(res.info), Counts: addr(res.counts), Rows: rows}, 0); err != nil {
+			return err
+		}
+		if err := checkDispatch(res, all, r, W, E, K, H, dt); err != nil {
+			return err
+		}
+		out := expertOut(res, H, dt)
+		shifted := make([]byte, len(out)+8)
+		copy(shifted[8:], out)
+		y := make([]byte, Tm*rb)
+		if err := ep.Combine(&CombineArgs{ExpertOut: addr(shifted) + 8, ExpertRows: rows, Y: addr(y), NumTokens: Tm}); err != nil {
+			return err
+		}
+		if want := emulate(all[r], r, W, E, K, H, dt, reduce.Float32); string(y) != string(want) {
+			return fmt.Errorf("rank %d: combine of misaligned rows differs from the emulation", r)
+		}
+		if got := devs[r].launched[launched:]; len(got) != 0 {
+			return fmt.Errorf("rank %d: kernels ran on misaligned rows: %v", r, got)
+		}
+		return nil
+	})
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+}
