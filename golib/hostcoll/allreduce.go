@@ -2,11 +2,8 @@ package hostcoll
 
 import (
 	"fmt"
-	"runtime"
 	"time"
 	"unsafe"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
@@ -304,27 +301,8 @@ func (c *Comm) waitPeers(off int, seq uint64, phase string) error {
 		}
 		v := c.ctl[r]
 		for i := 0; v.load(off) < seq; i++ {
-			// Raw system calls: the thread belongs to the caller (Python),
-			// and Go's scheduler must not hand it off mid-wait, which costs
-			// milliseconds.
-			switch {
-			case i < 512:
-				continue
-			case i < 4096:
-				if c.opts.Cooperative {
-					runtime.Gosched()
-				} else {
-					unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
-				}
-				continue
-			}
-			if c.opts.Cooperative {
-				time.Sleep(20 * time.Microsecond)
-			} else {
-				nap := unix.Timespec{Nsec: 20_000}
-				unix.RawSyscall(unix.SYS_NANOSLEEP, uintptr(unsafe.Pointer(&nap)), 0, 0)
-			}
-			if i%64 != 0 {
+			c.backoff(i)
+			if i%64 != 63 {
 				continue
 			}
 			if pid := int(v.load(offPid)); pid != 0 && !shm.Alive(pid) {

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
+	"runtime"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -61,6 +62,7 @@ type Comm struct {
 	broken  error
 	scratch []byte
 	topo    *topo.Topology
+	crowded bool     // more ranks on this host than cores: waits nap almost at once (wait.go)
 	net     *network // the inter-node phase's UCX side, from the first all-reduce across nodes
 	// registered: ranges passed to Register, by address (their sizes), so
 	// that channels can tell a registered range from any other.
@@ -96,6 +98,7 @@ func New(bs bootstrap.Bootstrap, opts Options) (*Comm, error) {
 	if c.topo == nil {
 		c.topo = topo.Single(c.rank, c.size)
 	}
+	c.crowded = c.topo.HostRanks > runtime.NumCPU()
 	// Rank 0 picks a per-communicator id so two communicators of one job
 	// never share names.
 	var id [8]byte

@@ -14,12 +14,27 @@ import (
 // Waits of an all-reduce across nodes: every one progresses UCX, hears of
 // failures elsewhere, and is bounded by P2PCOMM_TIMEOUT_MS.
 
+// Polls of a wait that spin, then yield, before the wait naps. On a host
+// with more ranks than cores a wait naps almost at once: a poll that keeps
+// its core keeps the awaited rank off it for a scheduler slice
+// (docs/BENCHMARKS.md).
+const (
+	spinPolls, yieldPolls               = 512, 4096
+	crowdedSpinPolls, crowdedYieldPolls = 8, 8
+)
+
 // backoff paces the i-th poll of a wait: spin, then yield, then sleep, so
-// that more ranks than cores still make progress.
+// that more ranks than cores still make progress. Raw system calls: the
+// thread belongs to the caller (Python), and Go's scheduler must not hand
+// it off mid-wait, which costs milliseconds.
 func (c *Comm) backoff(i int) {
+	spin, yield := spinPolls, yieldPolls
+	if c.crowded {
+		spin, yield = crowdedSpinPolls, crowdedYieldPolls
+	}
 	switch {
-	case i < 512:
-	case i < 4096:
+	case i < spin:
+	case i < yield:
 		if c.opts.Cooperative {
 			runtime.Gosched()
 		} else {

@@ -25,11 +25,13 @@ type Topology struct {
 	// SharedHosts: some nodes share a host (LocalSizeEnv split it), so
 	// anything between nodes must avoid what works only within a host.
 	SharedHosts bool
+	// HostRanks is how many ranks run on this rank's host, in any node.
+	HostRanks int
 }
 
 // Single returns the topology of size ranks that all share one node.
 func Single(rank, size int) *Topology {
-	t := &Topology{Rank: rank, NodeOf: make([]int, size), Nodes: [][]int{make([]int, size)}}
+	t := &Topology{Rank: rank, NodeOf: make([]int, size), Nodes: [][]int{make([]int, size)}, HostRanks: size}
 	for r := range size {
 		t.Nodes[0][r] = r
 	}
@@ -140,6 +142,11 @@ func Build(rank int, keys [][]byte, localSize int) (*Topology, error) {
 		return nil, status.Errorf(status.InvalidArgument, "rank %d out of range [0, %d)", rank, size)
 	}
 	t := &Topology{Rank: rank, NodeOf: make([]int, size)}
+	for _, k := range keys {
+		if bytes.Equal(k, keys[rank]) {
+			t.HostRanks++
+		}
+	}
 	if localSize < 0 {
 		return nil, status.Errorf(status.InvalidArgument, "%s=%d: want a positive integer", LocalSizeEnv, localSize)
 	}

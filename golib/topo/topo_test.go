@@ -61,6 +61,15 @@ func TestBuild(t *testing.T) {
 				if top.SharedHosts != c.shared {
 					t.Errorf("rank %d: SharedHosts = %v, want %v", rank, top.SharedHosts, c.shared)
 				}
+				onHost := 0
+				for _, h := range c.hosts {
+					if h == c.hosts[rank] {
+						onHost++
+					}
+				}
+				if top.HostRanks != onHost {
+					t.Errorf("rank %d: HostRanks = %d, want %d", rank, top.HostRanks, onHost)
+				}
 				if c.str != "" && top.String() != c.str {
 					t.Errorf("String() = %q, want %q", top.String(), c.str)
 				}
