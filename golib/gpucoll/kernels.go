@@ -167,6 +167,17 @@ func (k *kernelCache) load(res cuda.CompileResult, expr string) (cuda.Function, 
 	return fn, nil
 }
 
+// request is the build of file for this cache's arch and options, with
+// every instantiation the file declares (Precompile makes the same).
+func (k *kernelCache) request(file string) (cuda.CompileRequest, error) {
+	src, err := kernels.Source(file)
+	if err != nil {
+		return cuda.CompileRequest{}, err
+	}
+	return cuda.CompileRequest{Name: file, Source: src, Headers: kernels.Headers(), Arch: k.arch,
+		Options: compileOptions(k.extra), NameExpressions: kernels.Instantiations(src)}, nil
+}
+
 // loadFile compiles file (through the disk cache) and loads it, returning
 // its kernels by name expression and the module.
 func (k *kernelCache) loadFile(file string, opts []string) (map[string]cuda.Function, cuda.Module, error) {
@@ -174,14 +185,12 @@ func (k *kernelCache) loadFile(file string, opts []string) (map[string]cuda.Func
 	if err != nil {
 		return nil, 0, fmt.Errorf("GPU kernels need NVRTC: %w", err)
 	}
-	src, err := kernels.Source(file)
+	req, err := k.request(file)
 	if err != nil {
 		return nil, 0, err
 	}
-	res, err := nv.CompileCached(cuda.CompileRequest{
-		Name: file, Source: src, Headers: kernels.Headers(), Arch: k.arch,
-		Options: opts, NameExpressions: kernels.Instantiations(src),
-	})
+	req.Options = opts
+	res, err := nv.CompileCached(req)
 	if err != nil {
 		return nil, 0, fmt.Errorf("compile %s for sm_%d: %w", file, k.arch, err)
 	}
@@ -233,7 +242,7 @@ func (k *kernelCache) named(file, expr string) (cuda.Function, error) {
 	if fn, ok := k.byName[key]; ok {
 		return fn, nil
 	}
-	opts := append([]string{"-std=c++17", "-default-device"}, k.extra...)
+	opts := compileOptions(k.extra)
 	lk, primary := k.primaryKey(file, opts)
 	var fns map[string]cuda.Function
 	if primary {
