@@ -367,13 +367,19 @@ func checkRounds(t *testing.T, run runner, cases []roundsCase) {
 // moves, and the latest result still combines.
 func TestCPURejectedCallsMoveNothing(t *testing.T) { checkRejected(t, ranks) }
 
+// sameConfig is the configuration every rank passes: E experts, rows of H
+// elements of dt, Tm tokens at most, K experts a token, float32 partials.
+func sameConfig(E, H, Tm, K int, dt reduce.DType) func(int) Config {
+	return func(int) Config {
+		return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: reduce.Float32}
+	}
+}
+
 // checkRejected is TestCPURejectedCallsMoveNothing on run's ranks (3).
 func checkRejected(t *testing.T, run runner) {
 	const W, E, K, H, Tm = 3, 6, 2, 8, 4
 	dt := reduce.BFloat16
-	cfg := func(int) Config {
-		return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: reduce.Float32}
-	}
+	cfg := sameConfig(E, H, Tm, K, dt)
 	first := make([]tokens, W)
 	for q := range W {
 		first[q] = makeTokens(rand.New(rand.NewSource(int64(q))), Tm, H, E, K, dt, 0.1)

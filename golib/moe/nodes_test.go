@@ -59,9 +59,7 @@ func TestCPUAbsentRankAcrossNodesIsNamed(t *testing.T) {
 	const W, E, K, H, Tm = 4, 4, 2, 8, 4
 	for _, absent := range []int{1, 2} {
 		t.Run(fmt.Sprintf("rank%d", absent), func(t *testing.T) {
-			cfg := func(int) Config {
-				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: reduce.Float32, CombineDType: reduce.Float32}
-			}
+			cfg := sameConfig(E, H, Tm, K, reduce.Float32)
 			timeout := 400 * time.Millisecond
 			begin := time.Now()
 			// Survivors keep their eps open until every survivor has its error:

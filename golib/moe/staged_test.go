@@ -225,9 +225,7 @@ func TestStagedRejectedCallsMoveNothing(t *testing.T) {
 func TestStagedRefusesCapture(t *testing.T) {
 	ucxtest.Need(t)
 	const W, E, K, H, Tm = 2, 4, 2, 8, 4
-	cfg := func(int) Config {
-		return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: reduce.Float32, CombineDType: reduce.Float32}
-	}
+	cfg := sameConfig(E, H, Tm, K, reduce.Float32)
 	var devs []*hostDevice
 	errs := onStagedNodes(1, &devs)(t, W, cfg, func(r int, ep *EP) error {
 		tk := makeTokens(rand.New(rand.NewSource(int64(r))), Tm, H, E, K, reduce.Float32, 0)
@@ -254,9 +252,7 @@ func TestStagedMisalignedRowsTakeTheHostPath(t *testing.T) {
 	ucxtest.Need(t)
 	const W, E, K, H, Tm = 2, 4, 2, 16, 6
 	dt := reduce.BFloat16
-	cfg := func(int) Config {
-		return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: reduce.Float32}
-	}
+	cfg := sameConfig(E, H, Tm, K, dt)
 	all := make([]tokens, W)
 	for q := range W {
 		all[q] = makeTokens(rand.New(rand.NewSource(int64(7+q))), Tm, H, E, K, dt, 0)
