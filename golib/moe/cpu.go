@@ -36,10 +36,7 @@ type cpuEngine struct {
 	acc, tmp [][]float32 // [worker][H]: scratch of each worker of split
 	perExp   []int64     // [L+1]: rows per local expert, then the next row of each
 	moves    []rowMove   // expand's row copies
-	// fill, when set, writes this rank's partials for source s into dst
-	// instead of computing them (the staged path's kernels made them).
-	fill func(s int, dst []byte)
-	sent []int32 // send's token of each slot
+	sent     []int32     // send's token of each slot
 
 	eagerCalls int
 }
@@ -448,6 +445,13 @@ func (c *cpuEngine) order(out Rows) ([]rowMove, error) {
 }
 
 func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
+	return c.combineWith(a, checks, nil)
+}
+
+// combineWith is combine, with fill (when not nil) writing this rank's
+// partials for the n tokens source s sent it into dst instead of computing
+// them from a.ExpertOut (the staged path's kernels made them).
+func (c *cpuEngine) combineWith(a *CombineArgs, checks []int32, fill func(s, n int, dst []byte)) error {
 	p := c.p
 	if !a.Capturable {
 		ok, err := c.agreeChecks(a.Check, collective.CallMoeCombine, checks)
@@ -457,7 +461,11 @@ func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
 	} else if err := c.barrier(collective.CallMoeCombine, "start"); err != nil {
 		return err
 	}
-	if err := c.partials(bytesAt(a.ExpertOut, a.ExpertRows*p.rowBytes())); err != nil {
+	if fill == nil {
+		out := bytesAt(a.ExpertOut, a.ExpertRows*p.rowBytes())
+		fill = func(s, n int, dst []byte) { c.partialsOf(s, n, out, dst) }
+	}
+	if err := c.partials(fill); err != nil {
 		return err
 	}
 	if err := c.barrier(collective.CallMoeCombine, "middle"); err != nil {
@@ -467,12 +475,12 @@ func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
 	return nil
 }
 
-// partials writes, for every source s (from rank + 1 on) and every token
-// it sent here, the float32 sum over k ascending of weight * expert row
-// (each product rounded to float32, added from +0), rounded once to the
-// transit type, into s's comb[rank, slot] (for a rank of another node,
-// into its outbox, then put there).
-func (c *cpuEngine) partials(out []byte) error {
+// partials has fill write, for every source s (from rank + 1 on), this
+// rank's partials of the tokens s sent it into s's comb[rank, slot] (for a
+// rank of another node, into its outbox, then put there). A partial is the
+// float32 sum over k ascending of weight * expert row (each product
+// rounded to float32, added from +0), rounded once to the transit type.
+func (c *cpuEngine) partials(fill func(s, n int, dst []byte)) error {
 	p := c.p
 	W, Tm := p.world, p.maxTokens
 	cb := p.hidden * p.transit.Size()
@@ -486,11 +494,7 @@ func (c *cpuEngine) partials(out []byte) error {
 			dst = c.net.boxOf(s)
 		}
 		n := int(counts[s])
-		if c.fill != nil {
-			c.fill(s, dst[:n*cb])
-		} else {
-			c.partialsOf(s, n, out, dst)
-		}
+		fill(s, n, dst[:n*cb])
 		if c.comb[s] == nil {
 			at := uint64(c.off.comb) + uint64(p.rank*Tm*cb)
 			if err := c.net.put(s, at, 0, uint64(n*cb), "combine partials"); err != nil {

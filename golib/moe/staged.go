@@ -3,7 +3,6 @@ package moe
 import (
 	"fmt"
 	"io"
-	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -15,8 +14,9 @@ import (
 // CPU path's protocol on pinned host copies of its tensors: the inputs
 // come down on the caller's stream, the host path moves them (node-local
 // peers through shared memory, other nodes through UCX), and the outputs go
-// back up on the same stream. Results are the host path's, which are the
-// kernels' bit for bit.
+// back up on the same stream; where they can, kernels lay the rows out and
+// make the partials on the device (staged_kernels.go). Results are the host
+// path's, which are the kernels' bit for bit.
 
 // StagedDevice is what the staged path needs of the GPU backend: copies,
 // streams, events, pinned and device memory, whether a stream is
@@ -30,38 +30,49 @@ type StagedDevice interface {
 	LaunchFunction(fn cuda.Function, grid, block, sharedBytes uint32, stream uintptr, params []byte) error
 }
 
-// pinned is a pinned host buffer that grows on demand.
-type pinned struct {
-	p   unsafe.Pointer
-	cap uint64
+// growBuf is pinned host memory, or device memory, that grows on demand.
+type growBuf struct {
+	p      uintptr
+	cap    uint64
+	device bool // device memory, else pinned host memory
 }
 
-func (b *pinned) addr() uintptr { return uintptr(b.p) }
+func (b *growBuf) addr() uintptr { return b.p }
 
 // reserve makes room for n bytes (keeping none of the old contents),
 // growing by doubling up to most, the most any call needs.
-func (b *pinned) reserve(dev Runtime, n, most uint64, what string) error {
+func (b *growBuf) reserve(dev StagedDevice, n, most uint64, what string) error {
 	if n <= b.cap {
 		return nil
 	}
 	n = max(n, min(2*b.cap, most))
-	if b.p != nil {
-		dev.MemFreeHost(b.p)
-		b.p, b.cap = nil, 0
+	b.free(dev)
+	if b.device {
+		p, err := dev.MemAlloc(n)
+		if err != nil {
+			return status.Errorf(status.Capacity, "ExpertParallel across nodes: allocate %d bytes of device memory for %s: %v", n, what, err)
+		}
+		b.p = p
+	} else {
+		p, err := dev.MemHostAlloc(n, cuda.HostAllocPortable)
+		if err != nil {
+			return status.Errorf(status.Capacity, "ExpertParallel across nodes: pin %d bytes of host memory for %s: %v", n, what, err)
+		}
+		b.p = uintptr(p)
 	}
-	p, err := dev.MemHostAlloc(n, cuda.HostAllocPortable)
-	if err != nil {
-		return status.Errorf(status.Capacity, "ExpertParallel across nodes: pin %d bytes of host memory for %s: %v", n, what, err)
-	}
-	b.p, b.cap = p, n
+	b.cap = n
 	return nil
 }
 
-func (b *pinned) free(dev Runtime) {
-	if b.p != nil {
-		dev.MemFreeHost(b.p)
+func (b *growBuf) free(dev StagedDevice) {
+	switch {
+	case b.p == 0:
+	case b.device:
+		dev.MemFree(b.p)
+	default:
+		dev.MemFreeHost(hostPtr(b.p))
 	}
-	b.p, b.cap = nil, 0
+	b.p, b.cap = 0, 0
 }
 
 // stagedEngine carries one EP's calls between the device and the host path.
@@ -73,7 +84,7 @@ type stagedEngine struct {
 	// rows: dispatched rows out, then a combine's expert rows in (with
 	// kernels: the received rows up, then the partials down).
 	// index: the kernels' row indices and weights.
-	in, rows, info, counts, index pinned
+	in, rows, info, counts, index growBuf        // pinned
 	k                             *stagedKernels // nil: the host does the kernels' work
 	done                          cuda.Event     // recorded after the latest upload
 	uploading                     bool           // done awaits a wait before the buffers are reused
@@ -283,6 +294,7 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	}
 	rb := uint64(p.rowBytes())
 	h := *a
+	var fill func(src, n int, dst []byte) // nil: the host path computes the partials
 	if a.ExpertOut != 0 && s.kernelsFor(a.ExpertOut) {
 		bases, err := s.partialsOnDevice(cpu, a.ExpertOut, a.ExpertRows, a.Stream)
 		if err != nil {
@@ -291,15 +303,12 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 		}
 		cb := int64(p.hidden * p.transit.Size())
 		parts := bytesAt(s.rows.addr(), int64(s.rows.cap))
-		counts := cpu.counts[p.rank]
-		cpu.fill = func(src int, dst []byte) {
-			n := int(counts[src])
+		fill = func(src, n int, dst []byte) {
 			from := bases[src] * cb
 			split(n, workers(n, cb), func(_, lo, hi int) {
 				copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
 			})
 		}
-		defer func() { cpu.fill = nil }()
 		h.ExpertOut, h.ExpertRows = 0, 0
 	} else if a.ExpertOut != 0 {
 		// Only rows the latest dispatch filled are read (a capturable
@@ -321,7 +330,7 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	if err := s.dev.StreamSynchronize(a.Stream); err != nil {
 		return err
 	}
-	if err := cpu.combine(&h, checks); err != nil {
+	if err := cpu.combineWith(&h, checks, fill); err != nil {
 		return err
 	}
 	if a.Y == 0 {
@@ -352,7 +361,7 @@ func (s *stagedEngine) release() {
 		s.dev.EventDestroy(s.done)
 		s.done = 0
 	}
-	for _, b := range []*pinned{&s.in, &s.rows, &s.info, &s.counts, &s.index} {
+	for _, b := range []*growBuf{&s.in, &s.rows, &s.info, &s.counts, &s.index} {
 		b.free(s.dev)
 	}
 	if s.k != nil {

@@ -5,7 +5,6 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
-	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
 // The staged path's device half (native/kernels/moe_staged.cu): where the
@@ -22,43 +21,11 @@ import (
 // stagedGrid bounds the kernels' grids (they loop over their rows).
 const stagedGrid = 1024
 
-// deviceBuf is device memory that grows on demand.
-type deviceBuf struct {
-	p   uintptr
-	cap uint64
-}
-
-// reserve makes room for n bytes (keeping none of the old contents),
-// growing by doubling up to most.
-func (b *deviceBuf) reserve(dev StagedDevice, n, most uint64, what string) error {
-	if n <= b.cap {
-		return nil
-	}
-	n = max(n, min(2*b.cap, most))
-	if b.p != 0 {
-		dev.MemFree(b.p)
-		b.p, b.cap = 0, 0
-	}
-	p, err := dev.MemAlloc(n)
-	if err != nil {
-		return status.Errorf(status.Capacity, "ExpertParallel across nodes: allocate %d bytes of device memory for %s: %v", n, what, err)
-	}
-	b.p, b.cap = p, n
-	return nil
-}
-
-func (b *deviceBuf) free(dev StagedDevice) {
-	if b.p != 0 {
-		dev.MemFree(b.p)
-	}
-	b.p, b.cap = 0, 0
-}
-
 // stagedKernels are the kernels and device buffers of one staged EP.
 type stagedKernels struct {
 	expand, partials fnOf
-	rows             deviceBuf // packed received rows (dispatch), then partials (combine)
-	index            deviceBuf // the expand's row index, or the partials' pair rows then weights
+	rows             growBuf // on the device: packed received rows (dispatch), then partials (combine)
+	index            growBuf // on the device: the expand's row index, or the partials' pair rows then weights
 }
 
 // fnOf is a loaded kernel and the name it is reported by.
@@ -80,7 +47,7 @@ func loadStagedKernels(dev StagedDevice, p *plan) (*stagedKernels, error) {
 	if !stagedKernelsUsable(p) {
 		return nil, nil
 	}
-	k := &stagedKernels{}
+	k := &stagedKernels{rows: growBuf{device: true}, index: growBuf{device: true}}
 	expand, partials := stagedExprs(p.dtype, p.transit)
 	for _, f := range []struct {
 		to   *fnOf
