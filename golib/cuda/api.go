@@ -341,6 +341,12 @@ func (d *Driver) FuncSetAttribute(f Function, attr, value int) error {
 		C.p2p_r_p_i_i(d.fn.funcSetAttribute, ptr(uintptr(f)), C.int(attr), C.int(value)))
 }
 
+// CtxSynchronize blocks until all work of the current context is done, on
+// every stream (torch's non-blocking ones too).
+func (d *Driver) CtxSynchronize() error {
+	return d.check("cuCtxSynchronize", C.p2p_r_(d.fn.ctxSynchronize))
+}
+
 // StreamSynchronize blocks until all work on stream is done.
 func (d *Driver) StreamSynchronize(stream uintptr) error {
 	return d.check("cuStreamSynchronize", C.p2p_r_p(d.fn.streamSynchronize, ptr(stream)))

@@ -59,7 +59,7 @@ type driverFuncs struct {
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
 	streamCreate, streamDestroy, streamQuery, streamWriteValue64, streamWaitEvent     unsafe.Pointer
 	funcGetParamInfo                                                                  unsafe.Pointer
-	primaryCtxGetState                                                                unsafe.Pointer
+	primaryCtxGetState, ctxSynchronize                                                unsafe.Pointer
 }
 
 // entry is one row of the entry-point table. version is the CUDA version
@@ -96,6 +96,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuCtxGetCurrent", v, true, &f.ctxGetCurrent},
 		{"cuCtxSetCurrent", v, true, &f.ctxSetCurrent},
 		{"cuCtxGetDevice", v, true, &f.ctxGetDevice},
+		{"cuCtxSynchronize", v, true, &f.ctxSynchronize},
 		{"cuMemAlloc", v, true, &f.memAlloc},
 		{"cuMemFree", v, true, &f.memFree},
 		{"cuMemsetD8Async", v, true, &f.memsetD8Async},

@@ -9,6 +9,7 @@
 
 typedef unsigned long long p2p_dptr;
 
+static inline int p2p_r_(void* f) { return ((int (*)(void))f)(); }
 static inline int p2p_r_p(void* f, void* a) { return ((int (*)(void*))f)(a); }
 static inline int p2p_r_u(void* f, unsigned a) { return ((int (*)(unsigned))f)(a); }
 static inline int p2p_r_i_p(void* f, int a, void* b) { return ((int (*)(int, void*))f)(a, b); }

@@ -254,7 +254,18 @@ func (b *Backend) Check() error {
 // may have another device's context current, so this device's is made
 // current first (frees and IPC closes act on the current context).
 func (b *Backend) Close() error {
-	err := b.closeNodes() // its proxies use the memory freed below
+	var err error
+	if b.nodes != nil && b.space != nil {
+		// Kernels across nodes still queued or running need the proxies and
+		// UCX that closeNodes stops (theirs and their peers'): stopped under
+		// them, they would wait out their whole timeout, and so would the
+		// frees below (they synchronize). Let them end first; with the proxies
+		// up they end, or time out on a peer that is gone, within the timeout.
+		if err = b.drv.EnsureContext(b.device); err == nil {
+			err = b.drv.CtxSynchronize()
+		}
+	}
+	err = errors.Join(err, b.closeNodes()) // its proxies use the memory freed below
 	if b.space != nil {
 		// Free even if the context could not be made current: a leak is
 		// worse than a failed free, and both are reported.
