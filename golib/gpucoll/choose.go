@@ -179,6 +179,13 @@ func withSource(sig int32, seq, off uint64) int32 {
 	return int32(h & 0x7fffffff)
 }
 
+// withDirect marks a two-shot call whose peers store the result into this
+// rank's registered buffer (flagDirect): a rank that reads the same buffer in
+// place but wants its result elsewhere must not pair with it.
+func withDirect(sig int32) int32 {
+	return int32(fnv1a(uint32(sig), 1, 1) & 0x7fffffff)
+}
+
 // fnv1a mixes the low n bytes of v into h.
 func fnv1a(h uint32, v uint64, n int) uint32 {
 	for range n {

@@ -69,6 +69,13 @@ const (
 	pullMinBytes = 8 << 20
 )
 
+// flagDirect makes a two-shot call in place on a registered buffer write
+// each reduced slice straight into every rank's buffer and end with a
+// barrier, instead of pushing it into peers' scratch and copying it out:
+// one pass over the payload fewer. Only the owner of a slice reads or
+// writes it, so the peers' inputs can take the result.
+const flagDirect = 4
+
 // Deferred one-shot geometry (p2p_common.cuh kDeferredGrid, kChunkPacks).
 const (
 	deferredGrid = 16

@@ -16,6 +16,11 @@
 //   5. copy own peer_scratch (range b of every slice) -> out (local)
 // Large payloads (kFlagPull) instead keep the reduced slice local and let
 // peers read it after the mid barrier, then end with a barrier.
+// In place on registered buffers (kFlagDirect), step 3 stores the reduced
+// slice into every rank's peer_in itself (only its owner reads or writes a
+// slice, and each thread loads its elements before storing them), and an
+// end barrier replaces steps 4-5: every rank's buffer holds the result once
+// every peer has stored its slice there.
 // Push: no end barrier: peers touch this rank's memory only in step 3, which
 // precedes their mid flag, so when this kernel ends nobody still uses it;
 // the next call writes peer scratch only after its own start barrier.
@@ -44,6 +49,12 @@ DINLINE void twoshot(const AllReduceParams& p, BlockState& st) {
   // Slice `rank` is reduced once, here, and copied everywhere: all ranks end
   // with bit-identical values.
   const Range own = slice_range(p.count, p.world, p.rank, P);
+  if (p.flags & kFlagDirect) {
+    reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs_all(p.peer_in, p.world), p.world,
+                    block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
+    barrier_all(p, st, kPhaseEnd);
+    return;
+  }
   if (p.flags & kFlagPull) {
     // Pull (kFlagPull, large payloads): the reduced slice stays in this rank's
     // scratch; after the mid barrier every rank reads the others' slices.

@@ -44,6 +44,10 @@ constexpr unsigned kFlagFence = 1u;
 // kFlagPull: two-shot gathers by reading peers' results (faster for large
 // payloads on H200) instead of having them pushed.
 constexpr unsigned kFlagPull = 2u;
+// kFlagDirect: two-shot in place on registered buffers writes each reduced
+// slice into every rank's peer_in (the owner alone touches its slice), then
+// ends with a barrier, instead of going through scratch.
+constexpr unsigned kFlagDirect = 4u;
 // kCallShift: bits 8..15 of AllReduceParams.flags say which operation a
 // barrier kernel serves (kCall*), so that a peer's timeout can name it: a
 // barrier's wait reports step = -1 - call in the ErrorWord.

@@ -417,3 +417,77 @@ def test_close_gives_back_the_gpu_memory_it_took(group):
         one_round()
     lost = free_after_first - torch.cuda.mem_get_info()[0]
     assert lost <= 2 << 20, f"10 communicators made and closed took {lost / 2**20:.1f} MiB for good"
+
+
+def rank_part(n, dtype, op, seed, q):
+    """Rank q's input for a reduction test: random, kept where prod stays finite."""
+    g = torch.Generator(device="cuda").manual_seed(seed * 64 + q)
+    if dtype.is_floating_point:
+        x = torch.randn(n, device="cuda", generator=g)
+        if op == "prod":
+            x = x.sign() * (0.5 + x.abs().clamp(max=1.5))
+        return x.to(dtype)
+    return torch.randint(-4 if op == "prod" else -1000, 5 if op == "prod" else 1001, (n,), device="cuda",
+                         generator=g, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32],
+                         ids=lambda d: str(d).split(".")[1])
+def test_two_shot_in_place_on_registered_buffers(comms, dtype):
+    """Two-shot in place on comm.empty memory: peers store each reduced slice
+    straight into every rank's buffer (below the pull size) or gather it by
+    reading (above): every op and element right against a float64 reduction,
+    the same bits on every rank."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    sizes = [1, 7, 4097, (1 << 20) + 3, (9 << 20) // dtype.itemsize + 5]
+    buf = comm.empty(max(sizes), dtype=dtype)
+    for si, n in enumerate(sizes):
+        for oi, op in enumerate(["sum", "prod", "min", "max", "avg"]):
+            parts = [rank_part(n, dtype, op, si * 8 + oi, q) for q in range(w)]
+            wide = torch.stack([p.double() if dtype.is_floating_point else p.long() for p in parts])
+            want = {"sum": lambda: wide.sum(0), "prod": lambda: wide.prod(0), "min": lambda: wide.amin(0),
+                    "max": lambda: wide.amax(0),
+                    "avg": lambda: wide.sum(0) / w if dtype.is_floating_point
+                    else torch.div(wide.sum(0), w, rounding_mode="floor")}[op]()
+            buf.fill_(-1)
+            x = buf[:n]
+            x.copy_(parts[r])
+            assert comm.all_reduce_(x, op, algorithm="twoshot") is x
+            torch.cuda.synchronize()
+            comm.check()
+            assert torch.equal(buf[n:], torch.full_like(buf[n:], -1)), f"{op} n={n}: wrote past the tensor"
+            if dtype.is_floating_point:
+                tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
+                scale = wide.abs().sum(0) if op in ("sum", "avg") else wide.abs().prod(0) if op == "prod" else 1.0
+                bad = (x.double() - want).abs() > tol * (scale + 1e-3) + want.abs() * (tol if op == "prod" else 0)
+                assert not bad.any(), f"{op} n={n}: {int(bad.sum())} of {n} elements wrong"
+            else:
+                assert torch.equal(x.long(), want), f"{op} n={n}"
+            assert same_on_all_ranks(x), f"{op} n={n}: ranks differ"
+
+
+def test_two_shot_in_place_and_out_of_place_do_not_pair(comms):
+    """One rank reduces a registered tensor in place, its peers the same
+    tensor into new ones: peers would store results into the in-place rank's
+    buffer while it reads scratch, so every rank raises MismatchError, the
+    inputs stay intact, and the communicator stays usable."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    k = 100_000
+    x = comm.empty(k)
+    x.fill_(float(r + 1))
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        if r == 0:
+            comm.all_reduce_(x, algorithm="twoshot")
+        else:
+            comm.all_reduce(x, algorithm="twoshot")
+        torch.cuda.synchronize()
+        comm.check()
+    torch.cuda.synchronize()
+    comm.check()
+    if r != 0:
+        assert torch.equal(x, torch.full_like(x, float(r + 1))), "a peer wrote into an out-of-place input"
+    x.fill_(float(r + 1))
+    comm.all_reduce_(x, algorithm="twoshot")
+    assert torch.equal(x, torch.full_like(x, float(w * (w + 1) // 2)))
