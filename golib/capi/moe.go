@@ -56,22 +56,24 @@ func p2p_moe_create(h C.uint64_t, config *C.char, ep *C.uint64_t, info *C.char, 
 }
 
 // p2p_moe_dispatch dispatches this rank's num_tokens tokens: x [T, H] of
-// the ep's dtype, topk_idx [T, K] of idx_bytes-byte integers, topk_w [T, K]
-// float32, contiguous; check is this rank's verdict on them (0: passed,
-// else its error's status code: the call then only takes part). A
-// capturable call runs entirely into out_x [rows, H], out_info [4, rows]
-// and out_counts [L+1] (rows: the ep's max_recv_rows) and never waits on
-// the host. An eager one writes every rank's verdict into checks (world
+// the ep's dtype (float8 for an fp8 ep, with scales [T, H/128] float32;
+// else scales is 0), topk_idx [T, K] of idx_bytes-byte integers, topk_w
+// [T, K] float32, contiguous; check is this rank's verdict on them (0:
+// passed, else its error's status code: the call then only takes part). A
+// capturable call runs entirely into out_x [rows, H] (and out_scales
+// [rows, H/128]), out_info [4, rows] and out_counts [L+1] (rows: the ep's
+// max_recv_rows) and never waits on the host. An eager one writes every rank's verdict into checks (world
 // size entries) and, when all passed, the rows this rank receives into
 // *rows: then p2p_moe_expand must follow with outputs of that size.
 //
 //export p2p_moe_dispatch
-func p2p_moe_dispatch(ep C.uint64_t, x, topkIdx, topkW C.uint64_t, numTokens C.int64_t, idxBytes, check, capturable C.int32_t,
-	outX, outInfo, outCounts C.uint64_t, outRows C.int64_t, stream C.uint64_t, checks *C.int32_t, rows *C.int64_t) C.int {
+func p2p_moe_dispatch(ep C.uint64_t, x, scales, topkIdx, topkW C.uint64_t, numTokens C.int64_t, idxBytes, check, capturable C.int32_t,
+	outX, outScales, outInfo, outCounts C.uint64_t, outRows C.int64_t, stream C.uint64_t, checks *C.int32_t, rows *C.int64_t) C.int {
 	return withMoE(ep, func(e *moe.EP) error {
-		a := moe.DispatchArgs{X: uintptr(x), TopkIdx: uintptr(topkIdx), TopkWeights: uintptr(topkW),
+		a := moe.DispatchArgs{X: uintptr(x), Scales: uintptr(scales), TopkIdx: uintptr(topkIdx), TopkWeights: uintptr(topkW),
 			NumTokens: int(numTokens), IdxBytes: int(idxBytes), Check: int32(check), Capturable: capturable != 0,
-			Stream: uintptr(stream), Out: moe.Rows{X: uintptr(outX), Info: uintptr(outInfo), Counts: uintptr(outCounts), Rows: int64(outRows)}}
+			Stream: uintptr(stream), Out: moe.Rows{X: uintptr(outX), Scales: uintptr(outScales), Info: uintptr(outInfo),
+				Counts: uintptr(outCounts), Rows: int64(outRows)}}
 		n, err := e.Dispatch(&a)
 		if rows != nil {
 			*rows = C.int64_t(n)
@@ -81,13 +83,15 @@ func p2p_moe_dispatch(ep C.uint64_t, x, topkIdx, topkW C.uint64_t, numTokens C.i
 	})
 }
 
-// p2p_moe_expand finishes an eager dispatch into out_x [rows, H], out_info
-// [4, rows] and out_counts [L+1], rows being what p2p_moe_dispatch said.
+// p2p_moe_expand finishes an eager dispatch into out_x [rows, H] (and
+// out_scales [rows, H/128] for an fp8 ep), out_info [4, rows] and
+// out_counts [L+1], rows being what p2p_moe_dispatch said.
 //
 //export p2p_moe_expand
-func p2p_moe_expand(ep C.uint64_t, outX, outInfo, outCounts C.uint64_t, rows C.int64_t, stream C.uint64_t) C.int {
+func p2p_moe_expand(ep C.uint64_t, outX, outScales, outInfo, outCounts C.uint64_t, rows C.int64_t, stream C.uint64_t) C.int {
 	return withMoE(ep, func(e *moe.EP) error {
-		return e.Expand(moe.Rows{X: uintptr(outX), Info: uintptr(outInfo), Counts: uintptr(outCounts), Rows: int64(rows)}, uintptr(stream))
+		return e.Expand(moe.Rows{X: uintptr(outX), Scales: uintptr(outScales), Info: uintptr(outInfo), Counts: uintptr(outCounts),
+			Rows: int64(rows)}, uintptr(stream))
 	})
 }
 

@@ -28,26 +28,29 @@ type EP struct {
 }
 
 // Rows is where a dispatch's result goes (device or host addresses, as
-// the EP's path): X [Rows, H] of dtype, Info [4, Rows] int32 (local expert,
-// source rank, source token, weight bits) and Counts [L+1] int32 (rows per
-// local expert, then R).
+// the EP's path): X [Rows, H] of dtype (float8 with Config.DispatchFP8,
+// and then Scales [Rows, H/128] float32), Info [4, Rows] int32 (local
+// expert, source rank, source token, weight bits) and Counts [L+1] int32
+// (rows per local expert, then R).
 type Rows struct {
-	X, Info, Counts uintptr
-	Rows            int64
+	X, Scales, Info, Counts uintptr
+	Rows                    int64
 }
 
 // DispatchArgs is one dispatch. TopkIdx is [T, K] of IdxBytes-byte
-// integers, TopkWeights [T, K] float32 and X [T, H] of dtype, all
-// contiguous (X 16-byte aligned on GPU). Check is this rank's verdict on
+// integers, TopkWeights [T, K] float32 and X [T, H] of dtype (float8 with
+// Config.DispatchFP8, and then Scales [T, H/128] float32), all contiguous
+// (X and Scales 16-byte aligned on GPU). Check is this rank's verdict on
 // its arguments (0: passed, else the status code of its error): an eager
 // call still takes part with T = 0, so that every rank fails together.
 type DispatchArgs struct {
-	X, TopkIdx, TopkWeights uintptr
-	NumTokens, IdxBytes     int
-	Check                   int32
-	Capturable              bool
-	Stream                  uintptr // GPU: the caller's stream
-	Out                     Rows    // capturable: MaxRecvRows rows
+	X, Scales, TopkIdx  uintptr
+	TopkWeights         uintptr
+	NumTokens, IdxBytes int
+	Check               int32
+	Capturable          bool
+	Stream              uintptr // GPU: the caller's stream
+	Out                 Rows    // capturable: MaxRecvRows rows
 	// orderOnly: a capturable call of the host path stops once the rows'
 	// order is settled (the staged path's kernels lay them out).
 	orderOnly bool
@@ -123,8 +126,9 @@ func newHostPath(g Group, host Host, closer io.Closer, dev StagedDevice, c Confi
 	var problem error
 	if c.Rejected {
 		problem = ErrRejected
-	} else {
-		problem = c.check()
+	} else if problem = c.check(); problem == nil && c.DispatchFP8 {
+		problem = status.Errorf(status.Unsupported,
+			"fp8 dispatch runs on the GPU kernels of one node; this ExpertParallel takes the host path (CPU, or ranks on several nodes)")
 	}
 	e := &EP{plan: newPlan(c, g.Rank(), g.Size()), cpu: newCPUEngine(host), checks: make([]int32, g.Size())}
 	if problem == nil && dev != nil {
@@ -199,7 +203,7 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 		return 0, err
 	}
 	if a.Check != 0 || a.NumTokens < 0 {
-		a.X, a.TopkIdx, a.TopkWeights, a.NumTokens, a.IdxBytes = 0, 0, 0, 0, 4
+		a.X, a.Scales, a.TopkIdx, a.TopkWeights, a.NumTokens, a.IdxBytes = 0, 0, 0, 0, 0, 4
 		if a.Check == 0 {
 			a.Check = int32(status.InvalidArgument)
 		}
@@ -207,6 +211,9 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 	if a.Check == 0 && (a.NumTokens > e.maxTokens || (a.IdxBytes != 4 && a.IdxBytes != 8)) {
 		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: %d tokens of %d-byte ids (at most %d tokens)",
 			a.NumTokens, a.IdxBytes, e.maxTokens)
+	}
+	if e.fp8 && ((a.Check == 0 && a.NumTokens > 0 && a.Scales == 0) || (a.Capturable && a.Out.Scales == 0)) {
+		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: an fp8 dispatch needs the rows' scales and room for the received ones")
 	}
 	if a.Capturable && a.Out.Rows != e.maxRecvRows {
 		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: a capturable dispatch returns %d rows, got room for %d",
@@ -246,6 +253,9 @@ func (e *EP) Expand(out Rows, stream uintptr) error {
 	if out.Rows != e.pendingRows {
 		return status.Errorf(status.InvalidArgument, "ExpertParallel: the dispatch received %d rows, got room for %d",
 			e.pendingRows, out.Rows)
+	}
+	if e.fp8 && out.Scales == 0 && out.Rows > 0 {
+		return status.Errorf(status.InvalidArgument, "ExpertParallel: an fp8 dispatch needs room for the received rows' scales")
 	}
 	e.pending = false
 	if err := e.usable(); err != nil {

@@ -148,7 +148,11 @@ func (g *gpuEngine) setup(p *plan) (err error) {
 	g.dp = dispatchParams{PeerMeta: peerMeta, PeerHdr: peerHdr, SendSlot: uint64(g.sendSlot), PairRank: uint64(g.pairRank),
 		MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), NumExperts: int32(E), Rank: rank, World: world}
 	g.xp = expandParams{PeerXs: peerXs, Meta: uint64(g.meta), Hdr: uint64(g.hdr), CombRows: uint64(g.combRows),
-		MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), NumLocal: int32(L), World: world, Rank: rank}
+		MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), NumLocal: int32(L), World: world, Rank: rank,
+		RowBytes: int32(p.dispatchRowBytes()), ScaleBytes: int32(p.scaleBytes())}
+	if p.fp8 {
+		g.xp.XsScales = g.xsScales()
+	}
 	g.cp = combineParams{PeerComb: peerComb, Meta: uint64(g.meta), Hdr: uint64(g.hdr), CombRows: uint64(g.combRows),
 		SendSlot: uint64(g.sendSlot), MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), Rank: rank,
 		World: world, NumLocal: int32(L)}
@@ -170,11 +174,21 @@ func (g *gpuEngine) launch(k kernel, grid, block, shared uint32, stream uintptr,
 	return nil
 }
 
-// stage copies x's T rows into xs on stream.
-func (g *gpuEngine) stage(x uintptr, T int, stream uintptr) error {
+// stage copies a's T rows into xs on stream; fp8 rows' scales go after
+// the Tm rows' place (xsScales).
+func (g *gpuEngine) stage(a *DispatchArgs, T int, stream uintptr) error {
 	g.trace.add("stage", 0, 0, 0, stream == g.side)
-	return g.dev.MemcpyAsync(g.xs, x, uint64(int64(T)*g.p.rowBytes()), stream)
+	if err := g.dev.MemcpyAsync(g.xs, a.X, uint64(int64(T)*g.p.dispatchRowBytes()), stream); err != nil {
+		return err
+	}
+	if !g.p.fp8 {
+		return nil
+	}
+	return g.dev.MemcpyAsync(g.xs+uintptr(g.xsScales()), a.Scales, uint64(int64(T)*g.p.scaleBytes()), stream)
 }
+
+// xsScales is where in xs the staged rows' scales start (fp8).
+func (g *gpuEngine) xsScales() int64 { return int64(g.p.maxTokens) * g.p.dispatchRowBytes() }
 
 // postChecks posts this rank's check of an eager call (code, or on the
 // device whether every expert id in idx is in [-1, E)) into every rank's
@@ -238,7 +252,7 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	} else if d.staged {
 		// Eager: after the start barrier kernel, so no peer reads the
 		// previous rows any more (capturable calls always overlap).
-		if err := g.stage(a.X, T, a.Stream); err != nil {
+		if err := g.stage(a, T, a.Stream); err != nil {
 			return 0, err
 		}
 	}
@@ -297,7 +311,7 @@ func (g *gpuEngine) stageOnSide(a *DispatchArgs, T int) error {
 			return err
 		}
 	}
-	if err := g.stage(a.X, T, g.side); err != nil {
+	if err := g.stage(a, T, g.side); err != nil {
 		return err
 	}
 	if a.Capturable {
@@ -329,6 +343,7 @@ func (g *gpuEngine) readChecks(stream uintptr) error {
 func (g *gpuEngine) expand(out Rows, stream uintptr, mode int32) error {
 	xp := &g.xp
 	xp.OutX, xp.OutInfo, xp.ExpertCounts, xp.RowCap = uint64(out.X), uint64(out.Info), uint64(out.Counts), out.Rows
+	xp.OutScales = uint64(out.Scales)
 	xp.Sync = g.sync(kindDispatch, mode)
 	return g.launch(kExpand, uint32(g.p.blocks), threads, g.p.expandShared(), stream, paramBytes(xp))
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
+	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
 // fakeGPU records what the kernel path asks of the GPU backend, in order,
@@ -308,6 +309,54 @@ func TestGPUCapturableDispatchSteps(t *testing.T) {
 		}
 		if _, err := ep.Dispatch(&DispatchArgs{NumTokens: 1, IdxBytes: 4, Capturable: true, Out: Rows{Rows: 5}}); err == nil {
 			return fmt.Errorf("a capturable dispatch took room for 5 rows")
+		}
+		return nil
+	})
+}
+
+// fp8 dispatch stages the float8 rows and their scales apart in xs (two
+// copies, even for x at the buffer's start) and tells the expand kernel
+// where each part sits and goes.
+func TestGPUFP8DispatchSteps(t *testing.T) {
+	c := bf16Config
+	c.DispatchFP8 = true
+	fakeRanks(t, 2, c, func(r int, ep *EP, g *fakeGPU) error {
+		out := Rows{X: 0xc000, Scales: 0xc800, Info: 0xd000, Counts: 0xe000, Rows: ep.maxRecvRows}
+		for _, x := range []uintptr{0x9000, ep.Info().Staging} {
+			g.steps, g.params = nil, nil
+			if _, err := ep.Dispatch(&DispatchArgs{X: x, Scales: 0x9800, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 16,
+				IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); err != nil {
+				return err
+			}
+			if err := want(g.steps, []string{
+				"record on main",
+				"side waits",
+				"moe_dispatch_send grid 24 block 512 shared 576 on main",
+				"moe_stage_gate grid 1 block 32 shared 0 on side",
+				"copy 114688 bytes on side", // 16 rows of 7168 float8
+				"copy 3584 bytes on side",   // and their 56 scales each
+				"moe_stage_done grid 1 block 32 shared 0 on side",
+				"record on side",
+				"main waits",
+				"moe_dispatch_expand grid 24 block 512 shared 96 on main",
+			}); err != nil {
+				return err
+			}
+			ex := decode[expandParams](g.params[3])
+			if ex.OutX != 0xc000 || ex.OutScales != 0xc800 || ex.RowBytes != 7168 || ex.ScaleBytes != 224 ||
+				ex.XsScales != 4096*7168 {
+				return fmt.Errorf("expand %+v", ex)
+			}
+		}
+		// Without scales, or without room for the received ones: refused.
+		if _, err := ep.Dispatch(&DispatchArgs{X: 0x9000, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 16, IdxBytes: 4,
+			Capturable: true, Stream: fakeStream, Out: out}); status.CodeOf(err) != status.InvalidArgument {
+			return fmt.Errorf("dispatch without scales: %v", err)
+		}
+		out.Scales = 0
+		if _, err := ep.Dispatch(&DispatchArgs{X: 0x9000, Scales: 0x9800, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 16,
+			IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); status.CodeOf(err) != status.InvalidArgument {
+			return fmt.Errorf("dispatch without room for scales: %v", err)
 		}
 		return nil
 	})

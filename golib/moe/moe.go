@@ -43,6 +43,10 @@ type Config struct {
 	DType        reduce.DType `json:"dtype"`
 	CombineDType reduce.DType `json:"combine_dtype"`
 	Capturable   bool         `json:"capturable"`
+	// DispatchFP8: dispatch takes rows of float8 (e4m3) with a float32
+	// scale per 128 columns (DeepSeek's layout) instead of rows of DType,
+	// and moves both bit for bit; expert outputs and combine stay DType.
+	DispatchFP8 bool `json:"dispatch_fp8"`
 	// NumSMs bounds the blocks of each kernel (0: DefaultSMs).
 	NumSMs int `json:"num_sms"`
 	// Rejected says that the caller found this rank's arguments bad: the
@@ -106,15 +110,18 @@ type Info struct {
 // fields are the construction arguments every rank must share, in the
 // order and with the names the agreement reports them.
 var fields = [...]string{"num_experts", "hidden", "topk", "max_tokens_per_rank", "dtype", "combine_dtype",
-	"capturable", "world_size"}
+	"capturable", "world_size", "dispatch_fp8"}
 
 func (c Config) shared(world int) [len(fields)]int64 {
-	capt := int64(0)
+	capt, fp8 := int64(0), int64(0)
 	if c.Capturable {
 		capt = 1
 	}
+	if c.DispatchFP8 {
+		fp8 = 1
+	}
 	return [len(fields)]int64{int64(c.NumExperts), int64(c.Hidden), int64(c.TopK), int64(c.MaxTokens),
-		int64(c.DType), int64(c.CombineDType), capt, int64(world)}
+		int64(c.DType), int64(c.CombineDType), capt, int64(world), fp8}
 }
 
 // check is this rank's own verdict on c (the caller checked types and
@@ -133,6 +140,10 @@ func (c Config) check() error {
 	}
 	if c.CombineDType != reduce.Float32 && c.CombineDType != c.DType {
 		return status.Errorf(status.Unsupported, "combine_dtype %s is not supported with dtype %s", c.CombineDType, c.DType)
+	}
+	if c.DispatchFP8 && c.Hidden%fp8ScaleCols != 0 {
+		return status.Errorf(status.Unsupported, "fp8 dispatch needs hidden to be a multiple of %d (one scale per %d columns), got %d",
+			fp8ScaleCols, fp8ScaleCols, c.Hidden)
 	}
 	if c.NumSMs < 0 {
 		return status.Errorf(status.InvalidArgument, "num_sms must be positive, got %d", c.NumSMs)

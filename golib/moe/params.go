@@ -84,6 +84,10 @@ type expandParams struct {
 	World        int32            `c:"world"`
 	Rank         int32            `c:"rank"`
 	Sync         syncParams       `c:"sync"`
+	OutScales    uint64           `c:"out_scales"`
+	XsScales     int64            `c:"xs_scales"`
+	RowBytes     int32            `c:"row_bytes"`
+	ScaleBytes   int32            `c:"scale_bytes"`
 }
 
 // combineParams mirrors MoeCombineParams.

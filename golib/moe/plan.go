@@ -21,12 +21,13 @@ type plan struct {
 	countMinPairs           int64
 	selfLocal               string // never, auto or always (never unless the world is 2 and topk <= combWide)
 	capturable              bool   // the construction's default mode
+	fp8                     bool   // dispatch moves float8 rows and their scales (Config.DispatchFP8)
 }
 
 func newPlan(c Config, rank, world int) plan {
 	p := plan{world: world, rank: rank, numExperts: c.NumExperts, numLocal: c.NumExperts / world,
 		hidden: c.Hidden, maxTokens: c.MaxTokens, topK: c.TopK, dtype: c.DType, transit: c.CombineDType,
-		maxRecvRows: int64(world) * int64(c.MaxTokens) * int64(c.TopK), capturable: c.Capturable,
+		maxRecvRows: int64(world) * int64(c.MaxTokens) * int64(c.TopK), capturable: c.Capturable, fp8: c.DispatchFP8,
 		eagerOverlapBytes: DefaultEagerOverlapBytes, countMinPairs: DefaultCountKernelMinPairs, selfLocal: "never"}
 	if v := c.Tuning.EagerOverlapBytes; v != nil {
 		p.eagerOverlapBytes = *v
@@ -45,8 +46,29 @@ func newPlan(c Config, rank, world int) plan {
 	return p
 }
 
-// rowBytes is the bytes of one token row.
+// rowBytes is the bytes of one token row of dtype (expert outputs; the
+// staging buffer holds Tm of them).
 func (p *plan) rowBytes() int64 { return int64(p.hidden) * int64(p.dtype.Size()) }
+
+// fp8ScaleCols is how many columns of a float8 row share one float32 scale.
+const fp8ScaleCols = 128
+
+// dispatchRowBytes is the bytes of one row that dispatch moves: of dtype,
+// or of float8.
+func (p *plan) dispatchRowBytes() int64 {
+	if p.fp8 {
+		return int64(p.hidden)
+	}
+	return p.rowBytes()
+}
+
+// scaleBytes is the bytes of one row's float32 scales (0 without fp8).
+func (p *plan) scaleBytes() int64 {
+	if p.fp8 {
+		return 4 * int64(p.hidden) / fp8ScaleCols
+	}
+	return 0
+}
 
 // kernelProblem says why the GPU kernels cannot take a configuration (nil
 // when they can): the same answer on every rank.
@@ -55,6 +77,9 @@ func kernelProblem(c Config, world int) error {
 	switch {
 	case c.DType != reduce.Float32 && c.DType != reduce.BFloat16 && c.DType != reduce.Float16:
 		why = fmt.Sprintf("dtype %s (the kernels take bfloat16, float16 and float32)", c.DType)
+	case c.DispatchFP8 && (c.Hidden/fp8ScaleCols*4)%16 != 0:
+		why = fmt.Sprintf("fp8 dispatch of hidden=%d: its rows of scales are %d bytes, not a multiple of 16 (hidden a multiple of 512 is)",
+			c.Hidden, c.Hidden/fp8ScaleCols*4)
 	case int64(c.Hidden)*int64(c.DType.Size())%16 != 0:
 		why = fmt.Sprintf("hidden=%d: rows of %d bytes, not a multiple of 16", c.Hidden, int64(c.Hidden)*int64(c.DType.Size()))
 	case world > maxRanks:
@@ -102,11 +127,11 @@ type dispatchLaunch struct {
 // middle one (the host reads the counts after it).
 func (p *plan) dispatch(T int, inBuffer, capturable bool, rejected bool) dispatchLaunch {
 	var d dispatchLaunch
-	d.staged = T > 0 && !inBuffer
+	d.staged = T > 0 && (!inBuffer || p.fp8)
 	// Capturable: the send kernel's block 0 releases the copy (moe_stage_gate)
 	// once past its start barrier, before which peers may still read the
 	// previous rows. Eager: the start barrier kernel has run already.
-	d.overlap = d.staged && (capturable || int64(T)*p.rowBytes() >= p.eagerOverlapBytes)
+	d.overlap = d.staged && (capturable || int64(T)*p.dispatchRowBytes() >= p.eagerOverlapBytes)
 	d.counted = T > 0 && int64(T)*int64(p.topK) >= p.countMinPairs
 	d.idsShared = !rejected && !d.counted && 4*(int64(p.numExperts)+int64(T)*int64(p.topK)) <= sendSharedMax
 	if capturable {

@@ -205,7 +205,8 @@ static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::p
 //   0      64   peer_xs[8]     each rank's xs: the sources' staged rows
 //   64     8    meta           this rank's meta
 //   72     8    hdr            this rank's hdr
-//   80     8    out_x          [row_cap, H] T: expert-major rows
+//   80     8    out_x          [row_cap, H] T (float8 when scale_bytes > 0):
+//                              expert-major rows
 //   88     8    out_info       [4, row_cap] i32: local expert | source rank |
 //                              source token | weight bits
 //   96     8    expert_counts  [L + 1] i32: rows per local expert, then R
@@ -218,7 +219,12 @@ static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::p
 //   136    4    world          W
 //   140    4    rank
 //   144    104  sync           MoeSync
-//   total  248, aligned to 8
+//   248    8    out_scales     [row_cap, H/128] f32: the rows' scales (fp8)
+//   256    8    xs_scales      i64: where in each xs the staged rows' scales
+//                              start (fp8: Tm * H)
+//   264    4    row_bytes      bytes of a row: H * sizeof(T), or H (fp8)
+//   268    4    scale_bytes    bytes of a row's scales: H/128 * 4 (fp8), or 0
+//   total  272, aligned to 8
 struct MoeExpandParams {
   void* peer_xs[kMaxRanks];
   const int* meta;
@@ -235,10 +241,14 @@ struct MoeExpandParams {
   int world;
   int rank;
   MoeSync sync;
+  float* out_scales;
+  i64 xs_scales;
+  int row_bytes;
+  int scale_bytes;
 };
-static_assert(sizeof(MoeExpandParams) == 248, "MoeExpandParams size");
-static_assert(sizeof(MoeExpandParams::peer_xs) + 6 * sizeof(void*) + sizeof(MoeExpandParams::row_cap) +
-                      6 * sizeof(int) + sizeof(MoeSync) == 248,
+static_assert(sizeof(MoeExpandParams) == 272, "MoeExpandParams size");
+static_assert(sizeof(MoeExpandParams::peer_xs) + 7 * sizeof(void*) + 2 * sizeof(i64) + 8 * sizeof(int) +
+                      sizeof(MoeSync) == 272,
               "MoeExpandParams fields");
 
 // MoeCombineParams is the argument of moe_combine_send and moe_combine_reduce.

@@ -466,8 +466,13 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
   __syncthreads();
 
   const int MW = 3 * K + 1;
-  const i64 row_bytes = (i64)p.hidden * (i64)sizeof(T);
-  const i64 packs = row_bytes / kPackBytes;
+  // A row is row_bytes of data, then (fp8) scale_bytes of scales, which sit
+  // apart in xs and in the outputs: pack j of the row is at j * 16 from the
+  // data's start when j < data_packs, else from the scales' start moved back
+  // by data_packs packs.
+  const i64 row_bytes = p.row_bytes, scale_bytes = p.scale_bytes;
+  const i64 data_packs = row_bytes / kPackBytes;
+  const i64 packs = data_packs + scale_bytes / kPackBytes;
   int* info_le = p.out_info;
   int* info_src = p.out_info + p.row_cap;
   int* info_tok = p.out_info + 2 * p.row_cap;
@@ -506,7 +511,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
       }
     }
     const u32 bal = __ballot_sync(~0u, row >= 0);
-    const char* src = (const char*)pick(p.peer_xs, s) + (i64)m[2 * K] * row_bytes;
+    const char* xs = (const char*)pick(p.peer_xs, s);
+    const char* src = xs + (i64)m[2 * K] * row_bytes;
+    const char* src_sc = xs + p.xs_scales + (i64)m[2 * K] * scale_bytes - data_packs * kPackBytes;
     const i64 c0 = piece_begin(packs, part, parts), c1 = piece_begin(packs, part + 1, parts);
     // Passes are warp-uniform (not per lane): every lane must reach the shuffle.
     for (i64 pass = c0; pass < c1; pass += 32 * kMoeUnroll) {
@@ -514,15 +521,19 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_expand(const MoeExpa
       V16 v[kMoeUnroll];  // every load of the pass in flight before the first store
 #pragma unroll
       for (int u = 0; u < kMoeUnroll; ++u) {
-        if (i + u * 32 < c1) v[u] = ld_v16_stable(src + (i + u * 32) * kPackBytes);
+        const i64 j = i + u * 32;
+        if (j < c1) v[u] = ld_v16_stable((j < data_packs ? src : src_sc) + j * kPackBytes);
       }
       // One copy per valid k, its row taken from the lane that computed it
       // (a register shuffle instead of a shared-memory list per item).
       for (u32 rest = bal; rest != 0; rest &= rest - 1) {
-        char* o = out + (i64)__shfl_sync(~0u, row, __ffs(rest) - 1) * row_bytes;
+        const i64 r = __shfl_sync(~0u, row, __ffs(rest) - 1);
+        char* o = out + r * row_bytes;
+        char* o_sc = (char*)p.out_scales + r * scale_bytes - data_packs * kPackBytes;
 #pragma unroll
         for (int u = 0; u < kMoeUnroll; ++u) {
-          if (i + u * 32 < c1) st_v16(o + (i + u * 32) * kPackBytes, v[u]);
+          const i64 j = i + u * 32;
+          if (j < c1) st_v16((j < data_packs ? o : o_sc) + j * kPackBytes, v[u]);
         }
       }
     }

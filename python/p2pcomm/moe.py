@@ -44,6 +44,9 @@ from .moe_result import DispatchResult, _packed_result
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 _EP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# fp8 dispatch (dispatch_dtype): e4m3 rows, one float32 scale per _FP8_BLOCK columns travelling with them.
+_FP8 = torch.float8_e4m3fn
+_FP8_BLOCK = 128
 
 # Tests only: override golib/moe's thresholds between paths that give the same bits (None: its
 # defaults). Bytes of x from which eager dispatch stages x on a side stream; routed (token, k)
@@ -129,6 +132,12 @@ class ExpertParallel:
       torch.float32 (default; None means the same) or the ep's ``dtype``.
       Anything else raises UnsupportedError (InvalidArgumentError if it is
       not a torch.dtype).
+    - ``dispatch_dtype``: None (the ep's ``dtype``) or torch.float8_e4m3fn:
+      dispatch then takes float8 rows and their float32 scales, one per 128
+      columns (``dispatch(x, ..., scales=...)``), and moves both bit for
+      bit, about half the bytes of bf16 rows; expert outputs and combine
+      keep ``dtype``. GPU kernels of one node only (UnsupportedError on the
+      CPU and across nodes); hidden a multiple of 512.
 
     Accuracy of combine. Each expert rank d sums its share of a token in
     float32 (k ascending) into a partial p_d; the token's rank adds the
@@ -153,7 +162,7 @@ class ExpertParallel:
 
     def __init__(self, comm: Communicator, num_experts: int, hidden: int, max_tokens_per_rank: int, topk: int,
                  dtype: torch.dtype = torch.bfloat16, *, capturable: bool = False, num_sms: Optional[int] = None,
-                 combine_dtype: Optional[torch.dtype] = torch.float32):
+                 combine_dtype: Optional[torch.dtype] = torch.float32, dispatch_dtype: Optional[torch.dtype] = None):
         if not isinstance(comm, Communicator):
             raise InvalidArgumentError(f"comm must be a p2pcomm.Communicator, got {type(comm).__name__}")
         if isinstance(comm, TorchFallbackCommunicator):
@@ -165,12 +174,16 @@ class ExpertParallel:
         self.num_sms = num_sms
         self._closed = True  # until the handle exists
         combine_dtype = torch.float32 if combine_dtype is None else combine_dtype
+        dispatch_dtype = dtype if dispatch_dtype is None else dispatch_dtype
         E, H, Tm, K = num_experts, hidden, max_tokens_per_rank, topk
-        problem = self._local_config_problem(E, H, Tm, K, dtype, capturable, combine_dtype, num_sms)
+        problem = (self._local_config_problem(E, H, Tm, K, dtype, capturable, combine_dtype, num_sms)
+                   or self._dispatch_dtype_problem(dtype, dispatch_dtype))
+        fp8 = problem is None and dispatch_dtype == _FP8
         ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
         config = {"num_experts": ints(E), "hidden": ints(H), "max_tokens": ints(Tm), "topk": ints(K),
                   "dtype": _dtype_code(dtype), "combine_dtype": _dtype_code(combine_dtype),
                   "capturable": capturable is True, "num_sms": num_sms if problem is None and num_sms else 0,
+                  "dispatch_fp8": fp8,
                   "rejected": problem is not None, "tuning": _tuning()}
         # Go builds the kernels, then agrees on the configuration across ranks on the host before
         # any collective allocation: a bad rank makes every rank raise instead of waiting.
@@ -185,7 +198,7 @@ class ExpertParallel:
         self._finalizer = weakref.finalize(self, _destroy, self._handle, os.getpid())
         self.num_experts, self.hidden, self.topk = E, H, K
         self.max_tokens_per_rank, self.dtype, self.capturable = Tm, dtype, bool(capturable)
-        self.combine_dtype = combine_dtype
+        self.combine_dtype, self.dispatch_dtype, self._fp8 = combine_dtype, dispatch_dtype, fp8
         self.num_local_experts = E // self.world_size
         self.max_recv_rows = info["max_recv_rows"]
         self._kernels, self._blocks = info["kernels"], info["blocks"]
@@ -229,7 +242,8 @@ class ExpertParallel:
     def __repr__(self) -> str:
         return (f"ExpertParallel(rank={self.rank}, world_size={self.world_size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
-                f"dtype={self.dtype}, capturable={self.capturable}, combine_dtype={self.combine_dtype})")
+                f"dtype={self.dtype}, capturable={self.capturable}, combine_dtype={self.combine_dtype}"
+                + (f", dispatch_dtype={self.dispatch_dtype})" if self._fp8 else ")"))
 
     def close(self) -> None:
         """Release this rank's own resources (streams, events, pinned memory); the symmetric
@@ -271,10 +285,20 @@ class ExpertParallel:
             return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
         return None
 
+    @staticmethod
+    def _dispatch_dtype_problem(dtype, dispatch_dtype) -> Optional[P2PCommError]:
+        if not isinstance(dispatch_dtype, torch.dtype):
+            return InvalidArgumentError(f"dispatch_dtype must be a torch.dtype or None, got "
+                                        f"{type(dispatch_dtype).__name__}")
+        if dispatch_dtype not in (dtype, _FP8):
+            return UnsupportedError(f"dispatch_dtype {dispatch_dtype} is not supported; use None (the ep's dtype) "
+                                    f"or {_FP8} (rows with a float32 scale per {_FP8_BLOCK} columns)")
+        return None
+
     # -- dispatch ------------------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                 capturable: Optional[bool] = None) -> DispatchResult:
+                 scales: Optional[torch.Tensor] = None, capturable: Optional[bool] = None) -> DispatchResult:
         """Collective. Send each token to the ranks owning its experts.
 
         - ``x``: [T, H] tensor of the ep's dtype on the communicator's device,
@@ -282,6 +306,12 @@ class ExpertParallel:
         - ``topk_idx``: [T, K] int32 or int64, global expert ids; -1 means
           no expert for that k.
         - ``topk_weights``: [T, K] float32.
+        - ``scales``: with ``dispatch_dtype=torch.float8_e4m3fn`` only: x is
+          then float8_e4m3fn and ``scales`` [T, H/128] float32, one per 128
+          columns of each row (DeepSeek's layout; how x was quantized is the
+          caller's). Both travel bit for bit: ``recv.x`` is float8 and
+          ``recv.scales`` [R, H/128] float32 holds each row's scales.
+          Expert outputs and combine stay in the ep's dtype.
         - ``capturable``: None uses the constructor's mode. Eager (False):
           checks expert ids (a rank with bad input raises its specific
           error and every other rank raises MismatchError; no data moves),
@@ -309,26 +339,32 @@ class ExpertParallel:
         """
         capturable = self.capturable if capturable is None else bool(capturable)
         if torch.compiler.is_compiling():
+            if self._fp8 or scales is not None:
+                raise UnsupportedError("fp8 dispatch under torch.compile is not supported: call it outside the "
+                                       "compiled region")
             return self._traced_dispatch(x, topk_idx, topk_weights, capturable)
-        recv = self._dispatch(x, topk_idx, topk_weights, capturable)
+        recv = self._dispatch(x, topk_idx, topk_weights, capturable, scales)
         # A compiled combine finds it by its rows (_recv_of); an op-made result is stale now.
         self._latest, self._op_recv = weakref.ref(recv), None
         return recv
 
-    def _dispatch(self, x, topk_idx, topk_weights, capturable: bool) -> DispatchResult:
-        problem = self._check_dispatch(x, topk_idx, topk_weights)
+    def _dispatch(self, x, topk_idx, topk_weights, capturable: bool, scales=None) -> DispatchResult:
+        problem = self._check_dispatch(x, topk_idx, topk_weights, scales)
         if problem is not None and (capturable or self._closed):
             raise problem  # capturable: alone, before any barrier; closed: it can post to no peer
-        L, T, xp, ip, wp, idx_bytes = self.num_local_experts, 0, 0, 0, 0, 4
+        L, T, xp, sp, ip, wp, idx_bytes = self.num_local_experts, 0, 0, 0, 0, 0, 4
         if problem is None:
             x, T = self._rows_in(x), x.shape[0]
             idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             xp, ip, wp, idx_bytes = x.data_ptr(), idx.data_ptr(), w.data_ptr(), idx.element_size()
+            if self._fp8:
+                scales = self._aligned(scales)
+                sp = scales.data_ptr()
         stream = _raw_stream(self.comm._device_index)
         rows = self.max_recv_rows if capturable else 0
         out = self._outputs(rows) if capturable else None
-        rc = self._dispatch_fn(self._handle, xp, ip, wp, T, idx_bytes, self._code(problem), capturable,
-                               *([t.data_ptr() for t in out] if out else (0, 0, 0)), rows, stream, self._checks,
+        rc = self._dispatch_fn(self._handle, xp, sp, ip, wp, T, idx_bytes, self._code(problem), capturable,
+                               *(self._out_ptrs(out) if out else (0, 0, 0, 0)), rows, stream, self._checks,
                                self._rows_ptr)
         if rc:
             _lib.check(rc)
@@ -336,27 +372,35 @@ class ExpertParallel:
             self._raise_rejected(self._checks, problem, topk_idx, "dispatch")
             rows = self._rows.value
             out = self._outputs(rows)
-            rc = self._expand_fn(self._handle, *(t.data_ptr() for t in out), rows, stream)
+            rc = self._expand_fn(self._handle, *self._out_ptrs(out), rows, stream)
             if rc:
                 _lib.check(rc)
         # Data moved: earlier results no longer match the buffers.
         self._seq, self._seq_capturable = self._seq + 1, capturable
-        out_x, info, counts = out
-        return _packed_result(out_x, counts, info, L, capturable, _ep_id=self._id, _seq=self._seq,
-                              _num_tokens=T, _packed=(counts, info))
+        out_x, out_scales, info, counts = out
+        return _packed_result(out_x, counts, info, L, capturable, scales=out_scales, _ep_id=self._id,
+                              _seq=self._seq, _num_tokens=T, _packed=(counts, info))
 
     def _outputs(self, rows: int) -> tuple:
-        """A dispatch's outputs: x [rows, H], info [4, rows], counts [L+1] (see _packed_result)."""
+        """A dispatch's outputs: x [rows, H], scales [rows, H/128] (fp8; else None), info [4, rows],
+        counts [L+1] (see _packed_result)."""
         dev = self.device
-        return (torch.empty(rows, self.hidden, dtype=self.dtype, device=dev),
+        return (torch.empty(rows, self.hidden, dtype=self.dispatch_dtype, device=dev),
+                torch.empty(rows, self.hidden // _FP8_BLOCK, dtype=torch.float32, device=dev) if self._fp8 else None,
                 torch.empty(4, rows, dtype=torch.int32, device=dev),
                 torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=dev))
+
+    @staticmethod
+    def _out_ptrs(out: tuple) -> tuple:
+        return tuple(0 if t is None else t.data_ptr() for t in out)
 
     def _rows_in(self, x: torch.Tensor) -> torch.Tensor:
         """x as golib/moe reads it: contiguous; on GPU not a view elsewhere inside the staging buffer
         it is copied into (x built at the buffer's start is read in place, not copied)."""
         if self._xs is None:
             return x.contiguous()
+        if self._fp8:  # always copied into the buffer, data and scales apart
+            return self._aligned(x)
         if x.data_ptr() == self._xs.data_ptr() and x.is_contiguous():
             return x
         if not x.is_contiguous() or _overlaps(x, self._xs):
@@ -465,6 +509,9 @@ class ExpertParallel:
         n = self.max_tokens_per_rank if num_tokens is None else num_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_tokens_per_rank:
             raise InvalidArgumentError(f"num_tokens must be an int in [0, {self.max_tokens_per_rank}], got {n!r}")
+        if self._fp8:
+            raise UnsupportedError("get_dispatch_buffer: an fp8 ep copies x and its scales into its buffer on "
+                                   "every dispatch")
         if self._xs is None:
             if self._local_xs is None:
                 self._local_xs = torch.empty(self.max_tokens_per_rank, self.hidden, dtype=self.dtype,
@@ -555,17 +602,22 @@ class ExpertParallel:
             return InvalidArgumentError(f"{name} has shape {list(t.shape)}; expected {want}")
         return None
 
-    def _check_dispatch(self, x, topk_idx, topk_weights) -> Optional[P2PCommError]:
+    def _check_dispatch(self, x, topk_idx, topk_weights, scales=None) -> Optional[P2PCommError]:
         if self._closed:
             return StateError("ExpertParallel is closed")
-        p = self._check_tensor("x", x, (self.dtype,), (None, self.hidden))
+        p = self._check_tensor("x", x, (self.dispatch_dtype,), (None, self.hidden))
         if p is not None:
             return p
         T = x.shape[0]
         if T > self.max_tokens_per_rank:
             return InvalidArgumentError(f"x has {T} tokens, more than max_tokens_per_rank="
                                         f"{self.max_tokens_per_rank}")
-        return (self._check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), (T, self.topk))
+        if self._fp8:
+            p = self._check_tensor("scales", scales, (torch.float32,), (T, self.hidden // _FP8_BLOCK))
+        elif scales is not None:
+            p = InvalidArgumentError("scales are for fp8 dispatch (ExpertParallel(..., dispatch_dtype="
+                                     "torch.float8_e4m3fn)); this ep dispatches rows of its dtype")
+        return (p or self._check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), (T, self.topk))
                 or self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, self.topk)))
 
     def _check_combine(self, expert_out, recv) -> Optional[P2PCommError]:

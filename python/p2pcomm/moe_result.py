@@ -17,7 +17,10 @@ class DispatchResult:
     source token index, then k (a token routed twice to the same expert, at
     two k's, gives two rows). All tensors are on the communicator's device.
 
-    - ``x``: [R, H] tensor of the ep's dtype, contiguous: the token rows.
+    - ``x``: [R, H] tensor of the ep's dtype (its dispatch_dtype: float8
+      for fp8 dispatch), contiguous: the token rows.
+    - ``scales``: fp8 dispatch: [R, H/128] float32, each row's scales as its
+      source passed them; None otherwise.
     - ``expert_counts``: [E/W] int32: rows per local expert (sums to R).
     - ``num_rows``: [1] int32: R, on the device (never needs a host sync).
     - ``local_expert``: [R] int32: local expert id of each row (0..E/W-1).
@@ -49,12 +52,13 @@ class DispatchResult:
     _packed: Optional[tuple] = dataclasses.field(default=None, repr=False)
     # Traced by torch.compile: the public fields are the op's outputs; combine finds the rest by x.
     _from_op: bool = dataclasses.field(default=False, repr=False)
+    scales: Optional[torch.Tensor] = None
 
 
-def _packed_result(x, counts, info, num_local: int, capturable: bool, **private) -> DispatchResult:
+def _packed_result(x, counts, info, num_local: int, capturable: bool, scales=None, **private) -> DispatchResult:
     """A DispatchResult of views of counts [L+1] (rows per local expert, then R) and info [4, R]
     (local expert, source rank, source token, weight's float32 bits)."""
     L = num_local
     return DispatchResult(x=x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0],
                           src_rank=info[1], src_token=info[2], weight=info[3].view(torch.float32),
-                          capturable=capturable, **private)
+                          capturable=capturable, scales=scales, **private)

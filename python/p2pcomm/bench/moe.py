@@ -14,6 +14,9 @@ with --combine-dtype; both by default); the baseline sends a row per
 (token, expert) pair and gets a row of dtype back per pair (the usual
 all-to-all dispatcher: count exchange, all_to_all_single of the permuted
 rows, local permute into expert-major order, and the reverse for combine).
+On GPUs of one node, rows "p2pcomm fp8" dispatch the same tokens quantized to
+float8 with a float32 scale per 128 columns (dispatch_dtype=torch.float8_e4m3fn;
+GB/s counts those bytes), and combine their dequantized rows (--no-fp8: skip).
 
 The first table times each call after a host barrier and then a stream
 barrier (not timed), so that the ranks' streams start the call together
@@ -315,6 +318,8 @@ def _bench_moe(args) -> int:
             got, phases = run.bench(transit)
             new += got
             phase_rows += phases
+        if cuda and nodes == 1 and not args.no_fp8:
+            new += run.bench_fp8(transits[0])
         rows += new
         say("\n".join(text_table(HEADERS, [r.cells() for r in new], _NUMERIC, widths).splitlines()[2:]))
     if phase_rows:
@@ -374,6 +379,49 @@ class P2PRun:
         del ep
         return rows, phases
 
+    def bench_fp8(self, transit: torch.dtype) -> list[MoeRow]:
+        """Rows of fp8 dispatch (dispatch_dtype=torch.float8_e4m3fn): x quantized once, a float32 scale per
+        128 columns; combine takes the received rows dequantized (once, outside the timing), in the model
+        dtype. Checked against the baseline's combine within fp8's rounding."""
+        from ..moe import ExpertParallel
+
+        a, T, H, label = self.args, self.tokens, self.hidden, _name(transit)
+        modes = ["eager"] + (["graph"] if not a.no_graph else [])
+        try:
+            ep = ExpertParallel(self.comm, num_experts=a.experts, hidden=H, max_tokens_per_rank=T, topk=a.topk,
+                                dtype=self.dtype, num_sms=a.num_sms, combine_dtype=transit,
+                                dispatch_dtype=torch.float8_e4m3fn)
+        except Exception as e:  # noqa: BLE001 - reported as rows
+            return [MoeRow(T, "p2pcomm fp8", m, label, status=na(e)) for m in modes]
+        x, idx, w = self.data
+        blocks = x.float().view(T, H // 128, 128)
+        scales = (blocks.abs().amax(dim=2) / 448.0).clamp(min=1e-8)
+        x8 = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+        rows = []
+        for mode in modes:
+            try:
+                capturable = mode != "eager"
+                recv = ep.dispatch(x8, idx, w, scales=scales, capturable=capturable)
+                expert_out = (recv.x.float() * recv.scales.repeat_interleave(128, dim=1)).to(self.dtype)
+                y = ep.combine(expert_out, recv)
+                ok = agree_all(self.ref is None or _near(y, self.ref), self.ctl)
+                dispatch = lambda: ep.dispatch(x8, idx, w, scales=scales, capturable=capturable)  # noqa: E731
+                combine = lambda r: ep.combine(expert_out, r)  # noqa: E731
+                if capturable:
+                    td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl,
+                                         aligned_start(self.comm, True))
+                else:
+                    td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl,
+                                       aligned_start(self.comm, False))
+                sent = self.p2p_rows * H
+                rows.append(MoeRow(T, "p2pcomm fp8", mode, label, td * 1e6, sent * (1 + 4 / 128) / td / 1e9,
+                                   tc * 1e6, sent * transit.itemsize / tc / 1e9, "ok" if ok else "WRONG"))
+            except Exception as e:  # noqa: BLE001
+                self._settle()
+                rows.append(MoeRow(T, "p2pcomm fp8", mode, label, status=na(e)))
+        del ep
+        return rows
+
     def phase_modes(self) -> list[str]:
         cuda, graphs = self.device.type == "cuda", not self.args.no_graph
         return ["eager", "capturable"] + (["graph", "graph+buf"] if cuda and graphs else [])
@@ -423,6 +471,12 @@ class P2PRun:
     def _settle(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+
+def _near(y, ref) -> bool:
+    """fp8 rows carry 3 mantissa bits: the combine of their dequantized values stays within a few percent
+    of the exact rows' (norm-wise)."""
+    return bool(torch.linalg.vector_norm((y.float() - ref.float())) <= 0.08 * torch.linalg.vector_norm(ref.float()))
 
 
 def _close(y, ref, dtype, transit) -> bool:
@@ -478,6 +532,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sms", type=int, default=24, help="ExpertParallel num_sms (GPU kernels' blocks)")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions; the median is reported")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-fp8", action="store_true",
+                   help="GPU: skip the fp8 dispatch rows (dispatch_dtype=torch.float8_e4m3fn: float8 rows and a "
+                        "float32 scale per 128 columns)")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph (capturable) rows")
     p.add_argument("--compile", action="store_true",
                    help="also time dispatch and combine under torch.compile: eager calls (mode compiled) and, on "
