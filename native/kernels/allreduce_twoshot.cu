@@ -49,12 +49,6 @@ DINLINE void twoshot(const AllReduceParams& p, BlockState& st) {
   // Slice `rank` is reduced once, here, and copied everywhere: all ranks end
   // with bit-identical values.
   const Range own = slice_range(p.count, p.world, p.rank, P);
-  if (p.flags & kFlagDirect) {
-    reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs_all(p.peer_in, p.world), p.world,
-                    block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
-    barrier_all(p, st, kPhaseEnd);
-    return;
-  }
   if (p.flags & kFlagPull) {
     // Pull (kFlagPull, large payloads): the reduced slice stays in this rank's
     // scratch; after the mid barrier every rank reads the others' slices.
@@ -70,8 +64,15 @@ DINLINE void twoshot(const AllReduceParams& p, BlockState& st) {
   barrier_all(p, st, kPhaseEnd);
   return;
   }
-  reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs_all(p.peer_scratch, p.world), p.world,
-                  block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
+  // Push into every rank's scratch, or (kFlagDirect) into every rank's buffer itself; one call site for
+  // both, since each inlined reduce_range instantiates every op and rank count (NVRTC time).
+  const bool direct = (p.flags & kFlagDirect) != 0;
+  reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs_all(direct ? p.peer_in : p.peer_scratch, p.world),
+                  p.world, block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
+  if (direct) {
+    barrier_all(p, st, kPhaseEnd);
+    return;
+  }
   if (!barrier_all(p, st, kPhaseMid)) return;
 
   const char* scratch = (const char*)p.peer_scratch[p.rank];
