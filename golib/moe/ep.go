@@ -202,6 +202,16 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 	if err := e.usable(); err != nil {
 		return 0, err
 	}
+	// An eager fp8 call without its rows' scales still takes part (as a
+	// rejected one), so that its peers fail with it instead of waiting.
+	var own error
+	if e.fp8 && a.Check == 0 && a.NumTokens > 0 && a.Scales == 0 {
+		own = status.Errorf(status.InvalidArgument, "ExpertParallel: an fp8 dispatch needs the rows' scales")
+		if a.Capturable {
+			return 0, own
+		}
+		a.Check = int32(status.InvalidArgument)
+	}
 	if a.Check != 0 || a.NumTokens < 0 {
 		a.X, a.Scales, a.TopkIdx, a.TopkWeights, a.NumTokens, a.IdxBytes = 0, 0, 0, 0, 0, 4
 		if a.Check == 0 {
@@ -212,8 +222,8 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: %d tokens of %d-byte ids (at most %d tokens)",
 			a.NumTokens, a.IdxBytes, e.maxTokens)
 	}
-	if e.fp8 && ((a.Check == 0 && a.NumTokens > 0 && a.Scales == 0) || (a.Capturable && a.Out.Scales == 0)) {
-		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: an fp8 dispatch needs the rows' scales and room for the received ones")
+	if e.fp8 && a.Capturable && a.Out.Scales == 0 {
+		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: a capturable fp8 dispatch needs room for the received rows' scales")
 	}
 	if a.Capturable && a.Out.Rows != e.maxRecvRows {
 		return 0, status.Errorf(status.InvalidArgument, "ExpertParallel: a capturable dispatch returns %d rows, got room for %d",
@@ -229,6 +239,9 @@ func (e *EP) Dispatch(a *DispatchArgs) (int64, error) {
 		rows, err = e.staged.dispatch(e.cpu, a, e.checks)
 	default:
 		rows, err = e.cpu.dispatch(a, e.checks)
+	}
+	if own != nil && err == nil {
+		err = own
 	}
 	if err != nil || a.Capturable {
 		return rows, err

@@ -3,6 +3,7 @@ package moe
 import (
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -27,7 +28,8 @@ type fakeGPU struct {
 	host     []byte  // MemHostAlloc's memory
 	hostFill []int32 // what a copy into host memory finds on the device
 	side     uintptr
-	quiet    bool // record nothing (allocation counts)
+	quiet    bool        // record nothing (allocation counts)
+	copies   [][3]uint64 // each device copy's destination, source and bytes
 }
 
 const fakeStream, fakeSide = 0x5000, 0x6000
@@ -106,6 +108,7 @@ func (f *fakeGPU) MemcpyAsync(dst, src uintptr, n uint64, stream uintptr) error 
 	}
 	if !f.quiet {
 		f.step("copy %d bytes on %s", n, f.stream(stream))
+		f.copies = append(f.copies, [3]uint64{uint64(dst), uint64(src), n})
 	}
 	return nil
 }
@@ -323,7 +326,7 @@ func TestGPUFP8DispatchSteps(t *testing.T) {
 	fakeRanks(t, 2, c, func(r int, ep *EP, g *fakeGPU) error {
 		out := Rows{X: 0xc000, Scales: 0xc800, Info: 0xd000, Counts: 0xe000, Rows: ep.maxRecvRows}
 		for _, x := range []uintptr{0x9000, ep.Info().Staging} {
-			g.steps, g.params = nil, nil
+			g.steps, g.params, g.copies = nil, nil, nil
 			if _, err := ep.Dispatch(&DispatchArgs{X: x, Scales: 0x9800, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 16,
 				IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); err != nil {
 				return err
@@ -346,6 +349,10 @@ func TestGPUFP8DispatchSteps(t *testing.T) {
 			if ex.OutX != 0xc000 || ex.OutScales != 0xc800 || ex.RowBytes != 7168 || ex.ScaleBytes != 224 ||
 				ex.XsScales != 4096*7168 {
 				return fmt.Errorf("expand %+v", ex)
+			}
+			xs := uint64(ep.Info().Staging)
+			if want := [][3]uint64{{xs, uint64(x), 16 * 7168}, {xs + 4096*7168, 0x9800, 16 * 56 * 4}}; !reflect.DeepEqual(g.copies, want) {
+				return fmt.Errorf("copies %#x, want %#x", g.copies, want)
 			}
 		}
 		// Without scales, or without room for the received ones: refused.

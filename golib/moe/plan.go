@@ -93,6 +93,9 @@ func kernelProblem(c Config, world int) error {
 	default:
 		return nil
 	}
+	if c.DispatchFP8 {
+		return status.Errorf(status.Unsupported, "ExpertParallel on GPU cannot take %s", why)
+	}
 	return status.Errorf(status.Unsupported, "ExpertParallel on GPU cannot take %s; the CPU backend can", why)
 }
 

@@ -339,9 +339,12 @@ class ExpertParallel:
         """
         capturable = self.capturable if capturable is None else bool(capturable)
         if torch.compiler.is_compiling():
-            if self._fp8 or scales is not None:
+            if self._fp8:
                 raise UnsupportedError("fp8 dispatch under torch.compile is not supported: call it outside the "
                                        "compiled region")
+            if scales is not None:
+                raise InvalidArgumentError("scales are for fp8 dispatch (ExpertParallel(..., dispatch_dtype="
+                                           "torch.float8_e4m3fn)); this ep dispatches rows of its dtype")
             return self._traced_dispatch(x, topk_idx, topk_weights, capturable)
         recv = self._dispatch(x, topk_idx, topk_weights, capturable, scales)
         # A compiled combine finds it by its rows (_recv_of); an op-made result is stale now.
