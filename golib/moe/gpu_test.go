@@ -267,6 +267,16 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 	}
 }
 
+// capturableStagedSteps is a capturable dispatch of x staged on the side
+// stream (bf16Config's grid), with copies between the gate and the flags.
+func capturableStagedSteps(copies ...string) []string {
+	steps := []string{"record on main", "side waits", "moe_dispatch_send grid 24 block 512 shared 576 on main",
+		"moe_stage_gate grid 1 block 32 shared 0 on side"}
+	steps = append(steps, copies...)
+	return append(steps, "moe_stage_done grid 1 block 32 shared 0 on side", "record on side", "main waits",
+		"moe_dispatch_expand grid 24 block 512 shared 96 on main")
+}
+
 func TestGPUCapturableDispatchSteps(t *testing.T) {
 	fakeRanks(t, 2, bf16Config, func(r int, ep *EP, g *fakeGPU) error {
 		out := Rows{X: 0xc000, Info: 0xd000, Counts: 0xe000, Rows: ep.maxRecvRows}
@@ -275,17 +285,7 @@ func TestGPUCapturableDispatchSteps(t *testing.T) {
 			Capturable: true, Stream: fakeStream, Out: out}); err != nil {
 			return err
 		}
-		if err := want(g.steps, []string{
-			"record on main",
-			"side waits",
-			"moe_dispatch_send grid 24 block 512 shared 576 on main",
-			"moe_stage_gate grid 1 block 32 shared 0 on side",
-			"copy 229376 bytes on side",
-			"moe_stage_done grid 1 block 32 shared 0 on side",
-			"record on side",
-			"main waits",
-			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
-		}); err != nil {
+		if err := want(g.steps, capturableStagedSteps("copy 229376 bytes on side")); err != nil {
 			return err
 		}
 		send := decode[dispatchParams](g.params[0])
@@ -331,18 +331,8 @@ func TestGPUFP8DispatchSteps(t *testing.T) {
 				IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); err != nil {
 				return err
 			}
-			if err := want(g.steps, []string{
-				"record on main",
-				"side waits",
-				"moe_dispatch_send grid 24 block 512 shared 576 on main",
-				"moe_stage_gate grid 1 block 32 shared 0 on side",
-				"copy 114688 bytes on side", // 16 rows of 7168 float8
-				"copy 3584 bytes on side",   // and their 56 scales each
-				"moe_stage_done grid 1 block 32 shared 0 on side",
-				"record on side",
-				"main waits",
-				"moe_dispatch_expand grid 24 block 512 shared 96 on main",
-			}); err != nil {
+			// 16 rows of 7168 float8, and their 56 scales each.
+			if err := want(g.steps, capturableStagedSteps("copy 114688 bytes on side", "copy 3584 bytes on side")); err != nil {
 				return err
 			}
 			ex := decode[expandParams](g.params[3])
