@@ -1,5 +1,6 @@
 """Every command line of the package answers --help with its usage and does nothing else."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,28 +15,36 @@ COMMANDS = [["p2pcomm.demo"], ["p2pcomm.bench"], ["p2pcomm.bench", "allreduce"],
             ["p2pcomm.precompile"]]
 
 
+# Runs each command as `python -m MODULE ARGS --help` would (runpy, as __main__), in an empty folder of its
+# own, all in one process: each would import torch, which costs seconds of CPU per process.
+DRIVER = """
+import contextlib, io, json, os, runpy, sys
+root, got = sys.argv[1], {}
+for i, command in enumerate(json.loads(sys.argv[2])):
+    cwd = os.path.join(root, str(i))
+    os.mkdir(cwd)
+    os.chdir(cwd)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [command[0], *command[1:], "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module(command[0], run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    got[" ".join(command)] = (code, out.getvalue(), err.getvalue(), os.listdir(cwd))
+print(json.dumps(got))
+"""
+
+
 @pytest.fixture(scope="module")
 def answers():
-    """Every command's --help, run at once (each imports torch: seconds apart, much less together), each in
-    an empty folder of its own: name -> (return code, stdout, stderr, files left in the folder)."""
+    """Every command's --help: name -> (return code, stdout, stderr, files left in its folder)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    runs = {}
     with tempfile.TemporaryDirectory() as root:
-        for i, command in enumerate(COMMANDS):
-            cwd = os.path.join(root, str(i))
-            os.mkdir(cwd)
-            proc = subprocess.Popen([sys.executable, "-m", *command, "--help"], cwd=cwd, env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            runs[" ".join(command)] = (proc, cwd)
-        got = {}
-        for name, (proc, cwd) in runs.items():
-            try:
-                out, err = proc.communicate(timeout=180)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-            got[name] = (proc.returncode, out, err, os.listdir(cwd))
-    return got
+        proc = subprocess.run([sys.executable, "-c", DRIVER, root, json.dumps(COMMANDS)], env=env, text=True,
+                              capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
