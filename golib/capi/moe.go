@@ -62,9 +62,10 @@ func p2p_moe_create(h C.uint64_t, config *C.char, ep *C.uint64_t, info *C.char, 
 // passed, else its error's status code: the call then only takes part). A
 // capturable call runs entirely into out_x [rows, H] (and out_scales
 // [rows, H/128]), out_info [4, rows] and out_counts [L+1] (rows: the ep's
-// max_recv_rows) and never waits on the host. An eager one writes every rank's verdict into checks (world
-// size entries) and, when all passed, the rows this rank receives into
-// *rows: then p2p_moe_expand must follow with outputs of that size.
+// max_recv_rows) and never waits on the host. An eager one writes every
+// rank's verdict into checks (world size entries) and, when all passed,
+// the rows this rank receives into *rows: then p2p_moe_expand must follow
+// with outputs of that size.
 //
 //export p2p_moe_dispatch
 func p2p_moe_dispatch(ep C.uint64_t, x, scales, topkIdx, topkW C.uint64_t, numTokens C.int64_t, idxBytes, check, capturable C.int32_t,

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import p2pcomm
 from conftest import GPU_ONLY, same_on_all_ranks
 from p2pcomm.communicator import local_cuda_index
+from test_gpu_matrix import make_input
 
 pytestmark = GPU_ONLY
 
@@ -419,18 +420,6 @@ def test_close_gives_back_the_gpu_memory_it_took(group):
     assert lost <= 2 << 20, f"10 communicators made and closed took {lost / 2**20:.1f} MiB for good"
 
 
-def rank_part(n, dtype, op, seed, q):
-    """Rank q's input for a reduction test: random, kept where prod stays finite."""
-    g = torch.Generator(device="cuda").manual_seed(seed * 64 + q)
-    if dtype.is_floating_point:
-        x = torch.randn(n, device="cuda", generator=g)
-        if op == "prod":
-            x = x.sign() * (0.5 + x.abs().clamp(max=1.5))
-        return x.to(dtype)
-    return torch.randint(-4 if op == "prod" else -1000, 5 if op == "prod" else 1001, (n,), device="cuda",
-                         generator=g, dtype=dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32],
                          ids=lambda d: str(d).split(".")[1])
 def test_two_shot_in_place_on_registered_buffers(comms, dtype):
@@ -444,7 +433,7 @@ def test_two_shot_in_place_on_registered_buffers(comms, dtype):
     buf = comm.empty(max(sizes), dtype=dtype)
     for si, n in enumerate(sizes):
         for oi, op in enumerate(["sum", "prod", "min", "max", "avg"]):
-            parts = [rank_part(n, dtype, op, si * 8 + oi, q) for q in range(w)]
+            parts = [make_input(n, dtype, op, q, si * 8 + oi) for q in range(w)]
             wide = torch.stack([p.double() if dtype.is_floating_point else p.long() for p in parts])
             want = {"sum": lambda: wide.sum(0), "prod": lambda: wide.prod(0), "min": lambda: wide.amin(0),
                     "max": lambda: wide.amax(0),
