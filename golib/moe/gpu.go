@@ -148,8 +148,8 @@ func (g *gpuEngine) setup(p *plan) (err error) {
 	g.dp = dispatchParams{PeerMeta: peerMeta, PeerHdr: peerHdr, SendSlot: uint64(g.sendSlot), PairRank: uint64(g.pairRank),
 		MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), NumExperts: int32(E), Rank: rank, World: world}
 	g.xp = expandParams{PeerXs: peerXs, Meta: uint64(g.meta), Hdr: uint64(g.hdr), CombRows: uint64(g.combRows),
-		MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), NumLocal: int32(L), World: world, Rank: rank,
-		RowBytes: int32(p.dispatchRowBytes()), ScaleBytes: int32(p.scaleBytes()), XsScales: g.xsScales()}
+		MaxTokens: int32(Tm), RowBytes: int32(p.dispatchRowBytes()), TopK: int32(K), NumLocal: int32(L), World: world,
+		Rank: rank, ScaleBytes: int32(p.scaleBytes()), XsScales: g.xsScales()}
 	g.cp = combineParams{PeerComb: peerComb, Meta: uint64(g.meta), Hdr: uint64(g.hdr), CombRows: uint64(g.combRows),
 		SendSlot: uint64(g.sendSlot), MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), Rank: rank,
 		World: world, NumLocal: int32(L)}

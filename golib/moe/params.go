@@ -78,7 +78,7 @@ type expandParams struct {
 	CombRows     uint64           `c:"comb_rows"`
 	RowCap       int64            `c:"row_cap"`
 	MaxTokens    int32            `c:"max_tokens"`
-	Hidden       int32            `c:"hidden"`
+	RowBytes     int32            `c:"row_bytes"`
 	TopK         int32            `c:"topk"`
 	NumLocal     int32            `c:"num_local"`
 	World        int32            `c:"world"`
@@ -86,8 +86,8 @@ type expandParams struct {
 	Sync         syncParams       `c:"sync"`
 	OutScales    uint64           `c:"out_scales"`
 	XsScales     int64            `c:"xs_scales"`
-	RowBytes     int32            `c:"row_bytes"`
 	ScaleBytes   int32            `c:"scale_bytes"`
+	Pad          int32            `c:"pad"`
 }
 
 // combineParams mirrors MoeCombineParams.

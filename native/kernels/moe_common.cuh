@@ -213,7 +213,7 @@ static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::p
 //   104    8    comb_rows      [W * Tm, K] i32, local output
 //   112    8    row_cap        i64: rows of out_x (R eager, W*Tm*K capturable)
 //   120    4    max_tokens     Tm
-//   124    4    hidden         H
+//   124    4    row_bytes      bytes of a row: H * sizeof(T), or H (fp8)
 //   128    4    topk           K
 //   132    4    num_local      L
 //   136    4    world          W
@@ -222,8 +222,8 @@ static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::p
 //   248    8    out_scales     [row_cap, H/128] f32: the rows' scales (fp8)
 //   256    8    xs_scales      i64: where in each xs the staged rows' scales
 //                              start (fp8: Tm * H)
-//   264    4    row_bytes      bytes of a row: H * sizeof(T), or H (fp8)
-//   268    4    scale_bytes    bytes of a row's scales: H/128 * 4 (fp8), or 0
+//   264    4    scale_bytes    bytes of a row's scales: H/128 * 4 (fp8), or 0
+//   268    4    pad            unused, to a multiple of 8
 //   total  272, aligned to 8
 struct MoeExpandParams {
   void* peer_xs[kMaxRanks];
@@ -235,7 +235,7 @@ struct MoeExpandParams {
   int* comb_rows;
   i64 row_cap;
   int max_tokens;
-  int hidden;
+  int row_bytes;
   int topk;
   int num_local;
   int world;
@@ -243,8 +243,8 @@ struct MoeExpandParams {
   MoeSync sync;
   float* out_scales;
   i64 xs_scales;
-  int row_bytes;
   int scale_bytes;
+  int pad;
 };
 static_assert(sizeof(MoeExpandParams) == 272, "MoeExpandParams size");
 static_assert(sizeof(MoeExpandParams::peer_xs) + 7 * sizeof(void*) + 2 * sizeof(i64) + 8 * sizeof(int) +
