@@ -267,7 +267,7 @@ template <typename T> struct AccPack {
 // inputs (in local rank order), in Acc, unrounded, for i in r. Avg sums
 // (the owner divides).
 template <typename T, typename O>
-DINLINE void fold_partial_op(const Ptrs& in, int nin, char* dst, Range r) {
+DINLINE void fold_partial_op(const Ptrs& in, int nin, char* dst, Range r, const O red) {
   typedef typename Num<T>::Acc Acc;
   constexpr int P = PackOf<T>::kElems;
   for (i64 i = r.begin + (i64)threadIdx.x * P; i < r.end; i += (i64)blockDim.x * P) {
@@ -289,7 +289,7 @@ DINLINE void fold_partial_op(const Ptrs& in, int nin, char* dst, Range r) {
         if (q < nin) {
           x.v = raw[q];
 #pragma unroll
-          for (int e = 0; e < P; ++e) acc.e[e] = O::apply(acc.e[e], Num<T>::to(x.e[e]));
+          for (int e = 0; e < P; ++e) acc.e[e] = red.apply(acc.e[e], Num<T>::to(x.e[e]));
         }
       }
 #pragma unroll
@@ -300,7 +300,7 @@ DINLINE void fold_partial_op(const Ptrs& in, int nin, char* dst, Range r) {
         Acc acc = Num<T>::to(ld_elem<T>(in.p[0] + o));
 #pragma unroll
         for (int q = 1; q < kMaxRanks; ++q) {
-          if (q < nin) acc = O::apply(acc, Num<T>::to(ld_elem<T>(in.p[q] + o)));
+          if (q < nin) acc = red.apply(acc, Num<T>::to(ld_elem<T>(in.p[q] + o)));
         }
         st_elem<Acc>(dst + (k - r.begin) * (i64)sizeof(Acc), acc);
       }
@@ -312,7 +312,8 @@ DINLINE void fold_partial_op(const Ptrs& in, int nin, char* dst, Range r) {
 // partials (in node order, Acc), divided for avg, rounded once to T; n
 // elements.
 template <typename T, typename O>
-DINLINE void fold_finish_op(const Ptrs& parts, int nparts, char* out, char* out2, i64 n, int divisor) {
+DINLINE void fold_finish_op(const Ptrs& parts, int nparts, char* out, char* out2, i64 n, int divisor,
+                            const O red) {
   typedef typename Num<T>::Acc Acc;
   constexpr int P = PackOf<T>::kElems;
   constexpr int AV = AccPack<T>::kV16;
@@ -328,7 +329,7 @@ DINLINE void fold_finish_op(const Ptrs& parts, int nparts, char* out, char* out2
 #pragma unroll
           for (int v = 0; v < AV; ++v) x.v[v] = ld_v16(parts.p[m] + aoff + v * kPackBytes);
 #pragma unroll
-          for (int e = 0; e < P; ++e) acc.e[e] = O::apply(acc.e[e], x.e[e]);
+          for (int e = 0; e < P; ++e) acc.e[e] = red.apply(acc.e[e], x.e[e]);
         }
       }
       Pack<T> o;
@@ -342,7 +343,7 @@ DINLINE void fold_finish_op(const Ptrs& parts, int nparts, char* out, char* out2
         Acc acc = ld_elem<Acc>(parts.p[0] + o);
 #pragma unroll
         for (int m = 1; m < kMaxNodes; ++m) {
-          if (m < nparts) acc = O::apply(acc, ld_elem<Acc>(parts.p[m] + o));
+          if (m < nparts) acc = red.apply(acc, ld_elem<Acc>(parts.p[m] + o));
         }
         const T x = Num<T>::from(finish(acc, divisor));
         st_elem<T>(out + k * (i64)sizeof(T), x);
@@ -355,21 +356,19 @@ DINLINE void fold_finish_op(const Ptrs& parts, int nparts, char* out, char* out2
 template <typename T>
 DINLINE void fold_partial(const Ptrs& in, int nin, char* dst, i64 begin, i64 end, int op) {
   const Range r{begin, end};
-  switch (op) {
-    case kOpProd: fold_partial_op<T, OpProd>(in, nin, dst, r); break;
-    case kOpMin: fold_partial_op<T, OpMin>(in, nin, dst, r); break;
-    case kOpMax: fold_partial_op<T, OpMax>(in, nin, dst, r); break;
-    default: fold_partial_op<T, OpSum>(in, nin, dst, r); break;
+  if (is_other_op(op)) {
+    fold_partial_op<T>(in, nin, dst, r, OpOther{op});
+  } else {
+    fold_partial_op<T>(in, nin, dst, r, OpSum{});
   }
 }
 
 template <typename T>
 DINLINE void fold_finish(const Ptrs& parts, int nparts, char* out, char* out2, i64 n, int op, int divisor) {
-  switch (op) {
-    case kOpProd: fold_finish_op<T, OpProd>(parts, nparts, out, out2, n, divisor); break;
-    case kOpMin: fold_finish_op<T, OpMin>(parts, nparts, out, out2, n, divisor); break;
-    case kOpMax: fold_finish_op<T, OpMax>(parts, nparts, out, out2, n, divisor); break;
-    default: fold_finish_op<T, OpSum>(parts, nparts, out, out2, n, divisor); break;
+  if (is_other_op(op)) {
+    fold_finish_op<T>(parts, nparts, out, out2, n, divisor, OpOther{op});
+  } else {
+    fold_finish_op<T>(parts, nparts, out, out2, n, divisor, OpSum{});
   }
 }
 

@@ -73,7 +73,7 @@ template <typename T> DINLINE void write_line(char* dst, i64 i, i64 nbytes, u64 
 // ll_combine reduces one line of every rank, in rank order 0..world-1 (the
 // same order on every rank: bit-identical results).
 template <typename T, typename O>
-DINLINE u64 ll_combine(const u64 (&v)[kMaxRanks], int world, int divisor) {
+DINLINE u64 ll_combine(const u64 (&v)[kMaxRanks], int world, int divisor, const O red) {
   typedef typename Num<T>::Acc Acc;
   constexpr int N = (int)(kLLData / sizeof(T));
   Line<T> in, out;
@@ -86,7 +86,7 @@ DINLINE u64 ll_combine(const u64 (&v)[kMaxRanks], int world, int divisor) {
     if (s < world) {
       in.u = v[s];
 #pragma unroll
-      for (int j = 0; j < N; ++j) acc[j] = O::apply(acc[j], Num<T>::to(in.e[j]));
+      for (int j = 0; j < N; ++j) acc[j] = red.apply(acc[j], Num<T>::to(in.e[j]));
     }
   }
 #pragma unroll
@@ -112,7 +112,7 @@ DINLINE bool gather_line(const AllReduceParams& p, const LLHalf& h, const char* 
 }
 
 template <typename T, typename O>
-DINLINE void oneshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
+DINLINE void oneshot_ll_body(const AllReduceParams& p, const LLHalf& h, const O red) {
   const i64 nbytes = p.count * (i64)sizeof(T);
   const i64 lines = ll_lines(nbytes);
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
@@ -122,12 +122,12 @@ DINLINE void oneshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
   for (i64 i = first; i < lines; i += stride) {
     u64 v[kMaxRanks];
     if (!gather_line(p, h, mine, i, read_line<T>(src, i, nbytes), v)) return;
-    write_line<T>((char*)p.out, i, nbytes, ll_combine<T, O>(v, p.world, divisor));
+    write_line<T>((char*)p.out, i, nbytes, ll_combine<T>(v, p.world, divisor, red));
   }
 }
 
 template <typename T, typename O>
-DINLINE void twoshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
+DINLINE void twoshot_ll_body(const AllReduceParams& p, const LLHalf& h, const O red) {
   constexpr int P = PackOf<T>::kElems;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
   const char* src = (const char*)p.local_src;
@@ -139,7 +139,7 @@ DINLINE void twoshot_ll_body(const AllReduceParams& p, const LLHalf& h) {
   for (i64 j = first; j < ll_lines(own_bytes); j += stride) {
     u64 v[kMaxRanks];
     if (!gather_line(p, h, from_a, j, read_line<T>(src + own_at, j, own_bytes), v)) return;
-    const u64 r = ll_combine<T, O>(v, p.world, divisor);
+    const u64 r = ll_combine<T>(v, p.world, divisor, red);
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
       if (d < p.world && d != p.rank) ll_store(ll_slot_b(p, h, d, p.rank) + j * kLLLine, r, h.flag);
@@ -179,11 +179,10 @@ __global__ void __launch_bounds__(kThreads) allreduce_oneshot_ll(const AllReduce
     }
   }
   if (ll_agree(p, h, st, kRowsStart)) {
-    switch (p.op) {
-      case kOpProd: oneshot_ll_body<T, OpProd>(p, h); break;
-      case kOpMin: oneshot_ll_body<T, OpMin>(p, h); break;
-      case kOpMax: oneshot_ll_body<T, OpMax>(p, h); break;
-      default: oneshot_ll_body<T, OpSum>(p, h); break;
+    if (is_other_op(p.op)) {
+      oneshot_ll_body<T>(p, h, OpOther{p.op});
+    } else {
+      oneshot_ll_body<T>(p, h, OpSum{});
     }
   }
   ll_end(p, st);
@@ -210,11 +209,10 @@ __global__ void __launch_bounds__(kThreads) allreduce_twoshot_ll(const AllReduce
     }
   }
   if (ll_agree(p, h, st, kRowsStart)) {
-    switch (p.op) {
-      case kOpProd: twoshot_ll_body<T, OpProd>(p, h); break;
-      case kOpMin: twoshot_ll_body<T, OpMin>(p, h); break;
-      case kOpMax: twoshot_ll_body<T, OpMax>(p, h); break;
-      default: twoshot_ll_body<T, OpSum>(p, h); break;
+    if (is_other_op(p.op)) {
+      twoshot_ll_body<T>(p, h, OpOther{p.op});
+    } else {
+      twoshot_ll_body<T>(p, h, OpSum{});
     }
   }
   ll_end(p, st);

@@ -65,7 +65,7 @@ DINLINE void twoshot(const AllReduceParams& p, BlockState& st) {
   return;
   }
   // Push into every rank's scratch, or (kFlagDirect) into every rank's buffer itself; one call site for
-  // both, since each inlined reduce_range instantiates every op and rank count (NVRTC time).
+  // both, since each inlined reduce_range is two reduction bodies unrolled over kMaxRanks (NVRTC time).
   const bool direct = (p.flags & kFlagDirect) != 0;
   reduce_range<T>(ptrs_all(p.peer_in, p.world), p.world, ptrs_all(direct ? p.peer_in : p.peer_scratch, p.world),
                   p.world, block_range(own.begin, own.end, P), p.op, p.op == kOpAvg ? p.world : 0);
