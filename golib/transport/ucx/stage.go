@@ -470,6 +470,20 @@ func (t *Transport) sendSlotFree(st *stager, slot int) bool {
 	return true
 }
 
+// sendSlotsBusy frees the requests of rank r's send slots whose puts
+// completed and reports whether any is still under way.
+func (t *Transport) sendSlotsBusy(r int) bool {
+	if t.stage == nil {
+		return false
+	}
+	st := &t.stage.peers[r]
+	busy := false
+	for slot := range st.sendReq {
+		busy = !t.sendSlotFree(st, slot) || busy
+	}
+	return busy
+}
+
 // issue hands one chunk to UCP. Data for a host destination is one put.
 // A ring entry is the header with the data after it in one put (data from
 // a host source goes in a put of its own first), a fence, and the

@@ -175,7 +175,54 @@ func TestStagedPutWithSignal(t *testing.T) {
 	expectOK(t, runJob(t, "stagedpingpong", 2, 60*time.Second))
 }
 
-func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) error {
+// TestStagedCloseWithoutFlush: a transport closed right after its staged
+// puts arrived, with no flush, hands every request back to UCP (which
+// otherwise warns at exit that requests were not returned).
+func TestStagedCloseWithoutFlush(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagedclose", 2, 60*time.Second))
+}
+
+// heldRequests counts the UCP requests t still holds: operations pending
+// toward its peers and staged puts reading a send slot.
+func heldRequests(t *Transport) int {
+	n := 0
+	for r := range t.peers {
+		n += len(t.peers[r].pending)
+		if t.stage == nil {
+			continue
+		}
+		for _, reqs := range t.stage.peers[r].sendReq {
+			for _, req := range reqs {
+				if req != nil {
+					n++
+				}
+			}
+		}
+	}
+	return n
+}
+
+// progressStaged runs fn while Progress moves this rank's staged work, as
+// a proxy's loop does.
+func progressStaged(tr *Transport, fn func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- fn() }()
+	for {
+		select {
+		case err := <-done:
+			return err
+		default:
+		}
+		if _, err := tr.Progress(); err != nil {
+			return err
+		}
+	}
+}
+
+// childStagedPingPong answers staged puts with signals in turn; with flush
+// false it leaves its last puts unflushed for Close.
+func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, flush bool) error {
 	j := newJob(tr, bs, timeout)
 	j.mem = transport.DeviceMemory
 	if err := j.connect(); err != nil {
@@ -210,6 +257,21 @@ func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Dur
 			}
 			return fmt.Errorf("put %d of %d bytes from rank %d differs first at byte %d: got %#x, want %#x", i, n, peer, k, got[k], want[k])
 		}
+	}
+	if !flush {
+		// A last put of whole chunks, waited for by its signal only: its
+		// send slots' requests are still this rank's when Close comes.
+		if me == 0 {
+			if err := tr.Put(j.rdst[peer], 0, j.lsrc, 0, slotSize); err != nil {
+				return err
+			}
+			if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+				return err
+			}
+		} else if err := j.await(signalWord(peer), 33, "the last signal"); err != nil {
+			return err
+		}
+		return progressStaged(tr, bs.Barrier)
 	}
 	if err := tr.Flush(peer); err != nil {
 		return err

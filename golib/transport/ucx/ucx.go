@@ -624,24 +624,37 @@ func (t *Transport) Progress() (bool, error) {
 // cancelled in flight stays with UCP past the worker's end.
 const closeGrace = 200 * time.Millisecond
 
-// settle progresses until no healthy peer has operations pending, for at
-// most closeGrace.
+// settle progresses until no healthy peer has operations pending or staged
+// puts reading a send slot, for at most closeGrace, then gives UCP back
+// every staged put's request, abandoning those still under way: a request
+// kept past the worker is one UCP warns of at exit.
 func (t *Transport) settle() {
 	deadline := time.Now().Add(min(closeGrace, t.timeout))
 	for {
 		busy := false
 		for r := range t.peers {
-			if t.peers[r].err == nil && len(t.peers[r].pending) > 0 {
+			if t.peers[r].err != nil {
+				continue
+			}
+			if len(t.peers[r].pending) > 0 {
 				t.reap(r)
 				busy = busy || len(t.peers[r].pending) > 0
 			}
+			busy = busy || t.sendSlotsBusy(r)
 		}
 		if !busy || time.Now().After(deadline) {
-			return
+			break
 		}
 		C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker)
 	}
+	for r := range t.peers {
+		t.dropStaged(r)
+	}
 }
+
+// closeHook, when set (tests), sees the transport in Close once its
+// requests should all be back with UCP, before its memory and worker go.
+var closeHook func(*Transport)
 
 // Close releases every registration, remote key, endpoint, the worker and
 // the context. Outstanding operations are cancelled; call Flush first to
@@ -664,6 +677,9 @@ func (t *Transport) Close() error {
 			t.release(o)
 		}
 		p.pending = nil
+	}
+	if closeHook != nil {
+		closeHook(t)
 	}
 	for rm := range t.remotes {
 		rm.destroy()

@@ -50,10 +50,16 @@ func runJob(t *testing.T, role string, size int, limit time.Duration, extraEnv .
 	return bootstraptest.RunJob(t, childRoleEnv, role, size, limit, env...)
 }
 
-// expectOK fails the test for every rank that did not exit cleanly.
+// expectOK fails the test for every rank that did not exit cleanly, or
+// whose UCX warned that the transport kept requests past its worker.
 func expectOK(t *testing.T, results []bootstraptest.Rank) {
 	t.Helper()
 	bootstraptest.ExpectDone(t, results)
+	for _, r := range results {
+		if strings.Contains(r.Stderr, "not returned to mpool") {
+			t.Errorf("rank %d: UCX requests outlived the transport:\n%s", r.Rank, r.Stderr)
+		}
+	}
 }
 
 func TestPutsVerified(t *testing.T) {
@@ -166,6 +172,9 @@ func child(role string) int {
 		if role == "stagedhier" && os.Getenv("P2PCOMM_TEST_HIER_DEFAULT_RING") != "" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0
 		}
+		if role == "stagedclose" {
+			opts.ChunkBytes, opts.RingChunks = 0, 0 // whole 1 MiB chunks: puts still in flight when issued
+		}
 		if role == "stagedmeasure" {
 			opts.Copier = &fakeCopier{eager: true}
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // the defaults
@@ -190,7 +199,16 @@ func child(role string) int {
 	case "stagedhier":
 		err = childHier(tr, bs, cfg.Timeout, transport.DeviceMemory)
 	case "stagedpingpong":
-		err = childStagedPingPong(tr, bs, cfg.Timeout)
+		err = childStagedPingPong(tr, bs, cfg.Timeout, true)
+	case "stagedclose":
+		held := -1
+		closeHook = func(t *Transport) { held = heldRequests(t) }
+		if err = childStagedPingPong(tr, bs, cfg.Timeout, false); err == nil {
+			err = tr.Close()
+		}
+		if err == nil && held != 0 {
+			err = fmt.Errorf("Close still held %d UCP requests when its memory and worker were about to go", held)
+		}
 	case "stagedmix":
 		err = childStagedMix(tr, bs, cfg.Timeout)
 	case "stagedkill":
