@@ -9,9 +9,12 @@
 - memory: ``MemoryChannel.put`` over NVLink, both ranks pushing at once, next
   to the copy engine (a copy into the peer's memory mapped over CUDA IPC, what
   cudaMemcpyPeer does) and to ``PortChannel.put`` on the copy engine.
-- ucx: each rank a node of its own (P2PCOMM_LOCAL_SIZE=1), so port channels go
-  through UCX, GPU buffers: one-way latency of an 8-byte putWithSignal
-  (half a ping-pong) and rank 0 -> 1 bandwidth, next to ``ucx_perftest``
+- ucx: the ranks as two simulated nodes of --local-size ranks each
+  (P2PCOMM_LOCAL_SIZE; default 1, a node per rank), so port channels between
+  them go through UCX, GPU buffers: one-way latency of an 8-byte
+  putWithSignal (half a ping-pong, rank 0 and its partner: the rank with the
+  same local index in the other node) and bandwidth from each rank of the
+  first node to its partner, every pair at once, next to ``ucx_perftest``
   (from the libucx wheel) with host and with GPU memory on the same
   transports (UCX_TLS, default tcp: the network path, not shared memory).
 
@@ -166,8 +169,12 @@ class Bench:
     def ucx(self) -> None:
         from .. import Communicator
 
+        local = self.args.local_size
+        if local < 1 or self.world != 2 * local:
+            raise SystemExit(f"bench p2p: the ucx section runs two nodes of --local-size={local} ranks: "
+                             f"start {2 * local} ranks, not {self.world}")
         os.environ.setdefault("UCX_TLS", "tcp,cuda_copy,self")
-        os.environ["P2PCOMM_LOCAL_SIZE"] = "1"
+        os.environ["P2PCOMM_LOCAL_SIZE"] = str(local)
         comm = Communicator(group=dist.group.WORLD, device=self.device)
         del os.environ["P2PCOMM_LOCAL_SIZE"]
         k = {n: type(v)(v.source, v.name, comm=comm) for n, v in self.kernels.items()}
@@ -175,11 +182,13 @@ class Bench:
         buf = comm.empty(top, dtype=torch.uint8)
         buf.random_(0, 256)
         chans = comm.port_channels(buf)
-        # One-way latency: half an 8-byte ping-pong between ranks 0 and 1.
+        partner = (self.rank + local) % self.world  # same local index, other node
+        sender = self.rank < local
+        # One-way latency: half an 8-byte ping-pong between rank 0 and its partner.
         samples = torch.zeros(2000, dtype=torch.int64, device=self.device)
         dist.barrier()
-        if self.rank < 2:
-            k["pc_pingpong"](1, 32, chans, 1 - self.rank, int(self.rank == 0), samples.numel(), samples)
+        if self.rank % local == 0:
+            k["pc_pingpong"](1, 32, chans, partner, int(self.rank == 0), samples.numel(), samples)
         torch.cuda.synchronize()
         lat = samples[10:].double().div(2e3).median().item()
         dist.barrier()
@@ -188,13 +197,15 @@ class Bench:
             reps = max(2, min(100, (64 << 20) // size))
 
             def step():
-                if self.rank == 0:
-                    k["pc_send"](1, 32, chans, 1, size, reps)
-                elif self.rank == 1:
-                    k["pc_recv"](1, 32, chans, 0)
+                if sender:
+                    k["pc_send"](1, 32, chans, partner, size, reps)
+                else:
+                    k["pc_recv"](1, 32, chans, partner)
 
-            us = self.timed(step, 1)
+            us = self.timed(step, 1)  # the slowest rank's
             rows.append([fmt_bytes(size), f"{size * reps / us / 1e3:.2f}"])
+            if local > 1:
+                rows[-1].append(f"{local * size * reps / us / 1e3:.2f}")
         perf = self.perftest() if self.args.perftest else {}
         for row in rows:
             host, gpu = perf.get(row[0], ["n/a", "n/a"])
@@ -203,11 +214,13 @@ class Bench:
         tls = os.environ["UCX_TLS"]
         host_lat = perf.get("lat_host")
         vs_host = f" ({lat / float(host_lat):.1f}x host)" if host_lat and float(host_lat) > 0 else ""
-        self.say(f"\nPortChannel over UCX between simulated nodes (UCX_TLS={tls}; GPU buffers), rank 0 -> 1:"
-                 f" 8-byte putWithSignal one way {lat:.1f} us{vs_host} (median of half ping-pongs);"
-                 f" ucx_perftest ucp_put_lat 8 B: host {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
-        self.say(md_table(["size", "PortChannel GB/s", "ucx_perftest host GB/s", "PortChannel / host",
-                           "ucx_perftest GPU GB/s"], rows, numeric=range(1, 5)))
+        self.say(f"\nPortChannel over UCX between two simulated nodes of {local} (UCX_TLS={tls}; GPU buffers),"
+                 f" rank r -> r + {local}, every pair at once: 8-byte putWithSignal one way {lat:.1f} us{vs_host}"
+                 f" (rank 0, median of half ping-pongs); ucx_perftest ucp_put_lat 8 B: host"
+                 f" {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
+        head = ["size", "PortChannel GB/s"] + (["all pairs GB/s"] if local > 1 else [])
+        self.say(md_table(head + ["ucx_perftest host GB/s", "PortChannel / host", "ucx_perftest GPU GB/s"], rows,
+                          numeric=range(1, len(head) + 3)))
         torch.cuda.synchronize()
         dist.barrier()
         chans.close()
@@ -277,6 +290,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x], default=SIZES,
                    help="comma-separated sizes, e.g. 4K,1M,256M (default 4 KiB .. 256 MiB)")
     p.add_argument("--blocks", type=int, default=32, help="MemoryChannel kernel blocks (default 32)")
+    p.add_argument("--local-size", type=int, default=1,
+                   help="ucx: ranks per simulated node; the job is two nodes (default 1)")
     p.add_argument("--perftest", action=argparse.BooleanOptionalAction, default=True,
                    help="run ucx_perftest beside the UCX rows (default on)")
     p.add_argument("--out", default=None, help="directory for p2p.md (default: print only)")
