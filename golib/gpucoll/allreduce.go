@@ -75,14 +75,15 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 			"%s all-reduce of %d bytes needs %d bytes of scratch, more than the %d available: use algorithm='twoshot' or raise P2PCOMM_STAGING_BYTES",
 			algo, nbytes, need, b.opts.StagingBytes))
 	}
+	inPlace := algo == collective.TwoShot && p.LocalSrc == 0 && req.Src == req.Dst
 	switch {
-	case algo == collective.TwoShot && nbytes >= pullMinBytes:
-		p.Flags |= flagPull
-	case algo == collective.TwoShot && p.LocalSrc == 0 && req.Src == req.Dst:
+	case inPlace && (b.size == 2 || nbytes <= directMaxBytes):
 		// Peers store into this rank's buffer: only ranks that all run in
 		// place may pair up, so it takes part in the signature.
 		p.Flags |= flagDirect
 		p.Signature = withDirect(p.Signature)
+	case algo == collective.TwoShot && nbytes >= pullMinBytes:
+		p.Flags |= flagPull
 	}
 	if algo == collective.TwoShot && p.LocalSrc != 0 {
 		p.GraphSlot = uint64(b.graph.slotFor(b.drv, req.Src, nbytes, req.Stream))

@@ -73,8 +73,14 @@ const (
 // each reduced slice straight into every rank's buffer and end with a
 // barrier, instead of pushing it into peers' scratch and copying it out:
 // one pass over the payload fewer. Only the owner of a slice reads or
-// writes it, so the peers' inputs can take the result.
-const flagDirect = 4
+// writes it, so the peers' inputs can take the result. It also beats
+// pulling on two ranks at every size (each reads one half and writes the
+// other, both directions of the link busy at once), and on more up to
+// directMaxBytes; pull takes over beyond (4 x H200, docs/BENCHMARKS.md).
+const (
+	flagDirect     = 4
+	directMaxBytes = 16 << 20
+)
 
 // Deferred one-shot geometry (p2p_common.cuh kDeferredGrid, kChunkPacks).
 const (

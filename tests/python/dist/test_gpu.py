@@ -424,12 +424,12 @@ def test_close_gives_back_the_gpu_memory_it_took(group):
                          ids=lambda d: str(d).split(".")[1])
 def test_two_shot_in_place_on_registered_buffers(comms, dtype):
     """Two-shot in place on comm.empty memory: peers store each reduced slice
-    straight into every rank's buffer (below the pull size) or gather it by
-    reading (above): every op and element right against a float64 reduction,
-    the same bits on every rank."""
+    straight into every rank's buffer (on two ranks at every size, on more up
+    to 16 MiB) or gather it by reading (beyond): every op and element right
+    against a float64 reduction, the same bits on every rank."""
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
-    sizes = [1, 7, 4097, (1 << 20) + 3, (9 << 20) // dtype.itemsize + 5]
+    sizes = [1, 7, 4097, (1 << 20) + 3, (9 << 20) // dtype.itemsize + 5, (17 << 20) // dtype.itemsize + 5]
     buf = comm.empty(max(sizes), dtype=dtype)
     for si, n in enumerate(sizes):
         for oi, op in enumerate(["sum", "prod", "min", "max", "avg"]):
