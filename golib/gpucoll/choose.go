@@ -56,9 +56,14 @@ func LoadTable(path string, world int) (Table, error) {
 }
 
 // defaultTable: the LL protocols while latency dominates, two-shot once
-// bandwidth does (crossovers measured on 4 x H200, bf16; `python -m
-// p2pcomm.tune` writes a table for the machine at hand).
+// bandwidth does (crossovers measured with bf16 in CUDA graphs on 4 and 2 x
+// H100/H200; `python -m p2pcomm.tune` writes a table for the machine at
+// hand). Two ranks keep the LL protocols longer: each line crosses one link
+// once, and their flags replace both barriers (docs/BENCHMARKS.md).
 func defaultTable(world int) Table {
+	if world == 2 {
+		return Table{{256 << 10, "oneshot_ll"}, {1 << 20, "twoshot_ll"}, {1 << 62, "twoshot"}}
+	}
 	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
 

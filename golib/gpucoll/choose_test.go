@@ -15,6 +15,7 @@ import (
 func TestChooseResolvesEveryRequest(t *testing.T) {
 	four := &Backend{size: 4, opts: Options{MaxBlocks: kMaxBlocks}}
 	three := &Backend{size: 3, opts: Options{MaxBlocks: kMaxBlocks}}
+	two := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks}}
 	one := &Backend{size: 1, opts: Options{MaxBlocks: kMaxBlocks}}
 	tests := []struct {
 		name  string
@@ -30,6 +31,10 @@ func TestChooseResolvesEveryRequest(t *testing.T) {
 		{"auto 512 KiB", four, collective.Auto, 256 << 10, reduce.BFloat16, collective.TwoShotLL},
 		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShot},
 		{"auto 4 MiB", four, collective.Auto, 2 << 20, reduce.BFloat16, collective.TwoShot},
+		{"two ranks auto 256 KiB", two, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShotLL},
+		{"two ranks auto 512 KiB", two, collective.Auto, 256 << 10, reduce.BFloat16, collective.TwoShotLL},
+		{"two ranks auto 1 MiB", two, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShotLL},
+		{"two ranks auto 2 MiB", two, collective.Auto, 1 << 20, reduce.BFloat16, collective.TwoShot},
 		{"oneshot_ll fits", four, collective.OneShotLL, llMaxPayload / 4, reduce.Float32, collective.OneShotLL},
 		{"oneshot_ll too big", four, collective.OneShotLL, llMaxPayload/4 + 1, reduce.Float32, collective.OneShot},
 		{"twoshot_ll fits", four, collective.TwoShotLL, 4 * llMaxPayload / 8, reduce.Float64, collective.TwoShotLL},
