@@ -38,26 +38,18 @@ from typing import Optional
 import torch
 
 from . import _lib, ops
-from .communicator import _DTYPES, Communicator, _raw_stream
+from .communicator import Communicator, _raw_stream
 from .fallback import TorchFallbackCommunicator
+from .moe_checks import (FP8, FP8_BLOCK, combine_problem, config_problem, dispatch_dtype_problem, dispatch_problem,
+                         dtype_code, id_problem)
 from .moe_result import DispatchResult, _packed_result
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
-
-_EP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# fp8 dispatch (dispatch_dtype): e4m3 rows, one float32 scale per _FP8_BLOCK columns travelling with them.
-_FP8 = torch.float8_e4m3fn
-_FP8_BLOCK = 128
 
 # Tests only: override golib/moe's thresholds between paths that give the same bits (None: its
 # defaults). Bytes of x from which eager dispatch stages x on a side stream; routed (token, k)
 # pairs from which dispatch runs its count kernel (P2PCOMM_MOE_COUNT_PAIRS also sets it).
 _EAGER_OVERLAP_BYTES: Optional[int] = None
 _COUNT_KERNEL_MIN_PAIRS: Optional[int] = None
-
-
-def _dtype_code(dtype) -> int:
-    """The C ABI's code of an ep dtype; -1 for anything else (unhashable included)."""
-    return _DTYPES[dtype] if isinstance(dtype, torch.dtype) and dtype in _EP_DTYPES else -1
 
 
 def _tuning() -> dict:
@@ -176,12 +168,12 @@ class ExpertParallel:
         combine_dtype = torch.float32 if combine_dtype is None else combine_dtype
         dispatch_dtype = dtype if dispatch_dtype is None else dispatch_dtype
         E, H, Tm, K = num_experts, hidden, max_tokens_per_rank, topk
-        problem = (self._local_config_problem(E, H, Tm, K, dtype, capturable, combine_dtype, num_sms)
-                   or self._dispatch_dtype_problem(dtype, dispatch_dtype))
-        fp8 = problem is None and dispatch_dtype == _FP8
+        problem = (config_problem(E, H, Tm, K, dtype, capturable, combine_dtype, num_sms)
+                   or dispatch_dtype_problem(dtype, dispatch_dtype))
+        fp8 = problem is None and dispatch_dtype == FP8
         ints = lambda v: v if isinstance(v, int) and not isinstance(v, bool) else -1  # noqa: E731
         config = {"num_experts": ints(E), "hidden": ints(H), "max_tokens": ints(Tm), "topk": ints(K),
-                  "dtype": _dtype_code(dtype), "combine_dtype": _dtype_code(combine_dtype),
+                  "dtype": dtype_code(dtype), "combine_dtype": dtype_code(combine_dtype),
                   "capturable": capturable is True, "num_sms": num_sms if problem is None and num_sms else 0,
                   "dispatch_fp8": fp8,
                   "rejected": problem is not None, "tuning": _tuning()}
@@ -259,42 +251,6 @@ class ExpertParallel:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- construction checks -------------------------------------------------------------------------
-
-    def _local_config_problem(self, E, H, Tm, K, dtype, capturable, combine_dtype,
-                              num_sms) -> Optional[P2PCommError]:
-        """This rank's first bad argument, or None (raised after every rank has agreed, so that the
-        others raise MismatchError instead of waiting). Ranks may pass different num_sms."""
-        for name, v in (("num_experts", E), ("hidden", H), ("max_tokens_per_rank", Tm), ("topk", K)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                return InvalidArgumentError(f"{name} must be an int, got {type(v).__name__}")
-            if v < 1:
-                return InvalidArgumentError(f"{name} must be positive, got {v}")
-        if _dtype_code(dtype) < 0:
-            return UnsupportedError(f"dtype {dtype} is not supported; use one of "
-                                    f"{', '.join(sorted(str(d) for d in _EP_DTYPES))}")
-        if not isinstance(capturable, bool):
-            return InvalidArgumentError(f"capturable must be a bool, got {type(capturable).__name__}")
-        if not isinstance(combine_dtype, torch.dtype):
-            return InvalidArgumentError(f"combine_dtype must be a torch.dtype, got {type(combine_dtype).__name__}")
-        if combine_dtype not in (torch.float32, dtype):
-            return UnsupportedError(f"combine_dtype {combine_dtype} is not supported with dtype {dtype}; use "
-                                    f"torch.float32 (exact partials) or {dtype} (partials rounded once, half the "
-                                    "bytes)")
-        if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1):
-            return InvalidArgumentError(f"num_sms must be a positive int or None, got {num_sms!r}")
-        return None
-
-    @staticmethod
-    def _dispatch_dtype_problem(dtype, dispatch_dtype) -> Optional[P2PCommError]:
-        if not isinstance(dispatch_dtype, torch.dtype):
-            return InvalidArgumentError(f"dispatch_dtype must be a torch.dtype or None, got "
-                                        f"{type(dispatch_dtype).__name__}")
-        if dispatch_dtype not in (dtype, _FP8):
-            return UnsupportedError(f"dispatch_dtype {dispatch_dtype} is not supported; use None (the ep's dtype) "
-                                    f"or {_FP8} (rows with a float32 scale per {_FP8_BLOCK} columns)")
-        return None
-
     # -- dispatch ------------------------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
@@ -352,7 +308,7 @@ class ExpertParallel:
         return recv
 
     def _dispatch(self, x, topk_idx, topk_weights, capturable: bool, scales=None) -> DispatchResult:
-        problem = self._check_dispatch(x, topk_idx, topk_weights, scales)
+        problem = dispatch_problem(self, x, topk_idx, topk_weights, scales)
         if problem is not None and (capturable or self._closed):
             raise problem  # capturable: alone, before any barrier; closed: it can post to no peer
         L, T, xp, sp, ip, wp, idx_bytes = self.num_local_experts, 0, 0, 0, 0, 0, 4
@@ -389,7 +345,7 @@ class ExpertParallel:
         counts [L+1] (see _packed_result)."""
         dev = self.device
         return (torch.empty(rows, self.hidden, dtype=self.dispatch_dtype, device=dev),
-                torch.empty(rows, self.hidden // _FP8_BLOCK, dtype=torch.float32, device=dev) if self._fp8 else None,
+                torch.empty(rows, self.hidden // FP8_BLOCK, dtype=torch.float32, device=dev) if self._fp8 else None,
                 torch.empty(4, rows, dtype=torch.int32, device=dev),
                 torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=dev))
 
@@ -475,7 +431,7 @@ class ExpertParallel:
     def _combine(self, expert_out, recv: Optional[DispatchResult], problem: Optional[P2PCommError]) -> torch.Tensor:
         """combine, given the problem found with recv so far (then recv may be None)."""
         if problem is None:
-            problem = self._check_combine(expert_out, recv)
+            problem = combine_problem(self, expert_out, recv)
         capturable = self._seq_capturable
         if problem is not None and (capturable or self._closed):
             raise problem
@@ -579,59 +535,8 @@ class ExpertParallel:
         if not bad:
             return
         if problem is None and checks[self.rank]:
-            problem = self._id_problem_detail(topk_idx)
+            problem = id_problem(self.num_experts, topk_idx)
         if problem is not None:
             raise problem
         raise MismatchError(f"ExpertParallel.{what}: rank {', '.join(map(str, bad))} rejected its arguments "
                             "(see the error on that rank)")
-
-    def _id_problem_detail(self, topk_idx: torch.Tensor) -> InvalidArgumentError:
-        idx = topk_idx.cpu()
-        bad = ((idx < -1) | (idx >= self.num_experts)).nonzero()
-        t, k = bad[0].tolist()
-        return InvalidArgumentError(f"topk_idx[{t}, {k}] = {idx[t, k].item()} is not an expert: use -1 or "
-                                    f"[0, {self.num_experts}) ({bad.shape[0]} bad entries)")
-
-    def _check_tensor(self, name: str, t, dtypes: tuple, shape: tuple) -> Optional[P2PCommError]:
-        if not isinstance(t, torch.Tensor):
-            return InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in dtypes:
-            return UnsupportedError(f"{name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")
-        dev = self.device
-        if t.device.type != dev.type or (dev.type == "cuda" and t.device.index != dev.index):
-            return InvalidArgumentError(f"{name} is on {t.device} but the communicator is on {dev}")
-        if t.dim() != len(shape) or any(w is not None and g != w for g, w in zip(t.shape, shape)):
-            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-            return InvalidArgumentError(f"{name} has shape {list(t.shape)}; expected {want}")
-        return None
-
-    def _check_dispatch(self, x, topk_idx, topk_weights, scales=None) -> Optional[P2PCommError]:
-        if self._closed:
-            return StateError("ExpertParallel is closed")
-        p = self._check_tensor("x", x, (self.dispatch_dtype,), (None, self.hidden))
-        if p is not None:
-            return p
-        T = x.shape[0]
-        if T > self.max_tokens_per_rank:
-            return InvalidArgumentError(f"x has {T} tokens, more than max_tokens_per_rank="
-                                        f"{self.max_tokens_per_rank}")
-        if self._fp8:
-            p = self._check_tensor("scales", scales, (torch.float32,), (T, self.hidden // _FP8_BLOCK))
-        elif scales is not None:
-            p = InvalidArgumentError("scales are for fp8 dispatch (ExpertParallel(..., dispatch_dtype="
-                                     "torch.float8_e4m3fn)); this ep dispatches rows of its dtype")
-        return (p or self._check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), (T, self.topk))
-                or self._check_tensor("topk_weights", topk_weights, (torch.float32,), (T, self.topk)))
-
-    def _check_combine(self, expert_out, recv) -> Optional[P2PCommError]:
-        if self._closed:
-            return StateError("ExpertParallel is closed")
-        if not isinstance(recv, DispatchResult):
-            return InvalidArgumentError(f"recv must be a DispatchResult, got {type(recv).__name__}")
-        if recv._ep_id != self._id:
-            return InvalidArgumentError("recv comes from another ExpertParallel")
-        if recv._seq != self._seq:
-            return StateError(f"recv is from dispatch #{recv._seq} of this ExpertParallel, but dispatch "
-                              f"#{self._seq} has run since and reused its buffers; combine the latest "
-                              "dispatch's result")
-        return self._check_tensor("expert_out", expert_out, (self.dtype,), (recv.x.shape[0], self.hidden))
