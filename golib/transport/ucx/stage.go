@@ -736,8 +736,8 @@ func (t *Transport) stageWait(r int, op string, deadline time.Time, idle *idler)
 	return nil
 }
 
-// dropStaged forgets rank r's staged work after a failure, cancelling the
-// send slots' puts.
+// dropStaged forgets rank r's staged work after a failure, or at Close,
+// freeing the send slots' requests (cancelling the puts still under way).
 func (t *Transport) dropStaged(r int) {
 	if t.stage == nil {
 		return
