@@ -705,11 +705,9 @@ func (t *Transport) awaitCredit(r int, deadline time.Time) error {
 			return err
 		}
 	}
-	for slot := range st.sendReq {
-		for !t.sendSlotFree(st, slot) {
-			if err := t.stageWait(r, "staged flush (send slot)", deadline, &idle); err != nil {
-				return err
-			}
+	for t.sendSlotsBusy(r) {
+		if err := t.stageWait(r, "staged flush (send slot)", deadline, &idle); err != nil {
+			return err
 		}
 	}
 	return nil
