@@ -442,8 +442,8 @@ template <typename A> DINLINE bool is_nan(A a) { return a != a; }  // false for 
 // A reduction body is written once for an operator type O (o.apply(a, b)).
 // A kernel holds two: OpSum for sum and avg, the common case, and OpOther
 // for prod, min and max behind the runtime op, with one pack per thread per
-// step. Four bodies, one per op, took NVRTC about 2.5 times as long to build
-// (allreduce_twoshot.cu for sm_90: 65 s against 26 on a 2-core host).
+// step. Four bodies, one per op, made NVRTC's build of every reducing kernel
+// far longer (figures in docs/BENCHMARKS.md).
 struct OpSum {
   static constexpr int kUnroll = P2P_UNROLL;
   template <typename A> DINLINE A apply(A a, A b) { return wrap_add(a, b); }
