@@ -456,14 +456,15 @@ def test_two_shot_in_place_on_registered_buffers(comms, dtype):
             assert same_on_all_ranks(x), f"{op} n={n}: ranks differ"
 
 
-def test_two_shot_in_place_and_out_of_place_do_not_pair(comms):
+@pytest.mark.parametrize("k", [100_000, 9 * 2**20 // 4 + 5])
+def test_two_shot_in_place_and_out_of_place_do_not_pair(comms, k):
     """One rank reduces a registered tensor in place, its peers the same
     tensor into new ones: peers would store results into the in-place rank's
     buffer while it reads scratch, so every rank raises MismatchError, the
-    inputs stay intact, and the communicator stays usable."""
+    inputs stay intact, and the communicator stays usable. Both sizes store
+    directly (the larger one past the 8 MiB pull limit of other calls)."""
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
-    k = 100_000
     x = comm.empty(k)
     x.fill_(float(r + 1))
     with pytest.raises(p2pcomm.MismatchError, match="disagree"):
