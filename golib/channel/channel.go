@@ -40,6 +40,11 @@ type Config struct {
 	// ChunkBytes, RingChunks); 0 takes its defaults.
 	UCXStageChunk uint64
 	UCXStageSlots int
+	// InlineBytes caps the puts a kernel's port channel to a UCX peer
+	// copies into the FIFO itself (PortChannel.InlineMax; at most
+	// proxy.InlineBytes): device memory staged for UCX then needs no copy
+	// engine round trip before it leaves. 0: none.
+	InlineBytes uint32
 	// GPU is set on the GPU backend; Host on the CPU backend.
 	GPU  *GPU
 	Host Host

@@ -375,6 +375,9 @@ func (c *Channels) buildPort(ptr uintptr, nbytes uint64, host bool, lanes int) (
 				TimeoutNs: uint64(c.cfg.Timeout.Nanoseconds()), Channel: chID, DstMemory: dstID, SrcMemory: src,
 				Rank: int32(c.rank), Peer: int32(r),
 			}
+			if _, ok := tr.(transport.InlinePutter); ok && c.onGPU() && !host {
+				ch.InlineMax, ch.SrcBase = min(c.cfg.InlineBytes, proxy.InlineBytes), ptr
+			}
 			if k > 0 {
 				s.lanes[k-1][r] = ch
 				continue
@@ -661,6 +664,23 @@ func (r *router) Put(dst transport.Remote, dstOff uint64, src transport.Local, s
 	}
 	return t.Put(dst, dstOff, m.part(t), srcOff, size)
 }
+
+// PutInline sends a kernel's inline put on its peer's transport, which
+// takes them wherever a channel's InlineMax allowed them (UCX).
+func (r *router) PutInline(dst transport.Remote, dstOff uint64, data []byte) error {
+	t, err := r.to(dst.Peer())
+	if err != nil {
+		return err
+	}
+	ip, ok := t.(transport.InlinePutter)
+	if !ok {
+		return status.Errorf(status.InvalidArgument, "an inline put to rank %d, whose transport (%s) does not take them", dst.Peer(), t.Name())
+	}
+	return ip.PutInline(dst, dstOff, data)
+}
+
+// The proxy finds inline puts through the router: it must offer them.
+var _ transport.InlinePutter = (*router)(nil)
 
 func (r *router) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	t, err := r.to(dst.Peer())

@@ -14,6 +14,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
 	"github.com/p2pcomm/p2pcomm/golib/hostcoll"
+	"github.com/p2pcomm/p2pcomm/golib/proxy"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/topo"
 )
@@ -111,11 +112,14 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 // sends peers of this node over UCX too ("auto", or unset, uses the copy
 // engine for them on GPUs); P2PCOMM_UCX_STAGE_CHUNK and _SLOTS size the ring
 // that stages device memory through host memory for UCX (bytes per chunk,
-// chunks in flight per peer; 0 takes the transport's defaults).
+// chunks in flight per peer; 0 takes the transport's defaults);
+// P2PCOMM_PORT_INLINE_BYTES caps the puts a kernel's port channel carries
+// in the FIFO itself (0..64, default 64; 0: none).
 type portConfig struct {
-	forceUCX   bool
-	stageChunk uint64
-	stageSlots int
+	forceUCX    bool
+	stageChunk  uint64
+	stageSlots  int
+	inlineBytes uint32
 }
 
 func portSettings(cfg Config) (portConfig, error) {
@@ -136,6 +140,14 @@ func portSettings(cfg Config) (portConfig, error) {
 		return p, err
 	}
 	p.stageChunk, p.stageSlots = uint64(chunk), int(slots)
+	p.inlineBytes = proxy.InlineBytes
+	if v := cfg.Env["P2PCOMM_PORT_INLINE_BYTES"]; v != "" {
+		n, err := strconv.ParseUint(v, 10, 32)
+		if err != nil || n > proxy.InlineBytes {
+			return p, status.Errorf(status.InvalidArgument, "P2PCOMM_PORT_INLINE_BYTES=%q: want 0..%d", v, proxy.InlineBytes)
+		}
+		p.inlineBytes = uint32(n)
+	}
 	return p, nil
 }
 
@@ -259,7 +271,7 @@ func (c *Comm) WithChannels(f func(*channel.Channels) error) error {
 	return c.Do(func(b collective.Backend) error {
 		if c.channels == nil {
 			cfg := channel.Config{Bootstrap: c.bs, Topology: c.topo, Timeout: c.timeout, ForceUCX: c.port.forceUCX,
-				UCXStageChunk: c.port.stageChunk, UCXStageSlots: c.port.stageSlots}
+				UCXStageChunk: c.port.stageChunk, UCXStageSlots: c.port.stageSlots, InlineBytes: c.port.inlineBytes}
 			switch be := b.(type) {
 			case *gpucoll.Backend:
 				_, errWord, _ := be.WaitInfo()

@@ -159,3 +159,18 @@ func TestMPIBootstrapWithoutOpenMPIIsUnsupported(t *testing.T) {
 	}
 	t.Log(err)
 }
+
+// TestPortInlineBytesSetting: P2PCOMM_PORT_INLINE_BYTES takes 0..64 (0
+// turns inline puts off), defaults to 64, and refuses anything else.
+func TestPortInlineBytesSetting(t *testing.T) {
+	for _, tt := range []struct {
+		v    string
+		want uint32
+		bad  bool
+	}{{"", 64, false}, {"0", 0, false}, {"8", 8, false}, {"64", 64, false}, {"65", 0, true}, {"-1", 0, true}, {"x", 0, true}} {
+		p, err := portSettings(Config{Env: map[string]string{"P2PCOMM_PORT_INLINE_BYTES": tt.v}})
+		if (err != nil) != tt.bad || (!tt.bad && p.inlineBytes != tt.want) {
+			t.Errorf("P2PCOMM_PORT_INLINE_BYTES=%q: %d, %v; want %d, error %v", tt.v, p.inlineBytes, err, tt.want, tt.bad)
+		}
+	}
+}

@@ -17,12 +17,15 @@ type FIFO struct {
 	svc   *Service
 	id    uint32
 	slots uint64
-	mem   [3]Memory    // ring, device words, host words
+	mem   [3]Memory    // ring then payloads, device words, host words
 	ring  []Trigger    // host view of the ring
 	dw    *deviceWords // nil when the device words are out of the host's reach
 	hw    *hostWords
 	tail  uint64 // the proxy's next position (its goroutine only)
 	done  chan struct{}
+	// payload holds the bytes of the inline put pop returned last: its
+	// slot is free for pushers once pop returns.
+	payload [InlineBytes]byte
 }
 
 // Handle returns the device addresses kernels push through. The FIFO must
@@ -58,6 +61,9 @@ func (f *FIFO) Push(op Op) (uint64, error) {
 	}
 	if f.dw == nil {
 		return 0, status.Errorf(status.Unsupported, "FIFO %d: its head is device memory: push from a kernel", f.id)
+	}
+	if op.Type&TriggerPut != 0 && op.SrcMemory == InlineMemory {
+		return 0, status.Errorf(status.InvalidArgument, "FIFO %d: memory id %d is for kernels' inline puts", f.id, InlineMemory)
 	}
 	t, err := op.Encode()
 	if err != nil {
@@ -147,6 +153,12 @@ func (f *FIFO) pop() (Trigger, uint64, bool) {
 		return Trigger{}, 0, false
 	}
 	t := Trigger{Fst: fst, Snd: snd}
+	if op := Decode(t); op.Type&TriggerPut != 0 && op.SrcMemory == InlineMemory {
+		// The entry's release store published the payload's stores.
+		n := min(op.Size, InlineBytes)
+		at := unsafe.Add(f.mem[0].Host, f.slots*uint64(unsafe.Sizeof(Trigger{}))+(pos&(f.slots-1))*InlineBytes)
+		copy(f.payload[:n], unsafe.Slice((*byte)(at), n))
+	}
 	f.tail = pos + 1
 	atomic.StoreUint64(&f.hw.Tail, f.tail)
 	return t, pos, true
@@ -155,7 +167,7 @@ func (f *FIFO) pop() (Trigger, uint64, bool) {
 // newFIFO allocates a FIFO's memory; slots is a power of two.
 func newFIFO(s *Service, id uint32, slots uint64) (*FIFO, error) {
 	f := &FIFO{svc: s, id: id, slots: slots, done: make(chan struct{})}
-	sizes := [3]uint64{slots * uint64(unsafe.Sizeof(Trigger{})), deviceWordsSize, hostWordsSize}
+	sizes := [3]uint64{slots * (uint64(unsafe.Sizeof(Trigger{})) + InlineBytes), deviceWordsSize, hostWordsSize}
 	for i, n := range sizes {
 		var err error
 		if i == 1 {

@@ -19,10 +19,19 @@ const (
 	lapBit      = 63
 	fstLapBit   = 31 // the lap bit's copy in the first word
 
-	MaxMemories = 1 << memoryBits  // ids of registered memories, per direction
+	MaxMemories = 1 << memoryBits  // memory ids a trigger can name, per direction
 	MaxChannels = 1 << channelBits // channels of one Service
 	MaxOffset   = 1<<offsetBits - 1
 	MaxSize     = 1<<sizeBits - 1
+)
+
+// Inline puts (channel.cuh's kInlineMemory, kInlineBytes): a put whose
+// SrcMemory is InlineMemory carries its bytes in the FIFO, in the payload
+// slot of its position (the ring's slots are followed by as many payloads
+// of InlineBytes). Registered memories take the ids below InlineMemory.
+const (
+	InlineMemory = MaxMemories - 1
+	InlineBytes  = 64
 )
 
 // Error codes and phases the device records in the communicator's
@@ -127,7 +136,8 @@ type PortChannel struct {
 	DstMemory  uint32
 	SrcMemory  uint32
 	Rank, Peer int32
-	_          uint32
+	InlineMax  uint32  // puts of at most this many bytes travel in the FIFO (0: none)
+	SrcBase    uintptr // device address of SrcMemory, which inline puts read
 }
 
 // MemoryChannel mirrors the device's MemoryChannel.

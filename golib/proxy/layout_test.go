@@ -58,6 +58,7 @@ func TestConstantsMatchHeader(t *testing.T) {
 		{"kTriggerChannelBits", channelBits, constant(t, src, "kTriggerChannelBits")},
 		{"kTriggerLapBit", lapBit, constant(t, src, "kTriggerLapBit")},
 		{"kTriggerFstLapBit", fstLapBit, constant(t, src, "kTriggerFstLapBit")},
+		{"kInlineBytes", InlineBytes, constant(t, src, "kInlineBytes")},
 		{"kErrProxy", ErrCodeProxy, constant(t, src, "kErrProxy")},
 		{"kPhaseChannelWait", PhaseChannelWait, phase("kPhaseChannelWait")},
 		{"kPhaseFifoPush", PhaseFifoPush, phase("kPhaseFifoPush")},
@@ -67,6 +68,9 @@ func TestConstantsMatchHeader(t *testing.T) {
 		if tt.got != tt.want {
 			t.Errorf("%s: Go has %d, channel.cuh has %d", tt.name, tt.got, tt.want)
 		}
+	}
+	if !strings.Contains(src, "constexpr u32 kInlineMemory = kMaxMemories - 1;") || InlineMemory != MaxMemories-1 {
+		t.Errorf("kInlineMemory: Go has %d, channel.cuh does not say kMaxMemories - 1", InlineMemory)
 	}
 }
 

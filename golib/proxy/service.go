@@ -147,8 +147,8 @@ func (s *Service) register(add func(t *tables) (uint32, error)) (uint32, error) 
 // src_memory).
 func (s *Service) AddLocal(l transport.Local) (uint32, error) {
 	return s.register(func(t *tables) (uint32, error) {
-		if len(t.locals) >= MaxMemories {
-			return 0, status.Errorf(status.Capacity, "proxy: more than %d local memories", MaxMemories)
+		if len(t.locals) >= InlineMemory {
+			return 0, status.Errorf(status.Capacity, "proxy: more than %d local memories", InlineMemory)
 		}
 		t.locals = append(t.locals[:len(t.locals):len(t.locals)], l)
 		return uint32(len(t.locals) - 1), nil
@@ -323,6 +323,9 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 	s.lockTransport()
 	defer s.unlockTransport()
 	if op.Type&TriggerPut != 0 {
+		if op.SrcMemory == InlineMemory {
+			return s.runInline(f, op, t, where)
+		}
 		if int(op.SrcMemory) >= len(t.locals) || int(op.DstMemory) >= len(t.remotes) {
 			return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
 		}
@@ -337,6 +340,35 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 			}
 		}
 	}
+	return s.runSignalFlush(op, ch, where)
+}
+
+// runInline puts the bytes an inline put carried (popped into f.payload),
+// then runs the trigger's signal and flush.
+func (s *Service) runInline(f *FIFO, op Op, t *tables, where func() string) error {
+	ip, ok := s.tr.(transport.InlinePutter)
+	switch {
+	case !ok:
+		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put, which %s does not take", where(), s.tr.Name())
+	case op.Size > InlineBytes:
+		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put of more than %d bytes", where(), InlineBytes)
+	case int(op.DstMemory) >= len(t.remotes):
+		return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
+	}
+	dst := t.remotes[op.DstMemory]
+	if op.DstOffset+op.Size > dst.Size() {
+		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
+	}
+	if op.Size > 0 {
+		if err := ip.PutInline(dst, op.DstOffset, f.payload[:op.Size]); err != nil {
+			return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
+		}
+	}
+	return s.runSignalFlush(op, t.channels[op.Channel], where)
+}
+
+// runSignalFlush runs the signal and flush parts of a trigger.
+func (s *Service) runSignalFlush(op Op, ch channel, where func() string) error {
 	if op.Type&TriggerSignal != 0 {
 		if ch.sem == nil {
 			return status.Errorf(status.InvalidArgument, "proxy: %s: the channel has no semaphore", where())
@@ -374,6 +406,9 @@ func describe(t *tables, op Op) string {
 	}
 	if op.Type&TriggerPut != 0 {
 		name += fmt.Sprintf(" of %d bytes", op.Size)
+		if op.SrcMemory == InlineMemory {
+			name += " inline"
+		}
 	}
 	return fmt.Sprintf("%s on channel %d, %s", name, op.Channel, peer)
 }

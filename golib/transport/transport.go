@@ -62,3 +62,11 @@ type Transport interface {
 	Progress() (active bool, err error)
 	Close() error
 }
+
+// InlinePutter is a Transport that also takes puts of bytes it is handed
+// (a kernel's inline put, popped from the FIFO): data is the caller's only
+// until PutInline returns, and its copy is ordered with the peer's other
+// puts and signals as Put's would be.
+type InlinePutter interface {
+	PutInline(dst Remote, dstOff uint64, data []byte) error
+}

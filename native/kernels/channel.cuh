@@ -51,6 +51,12 @@ constexpr int kTriggerChannelBits = 10;
 constexpr int kTriggerLapBit = 63;
 constexpr int kTriggerFstLapBit = 31;
 constexpr u32 kMaxMemories = 1u << kTriggerMemoryBits;
+// kInlineMemory as a put's src_memory says its bytes travel in the FIFO: the
+// pusher copied them into the payload slot of the entry's position (the ring
+// is followed by slots payloads of kInlineBytes each), so the proxy sends
+// them without a copy from device memory first. Registrations stop below it.
+constexpr u32 kInlineMemory = kMaxMemories - 1;
+constexpr u32 kInlineBytes = 64;
 constexpr u32 kMaxChannels = 1u << kTriggerChannelBits;
 static_assert(kTriggerOffsetBits + 2 * kTriggerMemoryBits + kTriggerTypeBits + kTriggerChannelBits <= kTriggerLapBit,
               "the second word's fields end below the lap bit");
@@ -124,7 +130,8 @@ static_assert(sizeof(FifoHostWords) == 256 && sizeof(FifoHostWords::tail) + size
 // FifoHandle is what a kernel needs to push into one FIFO.
 //
 //   offset size field
-//   0      8    ring   Trigger*: slots entries, pinned host memory (device address)
+//   0      8    ring   Trigger*: slots entries, then slots payloads of kInlineBytes,
+//                      pinned host memory (device address)
 //   8      8    dev    FifoDeviceWords* (device memory)
 //   16     8    host   FifoHostWords* (pinned host memory, device address)
 //   24     4    slots  u32: ring entries, a power of two
@@ -152,8 +159,10 @@ static_assert(sizeof(FifoHandle) == 32 && 3 * sizeof(void*) + 2 * sizeof(u32) ==
 //   72     4    src_memory  u32: id of the local memory puts read from
 //   76     4    rank        i32: this rank (ErrorWord.rank)
 //   80     4    peer        i32: the peer (ErrorWord.peer)
-//   84     4    pad
-//   total  88, aligned to 8
+//   84     4    inline_max  u32: puts of at most this many bytes travel in the FIFO
+//                           (0: none; at most kInlineBytes)
+//   88     8    src_base    const char*: device address of src_memory (inline puts read it)
+//   total  96, aligned to 8
 //
 // The inbound semaphore is device memory because the waiting GPU spins on
 // it: a spin on device memory stays in L2, a spin on mapped host memory
@@ -205,8 +214,22 @@ DINLINE u64 lap_of(u64 pos, u32 slots) { return ((pos / slots) & 1ull) ^ 1ull; }
 // visible to the proxy (and the copy it starts); call __syncthreads first
 // when other threads of the block wrote the data a put reads. A bare flush
 // publishes nothing and is stored relaxed: the proxy runs entries in order.
+// copy_inline copies a put's bytes (at most kInlineBytes) into a payload
+// slot in mapped host memory, 8 bytes at a time where src allows. The loads
+// skip L1, as the copy engine's reads would: other SMs may have written src.
+DINLINE void copy_inline(char* slot, const char* src, u32 bytes) {
+  volatile char* out = slot;
+  u32 i = 0;
+  if (aligned(src, 8)) {
+    for (; i + 8 <= bytes; i += 8)
+      *reinterpret_cast<volatile unsigned long long*>(slot + i) =
+          __ldcg(reinterpret_cast<const unsigned long long*>(src + i));
+  }
+  for (; i < bytes; ++i) out[i] = __ldcg(src + i);
+}
+
 template <typename P>
-DINLINE u64 fifo_push(const FifoHandle& f, const P& w, int peer, Trigger t) {
+DINLINE u64 fifo_push(const FifoHandle& f, const P& w, int peer, Trigger t, const char* inline_src = nullptr) {
   // The cache only grows, so reading it first is safe, and the two loads
   // overlap instead of following each other.
   const u64 cached = *reinterpret_cast<volatile const u64*>(&f.dev->tail_cache);
@@ -225,6 +248,11 @@ DINLINE u64 fifo_push(const FifoHandle& f, const P& w, int peer, Trigger t) {
     atomicMax(reinterpret_cast<unsigned long long*>(&f.dev->tail_cache), (unsigned long long)tail);
   }
   Trigger* slot = &f.ring[pos & (f.slots - 1)];
+  if (inline_src != nullptr) {
+    // Before the entry's release store, which publishes these stores too.
+    char* payload = reinterpret_cast<char*>(f.ring + f.slots) + (pos & (f.slots - 1)) * kInlineBytes;
+    copy_inline(payload, inline_src, (u32)trigger_field(t.fst, kTriggerSizeBits));
+  }
   const u64 lap = lap_of(pos, f.slots);
   const u64 fst = t.fst | lap << kTriggerFstLapBit, snd = t.snd | lap << kTriggerLapBit;
   if (((t.snd >> 48) & (kTriggerPut | kTriggerSignal)) != 0) {
@@ -317,7 +345,8 @@ struct PortChannel {
   u32 src_memory;
   int rank;
   int peer;
-  u32 pad;
+  u32 inline_max;
+  const char* src_base;
 
   DMETHOD Waiter waiter() const { return Waiter{nullptr, err, timeout_ns, rank}; }
   DMETHOD Trigger trigger(u32 type, u64 dst_offset, u64 src_offset, u64 bytes) const {
@@ -326,12 +355,19 @@ struct PortChannel {
 
   // push queues one trigger and returns its FIFO position (~0 on failure).
   DMETHOD u64 push(u32 type, u64 dst_offset, u64 src_offset, u64 bytes) const {
+    if ((type & kTriggerPut) != 0 && bytes != 0 && bytes <= inline_max) {
+      return fifo_push(fifo, waiter(), peer,
+                       make_trigger(type, channel, dst_memory, dst_offset, kInlineMemory, 0, bytes),
+                       src_base + src_offset);
+    }
     return fifo_push(fifo, waiter(), peer, trigger(type, dst_offset, src_offset, bytes));
   }
 
   // put asks the proxy to copy bytes from src_offset of the local memory to
   // dst_offset of the peer's (offsets below 4 GiB, bytes below 2 GiB). One thread
-  // calls it; it returns at once. Returns the FIFO position.
+  // calls it; it returns at once. Returns the FIFO position. A put of at most
+  // inline_max bytes reads its source here, into the FIFO; a larger one is
+  // read by the proxy's transport until the channel's next flush.
   DMETHOD u64 put(u64 dst_offset, u64 src_offset, u64 bytes) const {
     return push(kTriggerPut, dst_offset, src_offset, bytes);
   }
@@ -367,8 +403,8 @@ struct PortChannel {
   DMETHOD bool wait() const { return port_wait(waiter(), fifo, sem, expected, peer); }
   DMETHOD bool poll() const { return sem_poll(sem, expected); }
 };
-static_assert(sizeof(PortChannel) == 88, "PortChannel size");
-static_assert(sizeof(FifoHandle) + 4 * sizeof(void*) + 4 * sizeof(u32) + 2 * sizeof(int) == 88,
+static_assert(sizeof(PortChannel) == 96, "PortChannel size");
+static_assert(sizeof(FifoHandle) + 5 * sizeof(void*) + 4 * sizeof(u32) + 2 * sizeof(int) == 96,
               "PortChannel fields");
 
 // ---------------------------------------------------------------- MemoryChannel

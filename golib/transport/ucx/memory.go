@@ -9,6 +9,7 @@ import "C"
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -287,6 +288,51 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r.peer].ep, C.uint64_t(uint64(l.addr)+srcOff), C.size_t(size),
 		C.uint64_t(r.base+dstOff), r.rkey, memh, memoryType(l.mem), &s)
 	return t.started(r.peer, "put", op{req: req}, s)
+}
+
+// PutInline starts copying data, the caller's until it returns, to dst at
+// dstOff (transport.InlinePutter). Staged, it is one ring entry whose
+// bytes go into the send slot, queued: the Signal, Flush or Progress that
+// follows issues it, so a signal right behind it rides in its header.
+func (t *Transport) PutInline(dst transport.Remote, dstOff uint64, data []byte) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r, _, err := t.ranges("put", dst, nil)
+	if err != nil {
+		return err
+	}
+	size := uint64(len(data))
+	if !within(dstOff, size, r.size) {
+		return status.Errorf(status.InvalidArgument, "UCX put to rank %d: [%d, %d+%d) is past the end of its %d-byte range",
+			r.peer, dstOff, dstOff, size, r.size)
+	}
+	if err := t.check(r.peer, "put"); err != nil {
+		return err
+	}
+	if size == 0 {
+		return nil
+	}
+	if t.staged(r, nil) && size <= t.stage.chunk {
+		st := &t.stage.peers[r.peer]
+		st.queue = append(st.queue, chunk{inline: slices.Clone(data), dst: r.base + dstOff, size: size})
+		return nil
+	}
+	if r.rkey == nil {
+		return status.Errorf(status.InvalidArgument, "UCX put to rank %d: a range registered for staging only, and this put is not staged", r.peer)
+	}
+	if r.mem == transport.DeviceMemory {
+		t.peers[r.peer].unordered = true
+	}
+	// From C memory of its own, freed when the put completes.
+	mem := C.malloc(C.size_t(size))
+	copy(unsafe.Slice((*byte)(mem), size), data)
+	var s C.int
+	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r.peer].ep, C.uint64_t(uintptr(mem)), C.size_t(size),
+		C.uint64_t(r.base+dstOff), r.rkey, nil, C.P2P_UCS_MEMORY_TYPE_HOST, &s)
+	if s != C.P2P_UCS_INPROGRESS {
+		C.free(mem)
+	}
+	return t.started(r.peer, "put", op{req, mem}, s)
 }
 
 // started keeps an operation's request until it completes, or fails the

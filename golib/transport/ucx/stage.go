@@ -110,7 +110,8 @@ const (
 type chunk struct {
 	src     uintptr // source address (device, or registered host)
 	srcMemh unsafe.Pointer
-	device  bool // src is device memory: copy it to a send slot first
+	device  bool   // src is device memory: copy it to a send slot first
+	inline  []byte // the data itself (an inline put): into the send slot as it is claimed
 	dst     uint64
 	rkey    unsafe.Pointer // dst's key when it is host memory, else nil
 	size    uint64         // bytes of data, 0 for a bare signal
@@ -124,6 +125,9 @@ type chunk struct {
 
 // ring reports whether c travels as a landing ring entry.
 func (c *chunk) ring() bool { return c.signal || c.rkey == nil }
+
+// inSlot reports whether c's data travels from its send slot.
+func (c *chunk) inSlot() bool { return c.device || c.inline != nil }
 
 // landed is a ring entry taken in by the receiver, waiting for its copy.
 type landed struct {
@@ -422,6 +426,8 @@ func (t *Transport) pump(r int) error {
 			}
 			s.copies++
 			c.ticket = s.copies
+		} else if c.inline != nil {
+			copy(unsafe.Slice((*byte)(addrPtr(t.sendSlot(st, slot)+headerSize)), len(c.inline)), c.inline)
 		}
 		st.sendN++
 		c.claimed, c.slot = true, slot
@@ -496,7 +502,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 	reqs := &st.sendReq[c.slot]
 	if !c.ring() {
 		src, memh := c.src, c.srcMemh
-		if c.device {
+		if c.inSlot() {
 			src, memh = send+headerSize, nil
 		}
 		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
@@ -511,7 +517,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 		h[3] |= entrySignal
 	}
 	body := uint64(headerSize - 8)
-	if c.size > 0 && c.device {
+	if c.size > 0 && c.inSlot() {
 		body += c.size
 	} else if c.size > 0 {
 		var status C.int

@@ -149,7 +149,10 @@ func (t *Transport) release(o op) {
 	}
 }
 
-var _ transport.Transport = (*Transport)(nil)
+var (
+	_ transport.Transport    = (*Transport)(nil)
+	_ transport.InlinePutter = (*Transport)(nil)
+)
 
 // Available loads UCP (searching dirs as Options.LibraryDirs) without
 // creating anything, so that ranks can agree on it before the collective

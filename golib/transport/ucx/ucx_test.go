@@ -198,6 +198,10 @@ func child(role string) int {
 		err = childHier(tr, bs, cfg.Timeout, transport.HostMemory)
 	case "stagedhier":
 		err = childHier(tr, bs, cfg.Timeout, transport.DeviceMemory)
+	case "inline":
+		err = childInline(tr, bs, cfg.Timeout, transport.HostMemory)
+	case "stagedinline":
+		err = childInline(tr, bs, cfg.Timeout, transport.DeviceMemory)
 	case "stagedpingpong":
 		err = childStagedPingPong(tr, bs, cfg.Timeout, true)
 	case "stagedclose":

@@ -222,7 +222,8 @@ def test_readme_all_gather_across_simulated_nodes(node_comm):
         with pytest.raises(p2pcomm.InvalidArgumentError, match="another node"):
             mem.handle((r + 1) % w)
     kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)  # another communicator shares the GPU
-    for chunk in (8, 64 << 10, 5 << 20):
+    # Up to 64 bytes the kernel copies a put into the FIFO (inline), at any alignment; beyond, the proxy stages it.
+    for chunk in (1, 8, 61, 64, 65, 64 << 10, 5 << 20):
         out = comm.empty(w * chunk, dtype=torch.uint8)
         with comm.port_channels(out) as chans:
             for seed in range(2):

@@ -1,0 +1,62 @@
+package ucx
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+)
+
+// TestInlinePuts: inline puts of 1..64 bytes, each answered in turn after
+// its signal, land byte for byte, into host memory (one UCP put of a copy)
+// and into device memory (staged: the bytes go into a send slot, the
+// signal rides in the entry's header).
+func TestInlinePuts(t *testing.T) {
+	needUCX(t)
+	for _, role := range []string{"inline", "stagedinline"} {
+		t.Run(role, func(t *testing.T) { expectOK(t, runJob(t, role, 2, 60*time.Second)) })
+	}
+}
+
+// childInline ping-pongs inline puts with signals; mem is the kind of the
+// destination buffers.
+func childInline(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, mem transport.Memory) error {
+	j := newJob(tr, bs, timeout)
+	j.mem = mem
+	if err := j.connect(); err != nil {
+		return err
+	}
+	me, peer := j.rank, 1-j.rank
+	rng := rand.New(rand.NewPCG(5, 9)) // both ranks draw the same sizes and bytes
+	for i := 1; i <= 200; i++ {
+		data := make([]byte, 1+rng.IntN(64))
+		off := uint64(rng.IntN(slotSize - 64))
+		for k := range data {
+			data[k] = byte(rng.Uint32())
+		}
+		if (i%2 == 1) == (me == 0) {
+			if err := tr.PutInline(j.rdst[peer], uint64(me*slotSize)+off, data); err != nil {
+				return err
+			}
+			clear(data) // the transport's copy is what travels
+			if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := j.await(signalWord(peer), uint64((i+me)/2), fmt.Sprintf("signal %d of rank %d", i, peer)); err != nil {
+			return err
+		}
+		if got := j.dst[peer*slotSize+int(off):][:len(data)]; !bytes.Equal(got, data) {
+			return fmt.Errorf("inline put %d of %d bytes from rank %d: got %x, want %x", i, len(data), peer, got, data)
+		}
+	}
+	if err := tr.Flush(peer); err != nil {
+		return err
+	}
+	return tr.progressWhile(bs.Barrier)
+}
