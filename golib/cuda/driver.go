@@ -58,6 +58,7 @@ type driverFuncs struct {
 	streamSynchronize, streamIsCapturing, streamGetCaptureInfo                        unsafe.Pointer
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
 	streamCreate, streamDestroy, streamQuery, streamWriteValue64, streamWaitEvent     unsafe.Pointer
+	streamBatchMemOp                                                                  unsafe.Pointer
 	funcGetParamInfo                                                                  unsafe.Pointer
 	primaryCtxGetState, ctxSynchronize                                                unsafe.Pointer
 }
@@ -129,6 +130,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuStreamDestroy", v, false, &f.streamDestroy},
 		{"cuStreamQuery", v, false, &f.streamQuery},
 		{"cuStreamWriteValue64", v, false, &f.streamWriteValue64},
+		{"cuStreamBatchMemOp", v, false, &f.streamBatchMemOp},
 		{"cuStreamWaitEvent", v, false, &f.streamWaitEvent},
 	}
 }

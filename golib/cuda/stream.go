@@ -59,6 +59,45 @@ func (d *Driver) StreamWriteValue64(stream uintptr, addr uintptr, value uint64) 
 		C.p2p_r_p_d_u64_u(d.fn.streamWriteValue64, ptr(stream), C.p2p_dptr(addr), C.uint64_t(value), 0))
 }
 
+// WriteOp is one 64-bit store of StreamWriteValues64.
+type WriteOp struct {
+	Addr  uintptr
+	Value uint64
+}
+
+// MaxWriteOps is how many stores one StreamWriteValues64 call takes.
+const MaxWriteOps = 256
+
+// CUstreamBatchMemOpParams as a write: 48 bytes, the operation at 0, the
+// address at 8, the value at 16, the flags at 24 (0: a memory barrier
+// before the store, as StreamWriteValue64's).
+const (
+	memOpWords        = 6
+	memOpWriteValue64 = 5 // CU_STREAM_MEM_OP_WRITE_VALUE_64
+)
+
+// HasWriteValues reports whether StreamWriteValues64 is available.
+func (d *Driver) HasWriteValues() bool { return d.fn.streamBatchMemOp != nil }
+
+// StreamWriteValues64 queues ops (at most MaxWriteOps) on stream in one
+// driver call (cuStreamBatchMemOp), in order, each as StreamWriteValue64
+// would: after the stream's earlier work, with a memory barrier before it.
+func (d *Driver) StreamWriteValues64(stream uintptr, ops []WriteOp) error {
+	if d.fn.streamBatchMemOp == nil {
+		return fmt.Errorf("cuStreamBatchMemOp: %w", ErrNotSupported)
+	}
+	if len(ops) == 0 || len(ops) > MaxWriteOps {
+		return fmt.Errorf("cuStreamBatchMemOp: %d stores, want 1..%d", len(ops), MaxWriteOps)
+	}
+	params := make([]uint64, memOpWords*len(ops))
+	for i, op := range ops {
+		p := params[memOpWords*i:]
+		p[0], p[1], p[2] = memOpWriteValue64, uint64(op.Addr), op.Value
+	}
+	return d.check("cuStreamBatchMemOp",
+		C.p2p_r_p_u_p_u(d.fn.streamBatchMemOp, ptr(stream), C.uint(len(ops)), unsafe.Pointer(&params[0]), 0))
+}
+
 // StreamWaitEvent makes work queued on stream after this call wait for the
 // completion of ev's latest record (on any stream). Ordered on the device;
 // the host does not wait. Inside a stream capture it adds the dependency to

@@ -16,6 +16,9 @@ static inline int p2p_r_i_p(void* f, int a, void* b) { return ((int (*)(int, voi
 static inline int p2p_r_i_p_p(void* f, int a, void* b, void* c) { return ((int (*)(int, void*, void*))f)(a, b, c); }
 static inline int p2p_r_p_i(void* f, void* a, int b) { return ((int (*)(void*, int))f)(a, b); }
 static inline int p2p_r_p_u(void* f, void* a, unsigned b) { return ((int (*)(void*, unsigned))f)(a, b); }
+static inline int p2p_r_p_u_p_u(void* f, void* a, unsigned b, void* c, unsigned d) {
+  return ((int (*)(void*, unsigned, void*, unsigned))f)(a, b, c, d);
+}
 static inline int p2p_r_p_p(void* f, void* a, void* b) { return ((int (*)(void*, void*))f)(a, b); }
 static inline int p2p_r_p_z(void* f, void* a, size_t b) { return ((int (*)(void*, size_t))f)(a, b); }
 static inline int p2p_r_p_d(void* f, void* a, p2p_dptr b) { return ((int (*)(void*, p2p_dptr))f)(a, b); }

@@ -26,16 +26,34 @@ type Copier interface {
 	// reports false, queueing nothing, when the copier cannot reach the
 	// word; the caller then stores it once Completed covers those copies.
 	Store(addr uintptr, value uint64) (bool, error)
+	// Write queues stores of the size bytes at src (pinned host memory,
+	// read now) into dst, after every copy queued before it; Completed
+	// counts it as a copy. It reports false, queueing nothing, when it
+	// cannot (dst or size not a multiple of 8 bytes, size above
+	// WriteMaxBytes, no such stores): the caller copies instead.
+	Write(dst, src uintptr, size uint64) (bool, error)
 	// Completed returns how many of the copies (and stores) queued so far
 	// are complete, without blocking.
 	Completed() (uint64, error)
+}
+
+// WriteMaxBytes is the most a Copier's Write takes: a landed entry this
+// small reaches device memory as a few stores on the stream, in the same
+// driver call as its signal, instead of a copy engine's round trip.
+const WriteMaxBytes = 64
+
+// writable reports whether Write takes size bytes to dst.
+func writable(dst uintptr, size uint64) bool {
+	return dst%8 == 0 && size%8 == 0 && size > 0 && size <= WriteMaxBytes
 }
 
 // CUDACopier is a GPU's Copier: cuMemcpyAsync on a non-blocking stream of
 // its own, the copies followed on the stream by a store of their count into
 // a mapped host word, so completion is one load instead of an event per
 // copy. The count is stored once per batch (the copies queued between two
-// Completed calls), a driver call less per copy.
+// Completed calls), a driver call less per copy. Stores (Write's, Store's,
+// the count's) wait in pending and go to the stream in one driver call,
+// before the next copy or at Completed.
 type CUDACopier struct {
 	drv     *cuda.Driver
 	stream  uintptr
@@ -44,6 +62,7 @@ type CUDACopier struct {
 	queued  uint64
 	marked  uint64              // the count last queued for the word
 	mapped  map[uintptr]uintptr // host word -> its device address; 0: not mapped
+	pending []cuda.WriteOp
 }
 
 var _ Copier = (*CUDACopier)(nil)
@@ -81,6 +100,9 @@ func (c *CUDACopier) FreeHost(addr uintptr) error {
 
 // Copy queues the copy; Completed queues the store of the count.
 func (c *CUDACopier) Copy(dst, src uintptr, size uint64) error {
+	if err := c.submit(); err != nil {
+		return err
+	}
 	if err := c.drv.MemcpyAsync(dst, src, size, c.stream); err != nil {
 		return err
 	}
@@ -102,21 +124,60 @@ func (c *CUDACopier) Store(addr uintptr, value uint64) (bool, error) {
 	if dev == 0 {
 		return false, nil
 	}
-	if err := c.drv.StreamWriteValue64(c.stream, dev, value); err != nil {
+	if err := c.store(dev, value); err != nil {
 		return false, err
 	}
 	c.queued++
 	return true, nil
 }
 
+// Write queues the bytes as 8-byte stores, read from src now.
+func (c *CUDACopier) Write(dst, src uintptr, size uint64) (bool, error) {
+	if !writable(dst, size) || !c.drv.HasWriteValues() {
+		return false, nil
+	}
+	for i := uint64(0); i < size; i += 8 {
+		c.pending = append(c.pending, cuda.WriteOp{Addr: dst + uintptr(i), Value: *(*uint64)(addrPtr(src + uintptr(i)))})
+	}
+	c.queued++
+	return true, nil
+}
+
+// store queues one store: with the pending ones where the driver batches
+// them, else at once.
+func (c *CUDACopier) store(addr uintptr, value uint64) error {
+	if !c.drv.HasWriteValues() {
+		return c.drv.StreamWriteValue64(c.stream, addr, value)
+	}
+	c.pending = append(c.pending, cuda.WriteOp{Addr: addr, Value: value})
+	return nil
+}
+
+// submit hands the pending stores to the stream.
+func (c *CUDACopier) submit() error {
+	ops := c.pending
+	c.pending = c.pending[:0]
+	for len(ops) > 0 {
+		n := min(len(ops), cuda.MaxWriteOps)
+		if err := c.drv.StreamWriteValues64(c.stream, ops[:n]); err != nil {
+			return err
+		}
+		ops = ops[n:]
+	}
+	return nil
+}
+
 // Completed queues the store of the count if copies were queued since the
 // last call, and reads the count the stream last stored.
 func (c *CUDACopier) Completed() (uint64, error) {
 	if c.marked != c.queued {
-		if err := c.drv.StreamWriteValue64(c.stream, c.wordDev, c.queued); err != nil {
+		if err := c.store(c.wordDev, c.queued); err != nil {
 			return 0, err
 		}
 		c.marked = c.queued
+	}
+	if err := c.submit(); err != nil {
+		return 0, err
 	}
 	return atomic.LoadUint64((*uint64)(c.word)), nil
 }
@@ -126,7 +187,10 @@ func (c *CUDACopier) Close() error {
 	if c.stream == 0 {
 		return nil
 	}
-	err := c.drv.StreamSynchronize(c.stream)
+	err := c.submit()
+	if serr := c.drv.StreamSynchronize(c.stream); err == nil {
+		err = serr
+	}
 	if derr := c.drv.StreamDestroy(c.stream); err == nil {
 		err = derr
 	}

@@ -14,7 +14,8 @@ import (
 // TestInlinePuts: inline puts of 1..64 bytes, each answered in turn after
 // its signal, land byte for byte, into host memory (one UCP put of a copy)
 // and into device memory (staged: the bytes go into a send slot, the
-// signal rides in the entry's header).
+// signal rides in the entry's header; whole words land through the
+// Copier's Write, the rest through its Copy).
 func TestInlinePuts(t *testing.T) {
 	needUCX(t)
 	for _, role := range []string{"inline", "stagedinline"} {
@@ -33,8 +34,11 @@ func childInline(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, m
 	me, peer := j.rank, 1-j.rank
 	rng := rand.New(rand.NewPCG(5, 9)) // both ranks draw the same sizes and bytes
 	for i := 1; i <= 200; i++ {
-		data := make([]byte, 1+rng.IntN(64))
-		off := uint64(rng.IntN(slotSize - 64))
+		n, off := 1+rng.IntN(64), uint64(rng.IntN(slotSize-64))
+		if i%2 == 0 { // whole words: a Copier's Write lands them
+			n, off = 8*(1+rng.IntN(8)), off&^7
+		}
+		data := make([]byte, n)
 		for k := range data {
 			data[k] = byte(rng.Uint32())
 		}

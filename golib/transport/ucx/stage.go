@@ -638,7 +638,11 @@ func (t *Transport) takeIn(r int, st *stager) error {
 			return t.badEntry(r, fmt.Sprintf("signal word %#x outside every registered range", word))
 		}
 		if kind&entryData != 0 {
-			if err := s.copier.Copy(uintptr(addr), slot+headerSize, size); err != nil {
+			written, err := s.copier.Write(uintptr(addr), slot+headerSize, size)
+			if err == nil && !written {
+				err = s.copier.Copy(uintptr(addr), slot+headerSize, size)
+			}
+			if err != nil {
 				return t.stageFail(r, "staging copy to device", err)
 			}
 			s.copies++

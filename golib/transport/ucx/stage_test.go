@@ -36,6 +36,7 @@ type fakeOp struct {
 	dst, src, n uintptr
 	store       bool
 	value       uint64
+	keep        []byte // a Write's snapshot, src's memory
 }
 
 func newFakeCopier() *fakeCopier { return &fakeCopier{} }
@@ -53,6 +54,16 @@ func (f *fakeCopier) FreeHost(addr uintptr) error { return nil } // the process 
 func (f *fakeCopier) Copy(dst, src uintptr, size uint64) error {
 	f.queue = append(f.queue, fakeOp{dst: dst, src: src, n: uintptr(size)})
 	return nil
+}
+
+// Write takes what the real copier would, as a copy from a snapshot.
+func (f *fakeCopier) Write(dst, src uintptr, size uint64) (bool, error) {
+	if !writable(dst, size) {
+		return false, nil
+	}
+	snap := bytes.Clone(unsafe.Slice((*byte)(addrPtr(src)), size))
+	f.queue = append(f.queue, fakeOp{dst: dst, src: addrOf(snap), n: uintptr(size), keep: snap})
+	return true, nil
 }
 
 func (f *fakeCopier) Store(addr uintptr, value uint64) (bool, error) {
