@@ -143,6 +143,7 @@ type stager struct {
 	credit *remote // the peer's credit words; this rank's at rank*8
 
 	send    uintptr             // send slots toward the peer, pinned
+	sendReg *local              // their registration
 	sendReq [][2]unsafe.Pointer // each slot's puts still reading it
 	sendN   uint64              // send slots claimed so far
 	sendPut uint64              // of those, slots whose chunk was issued
@@ -309,7 +310,7 @@ func (t *Transport) buildRings() ([]byte, error) {
 		}
 		st := &s.peers[r]
 		st.land = land + uintptr(uint64(r)*s.ringBytes())
-		if st.send, _, err = pinned(s.ringBytes()); err != nil {
+		if st.send, st.sendReg, err = pinned(s.ringBytes()); err != nil {
 			return nil, err
 		}
 		st.sendReq = make([][2]unsafe.Pointer, s.slots)
@@ -456,6 +457,15 @@ func (t *Transport) pump(r int) error {
 	return nil
 }
 
+// sendMemh is the send slots' registration for UCP, which then looks
+// nothing up per put; nil where UCP takes no handles.
+func (t *Transport) sendMemh(st *stager) unsafe.Pointer {
+	if !t.passMemh || st.sendReg == nil {
+		return nil
+	}
+	return st.sendReg.memh
+}
+
 // sendSlot is the address of send slot i toward st's peer.
 func (t *Transport) sendSlot(st *stager, i int) uintptr {
 	return st.send + uintptr(uint64(i)*t.stage.stride())
@@ -503,7 +513,10 @@ func (t *Transport) issue(r int, c *chunk) error {
 	if !c.ring() {
 		src, memh := c.src, c.srcMemh
 		if c.inSlot() {
-			src, memh = send+headerSize, nil
+			src = send + headerSize
+		}
+		if c.inSlot() {
+			memh = t.sendMemh(st)
 		}
 		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
 	}
@@ -527,7 +540,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 			return err
 		}
 	}
-	if err := t.putSlot(r, "staged put", send+8, body, landing+8, st.ring.rkey, nil, &reqs[0]); err != nil {
+	if err := t.putSlot(r, "staged put", send+8, body, landing+8, st.ring.rkey, t.sendMemh(st), &reqs[0]); err != nil {
 		return err
 	}
 	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
@@ -535,7 +548,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 		t.fail(r, err)
 		return err
 	}
-	if err := t.putSlot(r, "staged sequence", send, 8, landing, st.ring.rkey, nil, &reqs[1]); err != nil {
+	if err := t.putSlot(r, "staged sequence", send, 8, landing, st.ring.rkey, t.sendMemh(st), &reqs[1]); err != nil {
 		return err
 	}
 	st.entries++
