@@ -25,6 +25,8 @@ var abiFields = []struct {
 	{"p2p_ucp_mem_map_params", "ucp_mem_map_params_t", []string{"field_mask", "address", "length", "flags", "prot", "memory_type"}},
 	{"p2p_ucp_request_param", "ucp_request_param_t", []string{"op_attr_mask", "flags", "request", "cb", "datatype",
 		"user_data", "reply_buffer", "memory_type", "recv_info", "memh"}},
+	{"p2p_ucp_am_handler_param", "ucp_am_handler_param_t", []string{"field_mask", "id", "flags", "cb", "arg"}},
+	{"p2p_ucp_am_recv_param", "ucp_am_recv_param_t", []string{"recv_attr"}},
 	{"p2p_ucp_context_attr", "ucp_context_attr_t", []string{"field_mask", "request_size", "thread_mode", "memory_types"}},
 	{"p2p_ucp_transport_entry", "ucp_transport_entry_t", []string{"transport_name", "device_name"}},
 	{"p2p_ucp_transports", "ucp_transports_t", []string{"entries", "num_entries", "entry_size"}},
@@ -34,6 +36,8 @@ var abiFields = []struct {
 // abiConstants are the values ucp_abi.h copies, by real name.
 var abiConstants = []string{
 	"UCP_PARAM_FIELD_FEATURES", "UCP_PARAM_FIELD_ESTIMATED_NUM_EPS", "UCP_PARAM_FIELD_NAME", "UCP_FEATURE_RMA",
+	"UCP_FEATURE_AM", "UCP_AM_HANDLER_PARAM_FIELD_ID", "UCP_AM_HANDLER_PARAM_FIELD_CB", "UCP_AM_HANDLER_PARAM_FIELD_ARG",
+	"UCP_AM_SEND_FLAG_EAGER", "UCP_AM_SEND_FLAG_COPY_HEADER", "UCP_AM_RECV_ATTR_FLAG_RNDV",
 	"UCP_WORKER_PARAM_FIELD_THREAD_MODE", "UCP_WORKER_ATTR_FIELD_ADDRESS", "UCS_THREAD_MODE_SERIALIZED",
 	"UCP_EP_PARAM_FIELD_REMOTE_ADDRESS", "UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE", "UCP_EP_PARAM_FIELD_ERR_HANDLER",
 	"UCP_ERR_HANDLING_MODE_NONE", "UCP_ERR_HANDLING_MODE_PEER", "UCP_EP_CLOSE_FLAG_FORCE",

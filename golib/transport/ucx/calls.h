@@ -58,7 +58,7 @@ static inline int p2p_ucx_init(void* f, unsigned api_major, unsigned api_minor, 
 	p2p_ucp_params p;
 	memset(&p, 0, sizeof p);
 	p.field_mask = P2P_UCP_PARAM_FIELD_FEATURES | P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | P2P_UCP_PARAM_FIELD_NAME;
-	p.features = P2P_UCP_FEATURE_RMA;
+	p.features = P2P_UCP_FEATURE_RMA | P2P_UCP_FEATURE_AM;
 	p.estimated_num_eps = num_eps;
 	p.name = name;
 	return ((int (*)(unsigned, unsigned, const p2p_ucp_params*, const void*, void**))f)(
@@ -185,4 +185,64 @@ static inline int p2p_ucx_ep_transports(void* f, void* ep, char* buf, size_t len
 		strcat(buf, ",");
 	}
 	return st;
+}
+
+// Small staging ring entries travel as one active message instead of two
+// puts around a fence: the header is the landing slot's address, the data
+// the entry (its 64-byte header, then its bytes). The receiver's handler,
+// run inside ucp_worker_progress, copies the entry into the landing slot
+// and stores its sequence word last, so the ring reads it as it reads a
+// put entry. No Go code runs inside UCP's callback.
+enum { P2P_AM_LAND = 1 };
+
+// p2p_landing bounds what a handler may write: the landing rings.
+typedef struct {
+	uint64_t base, size;
+} p2p_landing;
+
+static int p2p_ucx_am_land(void* arg, const void* header, size_t header_length, void* data, size_t length,
+		const p2p_ucp_am_recv_param* param) {
+	const p2p_landing* l = (const p2p_landing*)arg;
+	uint64_t addr;
+	if (header_length != sizeof addr || length < 8 || (param->recv_attr & P2P_UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+		return P2P_UCS_OK; // not ours: the ring never sees it, and the sender times out naming us
+	}
+	memcpy(&addr, header, sizeof addr);
+	if (addr % 8 != 0 || addr < l->base || addr - l->base > l->size || length > l->size - (addr - l->base)) {
+		return P2P_UCS_OK;
+	}
+	uint64_t seq;
+	memcpy(&seq, data, sizeof seq);
+	memcpy((char*)(uintptr_t)addr + 8, (const char*)data + 8, length - 8);
+	__atomic_store_n((uint64_t*)(uintptr_t)addr, seq, __ATOMIC_RELEASE);
+	return P2P_UCS_OK;
+}
+
+static inline int p2p_ucx_set_am_land(void* f, void* worker, p2p_landing* l) {
+	p2p_ucp_am_handler_param p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = P2P_UCP_AM_HANDLER_PARAM_FIELD_ID | P2P_UCP_AM_HANDLER_PARAM_FIELD_CB |
+			P2P_UCP_AM_HANDLER_PARAM_FIELD_ARG;
+	p.id = P2P_AM_LAND;
+	p.cb = (void*)p2p_ucx_am_land;
+	p.arg = l;
+	return ((int (*)(void*, const p2p_ucp_am_handler_param*))f)(worker, &p);
+}
+
+// p2p_ucx_am_land_send sends an entry of length bytes at buffer (memory that
+// lives until the request completes) to the landing slot at addr.
+static inline void* p2p_ucx_am_land_send(void* f, void* ep, uint64_t addr, uint64_t buffer, size_t length,
+		void* memh, int* status) {
+	p2p_ucp_request_param p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_FLAGS | P2P_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+	p.flags = P2P_UCP_AM_SEND_FLAG_EAGER | P2P_UCP_AM_SEND_FLAG_COPY_HEADER;
+	p.memory_type = P2P_UCS_MEMORY_TYPE_HOST;
+	if (memh != NULL) {
+		p.op_attr_mask |= P2P_UCP_OP_ATTR_FIELD_MEMH;
+		p.memh = memh;
+	}
+	return p2p_ucx_split(((void* (*)(void*, unsigned, const void*, size_t, const void*, size_t,
+			const p2p_ucp_request_param*))f)(ep, P2P_AM_LAND, &addr, sizeof addr, (const void*)(uintptr_t)buffer,
+			length, &p), status);
 }

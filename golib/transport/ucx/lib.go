@@ -66,6 +66,7 @@ type funcs struct {
 	rkeyDestroy, putNbx                                            unsafe.Pointer
 	requestCheckStatus, requestCancel, requestFree                 unsafe.Pointer
 	contextQuery, epQuery                                          unsafe.Pointer
+	workerSetAMRecvHandler, amSendNbx                              unsafe.Pointer
 }
 
 func (f *funcs) table() []struct {
@@ -105,6 +106,8 @@ func (f *funcs) table() []struct {
 		{"ucp_request_free", &f.requestFree},
 		{"ucp_context_query", &f.contextQuery},
 		{"ucp_ep_query", &f.epQuery},
+		{"ucp_worker_set_am_recv_handler", &f.workerSetAMRecvHandler},
+		{"ucp_am_send_nbx", &f.amSendNbx},
 	}
 }
 

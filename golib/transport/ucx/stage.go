@@ -42,6 +42,14 @@ import (
 // receiver's side runs in Progress and in every wait: its proxy must keep
 // calling Progress, from the thread that holds the CUDA context.
 //
+// A ring entry of at most amMaxBytes whose data is in its send slot (or
+// that has none) travels instead as one active message to a handler of the
+// receiver's (calls.h), which writes it into the landing slot, sequence
+// word last: one send instead of two puts around a fence, and no put
+// acknowledgement back. An entry behind a direct put to the peer (a device
+// source for a host destination) still takes the puts, whose fence orders
+// it behind that put.
+//
 // Ordering relies on what UCP gives over one endpoint: a fence (weak is
 // enough) makes every put issued before it visible at the target before
 // any put issued after it. Nothing is assumed about the order of bytes
@@ -103,6 +111,7 @@ const (
 	headerSize  = 64
 	entryData   = 1
 	entrySignal = 2
+	amMaxBytes  = 8 << 10 // header and data of an entry sent as an active message
 )
 
 // chunk is one piece of staged work toward a peer, kept in order: data, a
@@ -149,6 +158,8 @@ type stager struct {
 	sendPut uint64              // of those, slots whose chunk was issued
 	queue   []chunk
 	entries uint64 // ring entries handed to UCP
+	am      bool   // the peer lands entries sent as active messages
+	direct  bool   // a direct put went out since the last fenced entry
 
 	land     uintptr // the peer's landing ring here
 	next     uint64  // ring entries taken in
@@ -163,11 +174,12 @@ type staging struct {
 	copier     Copier
 	chunk      uint64
 	slots      int
-	copies     uint64    // copies queued on copier
-	landBase   uintptr   // every sender's landing ring, pinned
-	creditBase []byte    // one credit word per peer, written by peers
-	host       []uintptr // pinned allocations to free
-	regs       []*local  // registrations of the above
+	copies     uint64         // copies queued on copier
+	landBase   uintptr        // every sender's landing ring, pinned
+	landing    *C.p2p_landing // the active message handler's bounds (C memory)
+	creditBase []byte         // one credit word per peer, written by peers
+	host       []uintptr      // pinned allocations to free
+	regs       []*local       // registrations of the above
 	peers      []stager
 }
 
@@ -315,16 +327,31 @@ func (t *Transport) buildRings() ([]byte, error) {
 		}
 		st.sendReq = make([][2]unsafe.Pointer, s.slots)
 	}
-	blob := binary.LittleEndian.AppendUint32(nil, uint32(len(landReg.key)))
+	// The handler is in place before the keys go out, so before any peer
+	// can send it an entry.
+	var flags byte
+	s.landing = (*C.p2p_landing)(C.calloc(1, C.size_t(unsafe.Sizeof(C.p2p_landing{}))))
+	s.landing.base, s.landing.size = C.uint64_t(land), C.uint64_t(n*s.ringBytes())
+	if st := C.p2p_ucx_set_am_land(t.lib.fn.workerSetAMRecvHandler, t.worker, s.landing); st == C.P2P_UCS_OK {
+		flags |= blobAM
+	}
+	blob := []byte{flags}
+	blob = binary.LittleEndian.AppendUint32(blob, uint32(len(landReg.key)))
 	blob = append(blob, landReg.key...)
 	return append(blob, creditReg.Key()...), nil
 }
 
+// blobAM, in the first byte of a rank's ring keys, says it lands entries
+// sent as active messages.
+const blobAM = 1
+
 // stagePeer unpacks rank r's ring keys and turns staging toward it on.
 func (t *Transport) stagePeer(r int, blob []byte) error {
-	if len(blob) < 4 || uint64(len(blob)-4) < uint64(binary.LittleEndian.Uint32(blob)) {
+	if len(blob) < 5 || uint64(len(blob)-5) < uint64(binary.LittleEndian.Uint32(blob[1:])) {
 		return status.Errorf(status.Mismatch, "UCX staging: rank %d sent a %d-byte ring key", r, len(blob))
 	}
+	am := blob[0]&blobAM != 0
+	blob = blob[1:]
 	n := binary.LittleEndian.Uint32(blob)
 	ring, err := t.Remote(r, blob[4:4+n])
 	if err != nil {
@@ -335,7 +362,7 @@ func (t *Transport) stagePeer(r int, blob []byte) error {
 		return fmt.Errorf("UCX staging: %w", err)
 	}
 	st := &t.stage.peers[r]
-	st.ring, st.credit = ring.(*remote), credit.(*remote)
+	st.ring, st.credit, st.am = ring.(*remote), credit.(*remote), am
 	if st.ring.size != uint64(len(t.peers))*t.stage.ringBytes() {
 		return status.Errorf(status.Mismatch, "UCX staging: rank %d's rings are %d bytes, want %d (same chunk size and count on every rank)",
 			r, st.ring.size, uint64(len(t.peers))*t.stage.ringBytes())
@@ -518,6 +545,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 		if c.inSlot() {
 			memh = t.sendMemh(st)
 		}
+		st.direct = true
 		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
 	}
 	landing := st.ring.base + uint64(t.rank)*s.ringBytes() + (st.entries%uint64(s.slots))*s.stride()
@@ -529,6 +557,19 @@ func (t *Transport) issue(r int, c *chunk) error {
 	if c.signal {
 		h[3] |= entrySignal
 	}
+	if st.am && !st.direct && (c.size == 0 || c.inSlot()) && headerSize+c.size <= amMaxBytes {
+		var s C.int
+		reqs[0] = C.p2p_ucx_am_land_send(t.lib.fn.amSendNbx, t.peers[r].ep, C.uint64_t(landing), C.uint64_t(send),
+			C.size_t(headerSize+c.size), t.sendMemh(st), &s)
+		if s != C.P2P_UCS_OK && s != C.P2P_UCS_INPROGRESS {
+			err := t.peerError(r, "staged entry", s)
+			t.fail(r, err)
+			return err
+		}
+		st.entries++
+		return nil
+	}
+	st.direct = false
 	body := uint64(headerSize - 8)
 	if c.size > 0 && c.inSlot() {
 		body += c.size
@@ -790,6 +831,11 @@ func (t *Transport) closeStaging() {
 	}
 	if len(s.creditBase) > 0 {
 		C.free(unsafe.Pointer(&s.creditBase[0]))
+	}
+	if s.landing != nil {
+		// The worker outlives this: a late message finds nowhere to land.
+		s.landing.base, s.landing.size = 0, 0
+		t.landing = unsafe.Pointer(s.landing)
 	}
 	t.stage = nil
 }

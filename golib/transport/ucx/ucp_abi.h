@@ -85,6 +85,20 @@ typedef struct {
 	void* memh;
 } p2p_ucp_request_param;
 
+// ucp_am_handler_param_t (whole); cb is ucp_am_recv_callback_t.
+typedef struct {
+	uint64_t field_mask;
+	unsigned id;
+	uint32_t flags;
+	void* cb;
+	void* arg;
+} p2p_ucp_am_handler_param;
+
+// ucp_am_recv_param_t, through recv_attr.
+typedef struct {
+	uint64_t recv_attr;
+} p2p_ucp_am_recv_param;
+
 // ucp_context_attr_t, through memory_types.
 typedef struct {
 	uint64_t field_mask;
@@ -121,6 +135,14 @@ enum {
 	P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS = 1 << 6,
 	P2P_UCP_PARAM_FIELD_NAME = 1 << 8,
 	P2P_UCP_FEATURE_RMA = 1 << 1,
+	P2P_UCP_FEATURE_AM = 1 << 6,
+
+	P2P_UCP_AM_HANDLER_PARAM_FIELD_ID = 1 << 0,
+	P2P_UCP_AM_HANDLER_PARAM_FIELD_CB = 1 << 2,
+	P2P_UCP_AM_HANDLER_PARAM_FIELD_ARG = 1 << 3,
+	P2P_UCP_AM_SEND_FLAG_EAGER = 1 << 1,
+	P2P_UCP_AM_SEND_FLAG_COPY_HEADER = 1 << 3,
+	P2P_UCP_AM_RECV_ATTR_FLAG_RNDV = 1 << 17,
 
 	P2P_UCP_ATTR_FIELD_MEMORY_TYPES = 1 << 2,
 	P2P_UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3,

@@ -107,7 +107,8 @@ type Transport struct {
 	locals   map[*local]struct{}
 	remotes  map[*remote]struct{}
 	passMemh bool
-	stage    *staging // nil unless some peer's device puts are staged
+	stage    *staging       // nil unless some peer's device puts are staged
+	landing  unsafe.Pointer // the staging handler's bounds, freed after the worker
 	closed   bool
 }
 
@@ -694,6 +695,10 @@ func (t *Transport) Close() error {
 	if t.worker != nil {
 		C.p2p_ucx_call_p(f.workerDestroy, t.worker)
 		t.worker = nil
+	}
+	if t.landing != nil {
+		C.free(t.landing)
+		t.landing = nil
 	}
 	if t.context != nil {
 		C.p2p_ucx_call_p(f.cleanup, t.context)
