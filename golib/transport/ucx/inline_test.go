@@ -14,8 +14,8 @@ import (
 // TestInlinePuts: inline puts of 1..64 bytes, each answered in turn after
 // its signal, land byte for byte, into host memory (one UCP put of a copy)
 // and into device memory (staged: the bytes go into a send slot, the
-// signal rides in the entry's header; whole words land through the
-// Copier's Write, the rest through its Copy).
+// signal rides in the entry's header, the entry one active message;
+// whole words land through the Copier's Write, the rest through its Copy).
 func TestInlinePuts(t *testing.T) {
 	needUCX(t)
 	for _, role := range []string{"inline", "stagedinline"} {
@@ -32,6 +32,9 @@ func childInline(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, m
 		return err
 	}
 	me, peer := j.rank, 1-j.rank
+	if mem == transport.DeviceMemory && !tr.stage.peers[peer].am {
+		return fmt.Errorf("rank %d does not land entries sent as active messages", peer)
+	}
 	rng := rand.New(rand.NewPCG(5, 9)) // both ranks draw the same sizes and bytes
 	for i := 1; i <= 200; i++ {
 		n, off := 1+rng.IntN(64), uint64(rng.IntN(slotSize-64))
