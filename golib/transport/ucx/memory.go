@@ -253,20 +253,13 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	if src == nil {
 		return status.Errorf(status.InvalidArgument, "UCX put: no source range")
 	}
-	r, l, err := t.ranges("put", dst, src)
+	r, l, err := t.putTarget(dst, dstOff, src, size)
 	if err != nil {
 		return err
-	}
-	if !within(dstOff, size, r.size) {
-		return status.Errorf(status.InvalidArgument, "UCX put to rank %d: [%d, %d+%d) is past the end of its %d-byte range",
-			r.peer, dstOff, dstOff, size, r.size)
 	}
 	if !within(srcOff, size, l.size) {
 		return status.Errorf(status.InvalidArgument, "UCX put to rank %d: source [%d, %d+%d) is past the end of the local %d-byte range",
 			r.peer, srcOff, srcOff, size, l.size)
-	}
-	if err := t.check(r.peer, "put"); err != nil {
-		return err
 	}
 	if size == 0 {
 		return nil
@@ -290,6 +283,20 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	return t.started(r.peer, "put", op{req: req}, s)
 }
 
+// putTarget checks a put's destination range and its peer, and returns the
+// ranges.
+func (t *Transport) putTarget(dst transport.Remote, dstOff uint64, src transport.Local, size uint64) (*remote, *local, error) {
+	r, l, err := t.ranges("put", dst, src)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !within(dstOff, size, r.size) {
+		return nil, nil, status.Errorf(status.InvalidArgument, "UCX put to rank %d: [%d, %d+%d) is past the end of its %d-byte range",
+			r.peer, dstOff, dstOff, size, r.size)
+	}
+	return r, l, t.check(r.peer, "put")
+}
+
 // PutInline starts copying data, the caller's until it returns, to dst at
 // dstOff (transport.InlinePutter). Staged, it is one ring entry whose
 // bytes go into the send slot, queued: the Signal, Flush or Progress that
@@ -297,16 +304,9 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 func (t *Transport) PutInline(dst transport.Remote, dstOff uint64, data []byte) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	r, _, err := t.ranges("put", dst, nil)
-	if err != nil {
-		return err
-	}
 	size := uint64(len(data))
-	if !within(dstOff, size, r.size) {
-		return status.Errorf(status.InvalidArgument, "UCX put to rank %d: [%d, %d+%d) is past the end of its %d-byte range",
-			r.peer, dstOff, dstOff, size, r.size)
-	}
-	if err := t.check(r.peer, "put"); err != nil {
+	r, _, err := t.putTarget(dst, dstOff, nil, size)
+	if err != nil {
 		return err
 	}
 	if size == 0 {
