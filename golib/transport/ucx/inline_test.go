@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
@@ -62,8 +63,60 @@ func childInline(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, m
 			return fmt.Errorf("inline put %d of %d bytes from rank %d: got %x, want %x", i, len(data), peer, got, data)
 		}
 	}
+	if mem == transport.DeviceMemory {
+		if err := fencedBehindDirectPut(tr, j, me, peer); err != nil {
+			return err
+		}
+	}
 	if err := tr.Flush(peer); err != nil {
 		return err
 	}
 	return tr.progressWhile(bs.Barrier)
+}
+
+// fencedBehindDirectPut: rank 0 puts a host word straight to rank 1, then
+// an inline put with a signal: that entry goes as fenced puts, not as an
+// active message (which nothing orders behind the put), and rank 1 finds
+// the word once the signal came; the next entry is a message again.
+func fencedBehindDirectPut(tr *Transport, j *job, me, peer int) error {
+	word := mmapBytes(8)
+	lw, err := tr.Register(addrOf(word), 8, transport.HostMemory)
+	if err != nil {
+		return err
+	}
+	defer lw.Close()
+	const value = 0x5eed_f00d
+	extra := uint64(16*me + 8) // beside this rank's signal word
+	st := &tr.stage.peers[peer]
+	if me == 0 {
+		*(*uint64)(unsafe.Pointer(&word[0])) = value
+		if err := tr.Put(j.rword[peer], extra, lw, 0, 8); err != nil {
+			return err
+		}
+		for k, want := range []uint64{0, 1} { // the fenced entry, then a message
+			before := st.amSent
+			if err := tr.PutInline(j.rdst[peer], 0, []byte{1, 2, 3}); err != nil {
+				return err
+			}
+			if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+				return err
+			}
+			for len(st.queue) > 0 { // Progress pumps the queue
+				if _, err := tr.Progress(); err != nil {
+					return err
+				}
+			}
+			if got := st.amSent - before; got != want {
+				return fmt.Errorf("entry %d after a direct put: %d sent as active messages, want %d", k, got, want)
+			}
+		}
+		return nil
+	}
+	if err := j.await(signalWord(peer), 101, "the signal behind the direct put"); err != nil {
+		return err
+	}
+	if got := j.load(uint64(16*peer + 8)); got != value {
+		return fmt.Errorf("the direct put's word is %#x once the signal behind it came, want %#x", got, value)
+	}
+	return j.await(signalWord(peer), 102, "the next signal")
 }

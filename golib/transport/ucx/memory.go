@@ -277,6 +277,7 @@ func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local
 	if l.mem == transport.DeviceMemory || r.mem == transport.DeviceMemory {
 		t.peers[r.peer].unordered = true
 	}
+	t.putDirect(r.peer)
 	var s C.int
 	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r.peer].ep, C.uint64_t(uint64(l.addr)+srcOff), C.size_t(size),
 		C.uint64_t(r.base+dstOff), r.rkey, memh, memoryType(l.mem), &s)
@@ -323,6 +324,7 @@ func (t *Transport) PutInline(dst transport.Remote, dstOff uint64, data []byte) 
 	if r.mem == transport.DeviceMemory {
 		t.peers[r.peer].unordered = true
 	}
+	t.putDirect(r.peer)
 	// From C memory of its own, freed when the put completes.
 	mem := C.malloc(C.size_t(size))
 	copy(unsafe.Slice((*byte)(mem), size), data)

@@ -46,9 +46,9 @@ import (
 // that has none) travels instead as one active message to a handler of the
 // receiver's (calls.h), which writes it into the landing slot, sequence
 // word last: one send instead of two puts around a fence, and no put
-// acknowledgement back. An entry behind a direct put to the peer (a device
-// source for a host destination) still takes the puts, whose fence orders
-// it behind that put.
+// acknowledgement back. An entry behind a put to the peer outside the ring
+// (a device source for a host destination, or any unstaged put) still
+// takes the puts, whose fence orders it behind that put.
 //
 // Ordering relies on what UCP gives over one endpoint: a fence (weak is
 // enough) makes every put issued before it visible at the target before
@@ -159,7 +159,8 @@ type stager struct {
 	queue   []chunk
 	entries uint64 // ring entries handed to UCP
 	am      bool   // the peer lands entries sent as active messages
-	direct  bool   // a direct put went out since the last fenced entry
+	amSent  uint64 // of the entries, those sent so
+	direct  bool   // a put outside the ring went out since the last fenced entry
 
 	land     uintptr // the peer's landing ring here
 	next     uint64  // ring entries taken in
@@ -484,6 +485,15 @@ func (t *Transport) pump(r int) error {
 	return nil
 }
 
+// putDirect notes a put to rank r outside the ring: the ring entries behind
+// it take the fenced puts until one has gone out, since an active message
+// is not ordered behind a put.
+func (t *Transport) putDirect(r int) {
+	if t.stage != nil && t.stage.peers[r].on {
+		t.stage.peers[r].direct = true
+	}
+}
+
 // sendMemh is the send slots' registration for UCP, which then looks
 // nothing up per put; nil where UCP takes no handles.
 func (t *Transport) sendMemh(st *stager) unsafe.Pointer {
@@ -545,7 +555,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 		if c.inSlot() {
 			memh = t.sendMemh(st)
 		}
-		st.direct = true
+		t.putDirect(r)
 		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
 	}
 	landing := st.ring.base + uint64(t.rank)*s.ringBytes() + (st.entries%uint64(s.slots))*s.stride()
@@ -567,6 +577,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 			return err
 		}
 		st.entries++
+		st.amSent++
 		return nil
 	}
 	st.direct = false
