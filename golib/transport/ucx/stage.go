@@ -550,10 +550,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 	if !c.ring() {
 		src, memh := c.src, c.srcMemh
 		if c.inSlot() {
-			src = send + headerSize
-		}
-		if c.inSlot() {
-			memh = t.sendMemh(st)
+			src, memh = send+headerSize, t.sendMemh(st)
 		}
 		t.putDirect(r)
 		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
