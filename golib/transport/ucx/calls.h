@@ -229,20 +229,22 @@ static inline int p2p_ucx_set_am_land(void* f, void* worker, p2p_landing* l) {
 	return ((int (*)(void*, const p2p_ucp_am_handler_param*))f)(worker, &p);
 }
 
-// p2p_ucx_am_land_send sends an entry of length bytes at buffer (memory that
-// lives until the request completes) to the landing slot at addr.
+// p2p_ucx_am_land_send sends an entry of length bytes at buffer to the
+// landing slot whose address is the 8 bytes at addr; both live until the
+// request completes (UCP may send later, e.g. while the endpoint connects,
+// and older UCP cannot copy the header).
 static inline void* p2p_ucx_am_land_send(void* f, void* ep, uint64_t addr, uint64_t buffer, size_t length,
 		void* memh, int* status) {
 	p2p_ucp_request_param p;
 	memset(&p, 0, sizeof p);
 	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_FLAGS | P2P_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-	p.flags = P2P_UCP_AM_SEND_FLAG_EAGER | P2P_UCP_AM_SEND_FLAG_COPY_HEADER;
+	p.flags = P2P_UCP_AM_SEND_FLAG_EAGER;
 	p.memory_type = P2P_UCS_MEMORY_TYPE_HOST;
 	if (memh != NULL) {
 		p.op_attr_mask |= P2P_UCP_OP_ATTR_FIELD_MEMH;
 		p.memh = memh;
 	}
 	return p2p_ucx_split(((void* (*)(void*, unsigned, const void*, size_t, const void*, size_t,
-			const p2p_ucp_request_param*))f)(ep, P2P_AM_LAND, &addr, sizeof addr, (const void*)(uintptr_t)buffer,
-			length, &p), status);
+			const p2p_ucp_request_param*))f)(ep, P2P_AM_LAND, (const void*)(uintptr_t)addr, sizeof(uint64_t),
+			(const void*)(uintptr_t)buffer, length, &p), status);
 }

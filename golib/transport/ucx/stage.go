@@ -106,12 +106,14 @@ const (
 //	24 kind      uint64 (entryData | entrySignal)
 //	32 word      uint64 (the signal's word; signal entries)
 //	40 total     uint64 (the signal's new total)
-//	48 unused, to a 64-byte header that keeps the data aligned
+//	48 landing   uint64 (the landing slot's address: an active message's header)
+//	56 unused, to a 64-byte header that keeps the data aligned
 const (
-	headerSize  = 64
-	entryData   = 1
-	entrySignal = 2
-	amMaxBytes  = 8 << 10 // header and data of an entry sent as an active message
+	headerSize   = 64
+	entryData    = 1
+	entrySignal  = 2
+	amMaxBytes   = 8 << 10 // header and data of an entry sent as an active message
+	amHeaderWord = 6       // the header word that holds the landing address
 )
 
 // chunk is one piece of staged work toward a peer, kept in order: data, a
@@ -565,9 +567,11 @@ func (t *Transport) issue(r int, c *chunk) error {
 		h[3] |= entrySignal
 	}
 	if st.am && !st.direct && (c.size == 0 || c.inSlot()) && headerSize+c.size <= amMaxBytes {
+		// The message's header, the landing address, lives in the slot too.
+		h[amHeaderWord] = landing
 		var s C.int
-		reqs[0] = C.p2p_ucx_am_land_send(t.lib.fn.amSendNbx, t.peers[r].ep, C.uint64_t(landing), C.uint64_t(send),
-			C.size_t(headerSize+c.size), t.sendMemh(st), &s)
+		reqs[0] = C.p2p_ucx_am_land_send(t.lib.fn.amSendNbx, t.peers[r].ep, C.uint64_t(send+8*amHeaderWord),
+			C.uint64_t(send), C.size_t(headerSize+c.size), t.sendMemh(st), &s)
 		if s != C.P2P_UCS_OK && s != C.P2P_UCS_INPROGRESS {
 			err := t.peerError(r, "staged entry", s)
 			t.fail(r, err)
