@@ -17,8 +17,10 @@ GO_SOURCES := $(shell find golib native -name '*.go' -o -name '*.cu' -o -name '*
 NPROC_GPU ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 export P2PCOMM_LIB ?= $(CURDIR)/$(LIB)
-# Tests use the UCX that requirements-dev.txt installs, not whatever the system has.
-export P2PCOMM_UCX_LIB ?= $(wildcard $(VENV)/lib/python3*/site-packages/libucx/lib/libucp.so.0)
+# Tests use the UCX that requirements-dev.txt installs, not whatever the system has
+# (looked up when a recipe runs: the environment may be made after this file is read,
+# and $(wildcard) would keep its first, empty answer).
+export P2PCOMM_UCX_LIB ?= $(shell ls $(VENV)/lib/python3*/site-packages/libucx/lib/libucp.so.0 2>/dev/null | head -n 1)
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 # Never let NCCL, torch or NVSHMEM use NVLink multicast on shared machines.
