@@ -152,16 +152,21 @@ func (f *FIFO) pop() (Trigger, uint64, bool) {
 	if fst>>fstLapBit&1 != l {
 		return Trigger{}, 0, false
 	}
-	t := Trigger{Fst: fst, Snd: snd}
-	if op := Decode(t); op.Type&TriggerPut != 0 && op.SrcMemory == InlineMemory {
+	if field(snd, 48, typeBits)&TriggerPut != 0 && field(snd, 32, memoryBits) == InlineMemory {
 		// The entry's release store published the payload's stores.
-		n := min(op.Size, InlineBytes)
-		at := unsafe.Add(f.mem[0].Host, f.slots*uint64(unsafe.Sizeof(Trigger{}))+(pos&(f.slots-1))*InlineBytes)
-		copy(f.payload[:n], unsafe.Slice((*byte)(at), n))
+		n := min(field(fst, 0, sizeBits), InlineBytes)
+		copy(f.payload[:n], unsafe.Slice((*byte)(f.payloadAt(pos)), n))
 	}
+	t := Trigger{Fst: fst, Snd: snd}
 	f.tail = pos + 1
 	atomic.StoreUint64(&f.hw.Tail, f.tail)
 	return t, pos, true
+}
+
+// payloadAt is the host address of position pos's payload slot, after the
+// ring.
+func (f *FIFO) payloadAt(pos uint64) unsafe.Pointer {
+	return unsafe.Add(f.mem[0].Host, f.slots*uint64(unsafe.Sizeof(Trigger{}))+(pos&(f.slots-1))*InlineBytes)
 }
 
 // newFIFO allocates a FIFO's memory; slots is a power of two.

@@ -44,8 +44,7 @@ func pushInline(t *testing.T, f *FIFO, op Op, data []byte) {
 			t.Fatalf("slot of position %d never freed", pos)
 		}
 	}
-	at := unsafe.Add(f.mem[0].Host, f.slots*uint64(unsafe.Sizeof(Trigger{}))+(pos&(f.slots-1))*InlineBytes)
-	copy(unsafe.Slice((*byte)(at), InlineBytes), data)
+	copy(unsafe.Slice((*byte)(f.payloadAt(pos)), InlineBytes), data)
 	slot := &f.ring[pos&(f.slots-1)]
 	l := lap(pos, f.slots)
 	atomic.StoreUint64(&slot.Fst, tr.Fst|l<<fstLapBit)

@@ -323,52 +323,10 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 	s.lockTransport()
 	defer s.unlockTransport()
 	if op.Type&TriggerPut != 0 {
-		if op.SrcMemory == InlineMemory {
-			return s.runInline(f, op, t, where)
-		}
-		if int(op.SrcMemory) >= len(t.locals) || int(op.DstMemory) >= len(t.remotes) {
-			return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
-		}
-		src, dst := t.locals[op.SrcMemory], t.remotes[op.DstMemory]
-		if op.SrcOffset+op.Size > src.Size() || op.DstOffset+op.Size > dst.Size() {
-			return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (source %d bytes, destination %d bytes)",
-				where(), src.Size(), dst.Size())
-		}
-		if op.Size > 0 {
-			if err := s.tr.Put(dst, op.DstOffset, src, op.SrcOffset, op.Size); err != nil {
-				return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
-			}
+		if err := s.put(f, op, t, where); err != nil {
+			return err
 		}
 	}
-	return s.runSignalFlush(op, ch, where)
-}
-
-// runInline puts the bytes an inline put carried (popped into f.payload),
-// then runs the trigger's signal and flush.
-func (s *Service) runInline(f *FIFO, op Op, t *tables, where func() string) error {
-	ip, ok := s.tr.(transport.InlinePutter)
-	switch {
-	case !ok:
-		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put, which %s does not take", where(), s.tr.Name())
-	case op.Size > InlineBytes:
-		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put of more than %d bytes", where(), InlineBytes)
-	case int(op.DstMemory) >= len(t.remotes):
-		return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
-	}
-	dst := t.remotes[op.DstMemory]
-	if op.DstOffset+op.Size > dst.Size() {
-		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
-	}
-	if op.Size > 0 {
-		if err := ip.PutInline(dst, op.DstOffset, f.payload[:op.Size]); err != nil {
-			return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
-		}
-	}
-	return s.runSignalFlush(op, t.channels[op.Channel], where)
-}
-
-// runSignalFlush runs the signal and flush parts of a trigger.
-func (s *Service) runSignalFlush(op Op, ch channel, where func() string) error {
 	if op.Type&TriggerSignal != 0 {
 		if ch.sem == nil {
 			return status.Errorf(status.InvalidArgument, "proxy: %s: the channel has no semaphore", where())
@@ -381,6 +339,45 @@ func (s *Service) runSignalFlush(op Op, ch channel, where func() string) error {
 		if err := s.tr.Flush(ch.peer); err != nil {
 			return fmt.Errorf("proxy: %s: %s flush: %w", where(), s.tr.Name(), err)
 		}
+	}
+	return nil
+}
+
+// put runs a trigger's put: from a registered local memory, or the bytes an
+// inline put carried (popped into f.payload).
+func (s *Service) put(f *FIFO, op Op, t *tables, where func() string) error {
+	inline := op.SrcMemory == InlineMemory
+	if int(op.DstMemory) >= len(t.remotes) || (!inline && int(op.SrcMemory) >= len(t.locals)) {
+		return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
+	}
+	dst := t.remotes[op.DstMemory]
+	if op.DstOffset+op.Size > dst.Size() {
+		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
+	}
+	if !inline {
+		src := t.locals[op.SrcMemory]
+		if op.SrcOffset+op.Size > src.Size() {
+			return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (source %d bytes)", where(), src.Size())
+		}
+		if op.Size == 0 {
+			return nil
+		}
+		if err := s.tr.Put(dst, op.DstOffset, src, op.SrcOffset, op.Size); err != nil {
+			return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
+		}
+		return nil
+	}
+	ip, ok := s.tr.(transport.InlinePutter)
+	switch {
+	case !ok:
+		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put, which %s does not take", where(), s.tr.Name())
+	case op.Size > InlineBytes:
+		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put of more than %d bytes", where(), InlineBytes)
+	case op.Size == 0:
+		return nil
+	}
+	if err := ip.PutInline(dst, op.DstOffset, f.payload[:op.Size]); err != nil {
+		return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
 	}
 	return nil
 }

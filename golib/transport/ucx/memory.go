@@ -325,16 +325,9 @@ func (t *Transport) PutInline(dst transport.Remote, dstOff uint64, data []byte) 
 		t.peers[r.peer].unordered = true
 	}
 	t.putDirect(r.peer)
-	// From C memory of its own, freed when the put completes.
 	mem := C.malloc(C.size_t(size))
 	copy(unsafe.Slice((*byte)(mem), size), data)
-	var s C.int
-	req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r.peer].ep, C.uint64_t(uintptr(mem)), C.size_t(size),
-		C.uint64_t(r.base+dstOff), r.rkey, nil, C.P2P_UCS_MEMORY_TYPE_HOST, &s)
-	if s != C.P2P_UCS_INPROGRESS {
-		C.free(mem)
-	}
-	return t.started(r.peer, "put", op{req, mem}, s)
+	return t.putC(r.peer, "put", mem, r.base+dstOff, int(size), r.rkey)
 }
 
 // started keeps an operation's request until it completes, or fails the
@@ -420,11 +413,5 @@ func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) er
 	// completes, so a later Signal cannot change what an earlier one sends.
 	total := C.malloc(8)
 	*(*uint64)(total) = p.sums[word]
-	var s C.int
-	req := C.p2p_ucx_put(t.lib.fn.putNbx, p.ep, C.uint64_t(uintptr(total)), 8, C.uint64_t(word), r.rkey, nil,
-		C.P2P_UCS_MEMORY_TYPE_HOST, &s)
-	if s != C.P2P_UCS_INPROGRESS {
-		C.free(total)
-	}
-	return t.started(r.peer, "signal", op{req, total}, s)
+	return t.putC(r.peer, "signal", total, word, 8, r.rkey)
 }
