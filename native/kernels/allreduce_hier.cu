@@ -600,8 +600,12 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
       }
     }
   } else if (threadIdx.x == 0) {
+    // Block 0 waits up to a timeout for each other node's header; wait past
+    // all of them so that its verdict, or the peer it names, comes first.
+    Waiter w = waiter_of(h);
+    w.timeout_ns = (w.timeout_ns != 0 ? w.timeout_ns : kDefaultTimeoutNs) * (u64)(h.nodes + 1);
     u64 seen = 0;
-    const bool came = spin_until(waiter_of(h), [&] { return ((seen = ld_flag_acquire(verdict_word)) >> 2) == st.epoch; },
+    const bool came = spin_until(w, [&] { return ((seen = ld_flag_acquire(verdict_word)) >> 2) == st.epoch; },
                                  seen, h.rank, kPhaseHierVerdict, (int)blockIdx.x, st.epoch << 2);
     verdict = came ? (int)(seen & 3) : 0;
   }
