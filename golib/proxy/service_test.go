@@ -423,3 +423,39 @@ func TestCloseRunsPushedTriggers(t *testing.T) {
 		t.Errorf("Close returned after %d of the %d pushed puts ran", puts, n)
 	}
 }
+
+// progressCounter counts the proxy's polls of an idle transport.
+type progressCounter struct {
+	fakeTransport
+	n atomic.Int64
+}
+
+func (p *progressCounter) Progress() (bool, error) { p.n.Add(1); return false, nil }
+
+// TestIdleProxyDozes: past IdleNap an idle proxy polls about once a
+// millisecond instead of every few tens of microseconds, and still takes
+// the next trigger.
+func TestIdleProxyDozes(t *testing.T) {
+	tr := &progressCounter{}
+	s := newService(t, tr, Options{Timeout: 10 * time.Second, IdleSpin: time.Millisecond, IdleNap: 100 * time.Millisecond})
+	defer s.Close()
+	ch := mustID(t)(s.AddChannel(0, nil, 0))
+	f, err := s.NewFIFO()
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(300 * time.Millisecond)
+	before := tr.n.Load()
+	time.Sleep(200 * time.Millisecond)
+	// Napping, 200 ms would take thousands of polls; dozing, at most 200.
+	if polls := tr.n.Load() - before; polls > 400 {
+		t.Errorf("an idle proxy polled %d times in 200 ms after IdleNap, want at most 400", polls)
+	}
+	start := time.Now()
+	if err := f.Flush(ch); err != nil {
+		t.Fatal(err)
+	}
+	if waited := time.Since(start); waited > time.Second {
+		t.Errorf("a flush after the pause took %v", waited)
+	}
+}
