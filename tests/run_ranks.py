@@ -3,7 +3,9 @@
     python tests/run_ranks.py -n 4 [--log-dir DIR] [--timeout S] -- -m pytest -q tests/python/dist
 
 Each rank is `python ARGS...` with the environment torchrun would give it
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+and OMP_NUM_THREADS=1 unless set: ranks that share a few cores would
+otherwise each spin a thread per core in torch's parallel loops).
 Rank 0's output is printed as it comes; every rank's output goes to
 DIR/rank<r>.log, and a rank that fails has its log printed at the end. When a
 rank fails, the others get a grace period to fail on their own (they raise
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(a.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PYTHONUNBUFFERED="1")
+        env.setdefault("OMP_NUM_THREADS", "1")
         f = open(logs / f"rank{r}.log", "wb")
         files.append(f)
         procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE if r == 0 else f,
