@@ -56,6 +56,10 @@ type channel struct {
 	peer   int
 	sem    transport.Remote // may be nil: the channel cannot signal
 	semOff uint64
+	// unflushed: a put or signal of the channel went out since its last
+	// flush. A flush with nothing behind it is the FIFO's round trip
+	// alone, without asking the transport.
+	unflushed *atomic.Bool
 }
 
 // tables are the ids triggers name; replaced whole on registration so the
@@ -187,7 +191,7 @@ func (s *Service) AddChannel(peer int, sem transport.Remote, semOffset uint64) (
 			return 0, status.Errorf(status.InvalidArgument,
 				"proxy: semaphore at offset %d of a %d-byte memory of peer %d", semOffset, sem.Size(), peer)
 		}
-		t.channels = append(t.channels[:len(t.channels):len(t.channels)], channel{peer, sem, semOffset})
+		t.channels = append(t.channels[:len(t.channels):len(t.channels)], channel{peer, sem, semOffset, new(atomic.Bool)})
 		return uint32(len(t.channels) - 1), nil
 	})
 }
@@ -339,6 +343,9 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 		if err := s.put(f, op, t, where); err != nil {
 			return err
 		}
+		if op.Size > 0 {
+			ch.unflushed.Store(true) // once the put is under way, so that a flush after this sees it
+		}
 	}
 	if op.Type&TriggerSignal != 0 {
 		if ch.sem == nil {
@@ -347,8 +354,9 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 		if err := s.tr.Signal(ch.sem, ch.semOff, 1); err != nil {
 			return fmt.Errorf("proxy: %s: %s signal: %w", where(), s.tr.Name(), err)
 		}
+		ch.unflushed.Store(true)
 	}
-	if op.Type&TriggerFlush != 0 {
+	if op.Type&TriggerFlush != 0 && ch.unflushed.Swap(false) {
 		if err := s.tr.Flush(ch.peer); err != nil {
 			return fmt.Errorf("proxy: %s: %s flush: %w", where(), s.tr.Name(), err)
 		}

@@ -459,3 +459,53 @@ func TestIdleProxyDozes(t *testing.T) {
 		t.Errorf("a flush after the pause took %v", waited)
 	}
 }
+
+// TestFlushAsksTransportOnlyAfterWork: a flush reaches the transport when a
+// put or signal of its channel went out since the channel's last flush,
+// and only then.
+func TestFlushAsksTransportOnlyAfterWork(t *testing.T) {
+	tr := &fakeTransport{}
+	s := newService(t, tr, Options{Timeout: 10 * time.Second})
+	defer s.Close()
+	id := mustID(t)
+	src := id(s.AddLocal(&fakeMem{size: 1 << 20}))
+	dst := id(s.AddRemote(&fakeMem{peer: 1, size: 1 << 20}))
+	ch := id(s.AddChannel(1, &fakeMem{peer: 1, size: 1 << 20}, 0))
+	f, err := s.NewFIFO()
+	if err != nil {
+		t.Fatal(err)
+	}
+	flushes := func() (n int) {
+		for _, c := range tr.snapshot() {
+			if c.kind == "flush" {
+				n++
+			}
+		}
+		return n
+	}
+	steps := []struct {
+		op   *Op // pushed before the flush; nil: none
+		want int
+	}{
+		{nil, 0},
+		{&Op{Type: TriggerPut, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 8}, 1},
+		{nil, 1},
+		{&Op{Type: TriggerPut, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 0}, 1},
+		{&Op{Type: TriggerSignal, Channel: ch}, 2},
+		{&Op{Type: TriggerPut | TriggerSignal, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 64}, 3},
+		{nil, 3},
+	}
+	for i, st := range steps {
+		if st.op != nil {
+			if _, err := f.Push(*st.op); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := f.Flush(ch); err != nil {
+			t.Fatal(err)
+		}
+		if got := flushes(); got != st.want {
+			t.Fatalf("step %d: the transport flushed %d times, want %d", i, got, st.want)
+		}
+	}
+}
