@@ -208,10 +208,16 @@ class Bench:
             if local > 1:
                 rows[-1].append(f"{local * size * reps / us / 1e3:.2f}")
         perf = self.perftest() if self.args.perftest else {}
+        crowd = self.perftest_every_pair(local) if self.args.perftest and local > 1 else {}
+
+        def ratio(ours: str, theirs: str) -> str:
+            return f"{100 * float(ours) / float(theirs):.0f}%" if theirs != "n/a" and float(theirs) > 0 else "n/a"
+
         for row in rows:
             host, gpu = perf.get(row[0], ["n/a", "n/a"])
-            ratio = f"{100 * float(row[1]) / float(host):.0f}%" if host != "n/a" and float(host) > 0 else "n/a"
-            row += [host, ratio, gpu]
+            row += [host, ratio(row[1], host), gpu]
+            if local > 1:
+                row += [crowd.get(row[0], "n/a"), ratio(row[1], crowd.get(row[0], "n/a"))]
         tls = os.environ["UCX_TLS"]
         host_lat = perf.get("lat_host")
         vs_host = f" ({lat / float(host_lat):.1f}x host)" if host_lat and float(host_lat) > 0 else ""
@@ -220,8 +226,11 @@ class Bench:
                  f" (rank 0, median of half ping-pongs); ucx_perftest ucp_put_lat 8 B: host"
                  f" {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
         head = ["size", "PortChannel GB/s"] + (["all pairs GB/s"] if local > 1 else [])
-        self.say(md_table(head + ["ucx_perftest host GB/s", "PortChannel / host", "ucx_perftest GPU GB/s"], rows,
-                          numeric=range(1, len(head) + 3)))
+        head += ["ucx_perftest host GB/s", "PortChannel / host", "ucx_perftest GPU GB/s"]
+        if local > 1:
+            # The same pairs at once, as the PortChannel rows run: they share the host's transport.
+            head += ["ucx_perftest host, every pair at once, GB/s per pair", "PortChannel / that"]
+        self.say(md_table(head, rows, numeric=range(1, len(head))))
         torch.cuda.synchronize()
         dist.barrier()
         chans.close()
@@ -230,13 +239,10 @@ class Bench:
     def perftest(self) -> dict:
         """ucx_perftest's put bandwidth and latency between ranks 0 (server) and 1 (client), on host
         and GPU memory, with this process's UCX_TLS; {} where the wheel's binary is absent."""
-        spec = importlib.util.find_spec("libucx")
-        exe = os.path.join(os.path.dirname(spec.origin), "bin", "ucx_perftest") if spec else ""
-        have = torch.tensor([int(os.path.exists(exe))])
-        dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if not have.item() or self.world < 2:
+        found = self.perftest_binary()
+        if found is None or self.world < 2:
             return {}
-        env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(exe), "..", "lib"))
+        exe, env = found
         got: dict = {}
         port = 13000 + int(time.time()) % 2000
         for mem in ("host", "cuda"):
@@ -255,26 +261,69 @@ class Bench:
                     got.setdefault(fmt_bytes(size), ["n/a", "n/a"])[0 if mem == "host" else 1] = f"{res[1] / 1e3:.2f}"
         return got
 
-    def perftest_pair(self, exe, env, port, args) -> Optional[tuple]:
-        """(p50 latency us, overall MB/s) of one ucx_perftest run, on rank 0."""
-        out = None
-        if self.rank == 0:
-            server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def perftest_every_pair(self, local: int) -> dict:
+        """ucx_perftest's host-memory put bandwidth with every pair of the ucx section (rank r < local serving,
+        r + local the client) running at once: the median pair's GB/s per size, {} without the binary."""
+        found = self.perftest_binary()
+        if found is None:
+            return {}
+        exe, env = found
+        env["UCX_TLS"] = ",".join(t for t in env["UCX_TLS"].split(",") if "cuda" not in t)
+        got: dict = {}
+        base = 15000 + int(time.time()) % 2000
+        for i, size in enumerate(self.args.sizes):
+            port = base + i * self.world + self.rank % local
+            iters = str(max(10, min(2000, (256 << 20) // size)))
+            args = ["-t", "ucp_put_bw", "-s", str(size), "-n", iters]
+            mbs = torch.full((self.world,), -1.0, dtype=torch.float64)
+            out = self.perftest_run(exe, env, port, args, "server" if self.rank < local else "client")
+            for line in (out or "").splitlines():
+                if line.startswith("Final:"):
+                    mbs[self.rank] = float(line.split()[6])
+            dist.all_reduce(mbs, op=dist.ReduceOp.MAX)
+            pairs = mbs[local:]
+            if (pairs > 0).all():
+                got[fmt_bytes(size)] = f"{pairs.median().item() / 1e3:.2f}"
+        return got
+
+    def perftest_binary(self) -> Optional[tuple]:
+        """(path, environment) of the libucx wheel's ucx_perftest where every rank has it, else None."""
+        spec = importlib.util.find_spec("libucx")
+        exe = os.path.join(os.path.dirname(spec.origin), "bin", "ucx_perftest") if spec else ""
+        have = torch.tensor([int(os.path.exists(exe))])
+        dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if not have.item():
+            return None
+        return exe, dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(exe), "..", "lib"))
+
+    def perftest_run(self, exe, env, port, args, role: Optional[str]) -> Optional[str]:
+        """One ucx_perftest run with every rank at once: a "server" listens on port, a "client" connects to it
+        and gets the output, other ranks (None) only keep step."""
+        if role == "server":
+            proc = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
             time.sleep(0.5)
         dist.barrier()
-        if self.rank == 1:
+        out = None
+        if role == "client":
             try:
-                out = subprocess.run([exe, "127.0.0.1", "-p", str(port), *args], env=env, capture_output=True, text=True,
-                                     timeout=120).stdout
+                out = subprocess.run([exe, "127.0.0.1", "-p", str(port), *args], env=env, capture_output=True,
+                                     text=True, timeout=120).stdout
             except subprocess.TimeoutExpired:
                 out = ""
         dist.barrier()
-        if self.rank == 0:
+        if role == "server":
             try:
-                server.wait(timeout=30)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+                proc.kill()
+                proc.wait()
+        return out
+
+    def perftest_pair(self, exe, env, port, args) -> Optional[tuple]:
+        """(p50 latency us, overall MB/s) of one ucx_perftest run between ranks 0 (server) and 1 (client)."""
+        role = {0: "server", 1: "client"}.get(self.rank)
+        out = self.perftest_run(exe, env, port, args, role)
         parsed = torch.full((2,), -1.0, dtype=torch.float64)
         for line in (out or "").splitlines():
             if line.startswith("Final:"):
