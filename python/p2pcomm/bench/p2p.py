@@ -16,7 +16,9 @@
   same local index in the other node) and bandwidth from each rank of the
   first node to its partner, every pair at once, next to ``ucx_perftest``
   (from the libucx wheel) with host and with GPU memory on the same
-  transports (UCX_TLS, default tcp: the network path, not shared memory).
+  transports (UCX_TLS, default tcp: the network path, not shared memory);
+  with more than one pair, perftest's host-memory bandwidth also with every
+  pair at once, as the PortChannel rows run.
 
 Rank 0 prints the tables; --out also writes them as markdown.
 """
