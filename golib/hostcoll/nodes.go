@@ -205,21 +205,29 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 	local := c.topo.Local()
 	srcs := make([]unsafe.Pointer, len(local))
 	nodes := len(n.group)
+	direct := c.partialsInStaging(seq, p)
 	for step := 1; step <= nodes; step++ {
 		m := (n.node + step) % nodes
 		a, b := p.parts[m], p.parts[m+1]
 		for lo := a; lo < b; lo += p.perChunk {
 			cnt := min(p.perChunk, b-lo)
-			for i, q := range local {
-				srcs[i] = unsafe.Add(in[q], (p.lo+lo)*p.es)
+			if direct && m == n.node {
+				continue
 			}
-			off := n.lay.send + uint64(m)*n.lay.slot + uint64((lo-a)*p.as)
-			reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
+			src, off := n.regionL, n.lay.send+uint64(m)*n.lay.slot+uint64((lo-a)*p.as)
+			if direct {
+				src, off = n.stagingL, uint64((p.lo+lo)*p.es)
+			} else {
+				for i, q := range local {
+					srcs[i] = unsafe.Add(in[q], (p.lo+lo)*p.es)
+				}
+				reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
+			}
 			if m == n.node {
 				continue
 			}
 			dst := n.lay.recv + uint64(n.node)*n.lay.slot + uint64((lo-a)*p.as)
-			if err := c.put(m, n.regionR[m], dst, n.regionL, off, uint64(cnt*p.as), wordData,
+			if err := c.put(m, n.regionR[m], dst, src, off, uint64(cnt*p.as), wordData,
 				fmt.Sprintf("partials of call #%d", seq)); err != nil {
 				return err
 			}
@@ -228,6 +236,16 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 		}
 	}
 	return nil
+}
+
+// partialsInStaging reports whether this rank's partials are its input as
+// it lies in its staging area: the only rank of its node, an input copied
+// there (not symmetric memory), and an accumulator of the element's own
+// type. They are then put from there, without a fold into the send slots.
+// Results land there too, but a part's results come back only after its
+// owner received this rank's partials of it.
+func (c *Comm) partialsInStaging(seq uint64, p plan) bool {
+	return len(c.topo.Local()) == 1 && p.as == p.es && c.ctl[c.rank].desc(seq).Input < 0
 }
 
 // readHeaders waits for every group rank's header and returns the call's
@@ -279,11 +297,16 @@ func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error
 	a, b := p.parts[n.node], p.parts[n.node+1]
 	srcs := make([]unsafe.Pointer, len(n.group))
 	staging := unsafe.Pointer(&c.staging[c.rank][0])
+	direct := c.partialsInStaging(seq, p)
 	what := fmt.Sprintf("results of call #%d", seq)
 	for k, lo := uint64(0), a; lo < b; k, lo = k+1, lo+p.perChunk {
 		cnt := min(p.perChunk, b-lo)
 		slotOff := uint64((lo - a) * p.as)
 		for m, r := range n.group {
+			if m == n.node && direct {
+				srcs[m] = unsafe.Add(staging, (p.lo+lo)*p.es) // what the fold below overwrites in place
+				continue
+			}
 			if m == n.node {
 				srcs[m] = n.at(n.lay.send + uint64(m)*n.lay.slot + slotOff)
 				continue
