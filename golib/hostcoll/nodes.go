@@ -76,6 +76,13 @@ type plan struct {
 	parts    []int64 // part m is [parts[m], parts[m+1]) of the shard, relative to lo
 	es, as   int64   // bytes per element and per accumulator
 	perChunk int64   // elements per chunk of partials
+	// inStaging: this rank's partials are its input as it lies in its
+	// staging area (the only rank of its node, an input copied there, not
+	// symmetric memory, and an accumulator of the element's own type), so
+	// they go from there without a fold into the send slots, and its own
+	// part is reduced in place. Results land there too, but a chunk's
+	// results come back only after its owner received this rank's chunk.
+	inStaging bool
 }
 
 func (c *Comm) plan(req collective.AllReduce) plan {
@@ -104,6 +111,7 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error)
 	var p plan // only for calls whose arguments passed (a bad dtype has no size)
 	if nodeErr == nil {
 		p = c.plan(req)
+		p.inStaging = len(c.topo.Local()) == 1 && p.as == p.es && c.ctl[c.rank].desc(seq).Input < 0
 		if err := c.sendPartials(req, seq, p); err != nil {
 			return err
 		}
@@ -205,17 +213,16 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 	local := c.topo.Local()
 	srcs := make([]unsafe.Pointer, len(local))
 	nodes := len(n.group)
-	direct := c.partialsInStaging(seq, p)
 	for step := 1; step <= nodes; step++ {
 		m := (n.node + step) % nodes
+		if p.inStaging && m == n.node {
+			continue
+		}
 		a, b := p.parts[m], p.parts[m+1]
 		for lo := a; lo < b; lo += p.perChunk {
 			cnt := min(p.perChunk, b-lo)
-			if direct && m == n.node {
-				continue
-			}
 			src, off := n.regionL, n.lay.send+uint64(m)*n.lay.slot+uint64((lo-a)*p.as)
-			if direct {
+			if p.inStaging {
 				src, off = n.stagingL, uint64((p.lo+lo)*p.es)
 			} else {
 				for i, q := range local {
@@ -236,16 +243,6 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 		}
 	}
 	return nil
-}
-
-// partialsInStaging reports whether this rank's partials are its input as
-// it lies in its staging area: the only rank of its node, an input copied
-// there (not symmetric memory), and an accumulator of the element's own
-// type. They are then put from there, without a fold into the send slots.
-// Results land there too, but a part's results come back only after its
-// owner received this rank's partials of it.
-func (c *Comm) partialsInStaging(seq uint64, p plan) bool {
-	return len(c.topo.Local()) == 1 && p.as == p.es && c.ctl[c.rank].desc(seq).Input < 0
 }
 
 // readHeaders waits for every group rank's header and returns the call's
@@ -297,13 +294,12 @@ func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error
 	a, b := p.parts[n.node], p.parts[n.node+1]
 	srcs := make([]unsafe.Pointer, len(n.group))
 	staging := unsafe.Pointer(&c.staging[c.rank][0])
-	direct := c.partialsInStaging(seq, p)
 	what := fmt.Sprintf("results of call #%d", seq)
 	for k, lo := uint64(0), a; lo < b; k, lo = k+1, lo+p.perChunk {
 		cnt := min(p.perChunk, b-lo)
 		slotOff := uint64((lo - a) * p.as)
 		for m, r := range n.group {
-			if m == n.node && direct {
+			if m == n.node && p.inStaging {
 				srcs[m] = unsafe.Add(staging, (p.lo+lo)*p.es) // what the fold below overwrites in place
 				continue
 			}
