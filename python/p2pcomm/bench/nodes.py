@@ -7,7 +7,8 @@ The ranks form simulated nodes of --local-size consecutive ranks (P2PCOMM_LOCAL_
 two nodes), so whatever crosses between nodes goes through UCX. UCX_TLS defaults to tcp,self (and cuda_copy on
 GPUs): the network path even on one host, which the rows say. Rows, per size:
 
-- p2pcomm: the hierarchical all-reduce (what ``auto`` runs across nodes), in place on ``comm.empty`` memory;
+- p2pcomm: the hierarchical all-reduce (what ``auto`` runs across nodes), in place on ``comm.empty`` memory
+  (with --plain, on an ordinary tensor, which goes through the staging area);
   "net GB/s" is what each rank sends between nodes per second (its shard's partials and results).
 - gloo (CPU) / nccl-socket (GPU): torch.distributed on the same processes; NCCL with NCCL_P2P_DISABLE=1
   NCCL_SHM_DISABLE=1, so all of its traffic, inside the simulated nodes too, goes over its sockets.
@@ -157,7 +158,10 @@ class Bench:
     # -- the rows --------------------------------------------------------------------------------------
 
     def p2pcomm(self, comm, numel: int) -> tuple:
-        buf = comm.empty(numel, self.dtype)
+        if self.args.plain:
+            buf = self.torch.empty(numel, dtype=self.dtype, device=self.device)
+        else:
+            buf = comm.empty(numel, self.dtype)
         buf.fill_(self.rank + 1)
         comm.all_reduce_(buf)
         self.sync()
@@ -319,6 +323,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="repetitions per row; the median is shown (default 3)")
     p.add_argument("--rep-ms", type=float, default=200.0, help="target milliseconds per repetition (default 200)")
     p.add_argument("--max-iters", type=int, default=1000, help="most calls per repetition (default 1000)")
+    p.add_argument("--plain", action="store_true", help="p2pcomm's row on an ordinary tensor, not comm.empty memory")
     p.add_argument("--no-ring", action="store_true", help="leave out the flat ring through UCX (GPU)")
     p.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the port channel put between nodes in the same run (default on)")
