@@ -91,6 +91,7 @@ func TestHierLayoutMatchesTheKernel(t *testing.T) {
 		{"kHierBlocks", hierBlocks, uintptr(constant("kHierBlocks"))},
 		{"kHierRing", hierRing, uintptr(constant("kHierRing"))},
 		{"kHierHeaderBytes", hierHeaderBytes, uintptr(constant("kHierHeaderBytes"))},
+		{"kHierExchangeSlotBytes", hierExchangeSlotBytes, uintptr(constant("kHierExchangeSlotBytes"))},
 		{"kPhaseHierHeader", phaseHierHeader, uintptr(phase("kPhaseHierHeader"))},
 		{"kPhaseHierVerdict", phaseHierVerdict, uintptr(phase("kPhaseHierVerdict"))},
 	}

@@ -30,6 +30,9 @@ const (
 	hierSlotBytes   = 256 << 10 // a ring slot: one chunk of partials in the accumulator type
 	hierRails       = 2         // proxies (and UCX workers) per rank; blocks split evenly among them
 	hierFile        = "allreduce_hier.cu"
+	// kHierExchangeSlotBytes: a slot of the exchange area, where the
+	// partials of calls that skip the results' trip go, by call parity.
+	hierExchangeSlotBytes = 128 << 10
 	// hierAlgo enters the call's signature (it is no collective.Algorithm
 	// of the C ABI).
 	hierAlgo = collective.Algorithm(-2)
@@ -185,7 +188,8 @@ func (b *Backend) openNodes(stream uintptr) error {
 	shard := (uint64(b.opts.StagingBytes)+uint64(local)-1)/uint64(local) + 256
 	results := (shard + 4095) &^ 4095
 	rings := uint64(2 * hierBlocks * nodeCount * hierRing * hierSlotBytes)
-	total := results + hierHeaderBytes + rings // the net buffer
+	exchange := uint64(2 * hierBlocks * nodeCount * 2 * hierExchangeSlotBytes)
+	total := results + hierHeaderBytes + rings + exchange // the net buffer
 	if total-1 > proxy.MaxOffset {
 		return status.Errorf(status.Capacity, "all-reduce across nodes needs %d bytes of port channel memory, more than a trigger addresses: lower P2PCOMM_STAGING_BYTES", total)
 	}

@@ -49,6 +49,18 @@
 // in rank order, computed once by its part's owner and copied: every rank
 // holds the same bits (the CPU backend computes the same expression).
 //
+// Exchange (small shards): a call whose shard fits kHierBlocks chunks of
+// the exchange area's slots (and, past two nodes, is small) skips the
+// results' trip. The shard is one part that every group rank owns: each
+// block folds its chunk of the whole shard once, puts it to every other
+// node, waits for theirs and folds all in node order itself. The same
+// expression over the same partials, so the same bits on every rank, in one
+// trip instead of two (two nodes send the same bytes either way). No result
+// comes back to say a slot was read, so the exchange area's slots alternate
+// by call parity: a peer writes this rank's slot of parity p again only in
+// the call after next, which it starts once it holds this rank's partials
+// of the call between, sent after this rank had read the slot.
+//
 // No end barrier: a node's peers read this rank's results region until
 // their middle barrier's copies end, and this rank writes it again only
 // after block b's next start barrier, which those peers reach after their
@@ -59,8 +71,9 @@
 // (block 0 only, with its partial 0), then for j = 0, 1, ...: its partial j
 // of this rank's part (if that part has a chunk j for block b, and but for
 // block 0's partial 0), then its result j of its own part (if that has
-// one). signals_before counts them; the channel's expected word keeps the
-// running total across calls (only block b touches it).
+// one; never in an exchange). signals_before counts them; the channel's
+// expected word keeps the running total across calls (only block b touches
+// it).
 #include "channel.cuh"
 
 // p2pcomm:instantiate allreduce_hier<float>
@@ -89,6 +102,13 @@ constexpr int kPhaseHierVerdict = kPhaseFifoFlush + 2;
 //   kHierHeaderBytes              the rings: send[G][N][R] slots, then recv[G][N][R] slots
 constexpr u64 kHierHeaderBytes = 4096;
 static_assert(32 + 16 * kMaxNodes <= kHierHeaderBytes, "header words fit");
+// The exchange area follows the rings: send[G][N][2] slots, then
+// recv[G][N][2], of kHierExchangeSlotBytes, by call parity. A call is an
+// exchange when its shard fits one slot per block, and past two nodes (where
+// an exchange sends more bytes than the two trips) is at most
+// kHierExchangeSmallBytes of partials.
+constexpr u64 kHierExchangeSlotBytes = 131072;  // 128 KiB
+constexpr u64 kHierExchangeSmallBytes = 65536;  // 64 KiB
 
 // HierParams is the kernel's one by-value argument; LAYOUT.md tables it.
 // Pointers are device addresses valid here; [i] entries are by local index
@@ -157,18 +177,32 @@ static_assert(272 + 10 * sizeof(int) == 312 && sizeof(HierParams::global_of) == 
 
 // Plan is how one call's elements divide, the same on every rank of a group:
 // shard [lo, hi), cut into nodes parts of psz elements (slice_range's cut:
-// the last ones may be short or empty), each cut into chunks of ce.
+// the last ones may be short or empty), each cut into chunks of ce. In an
+// exchange (x) every part is the whole shard.
 struct Plan {
   i64 lo, hi, psz, ce;
+  bool x;
 };
 
 template <typename T> DINLINE Plan make_plan(const HierParams& h, int local_index) {
+  typedef typename Num<T>::Acc Acc;
   constexpr int P = PackOf<T>::kElems;
+  constexpr i64 kExchangeElems = (i64)(kHierExchangeSlotBytes / sizeof(Acc));
   const Range sh = slice_range(h.count, h.local_size, local_index, P);
   Plan pl;
   pl.lo = sh.begin;
   pl.hi = sh.end;
-  pl.psz = (sh.end - sh.begin + h.nodes - 1) / h.nodes;
+  const i64 n = sh.end - sh.begin;
+  pl.x = n <= kHierBlocks * kExchangeElems && (h.nodes == 2 || (u64)n * sizeof(Acc) <= kHierExchangeSmallBytes);
+  if (pl.x) {
+    // One chunk, which rides with block 0's header, while it fits a slot;
+    // else one per block. Chunks hold a multiple of 8 elements.
+    const i64 per = n <= kExchangeElems ? n : (n + kHierBlocks - 1) / kHierBlocks;
+    pl.psz = n;
+    pl.ce = per < 8 ? 8 : (per + 7) / 8 * 8;
+    return pl;
+  }
+  pl.psz = (n + h.nodes - 1) / h.nodes;
   pl.psz = (pl.psz + P - 1) / P * P;
   pl.ce = h.chunk_elems;
   return pl;
@@ -176,6 +210,7 @@ template <typename T> DINLINE Plan make_plan(const HierParams& h, int local_inde
 
 // part_range is part m of the shard, in elements.
 DINLINE Range part_range(const Plan& pl, int m) {
+  if (pl.x) return Range{pl.lo, pl.hi};
   Range r;
   r.begin = pl.lo + (i64)m * pl.psz;
   if (r.begin > pl.hi) r.begin = pl.hi;
@@ -238,6 +273,28 @@ DINLINE u64 slot_offset(const HierParams& h, bool recv, int m, i64 j) {
   return h.ring_offset + kHierHeaderBytes + (recv ? rings : 0) + s * h.slot_bytes;
 }
 DINLINE char* slot(const HierParams& h, bool recv, int m, i64 j) { return h.net + slot_offset(h, recv, m, j); }
+
+// xslot_offset is where the exchange area's slot of (this block, node m)
+// for call parity par lies: the send slot of this rank's own node holds its
+// partial for every other node, the receive slots node m's partial.
+DINLINE u64 xslot_offset(const HierParams& h, bool recv, int m, u64 par) {
+  const u64 rings = (u64)kHierBlocks * h.nodes * kHierRing * h.slot_bytes;
+  const u64 area = (u64)kHierBlocks * h.nodes * 2 * kHierExchangeSlotBytes;
+  const u64 s = ((u64)blockIdx.x * h.nodes + m) * 2 + par;
+  return h.ring_offset + kHierHeaderBytes + 2 * rings + (recv ? area : 0) + s * kHierExchangeSlotBytes;
+}
+
+// send_offset is where this rank's partial of chunk j for node m lies (for
+// m == node: its own part's), recv_offset where node m's lands here.
+DINLINE u64 send_offset(const HierParams& h, const Plan& pl, int m, i64 j, u64 par) {
+  return pl.x ? xslot_offset(h, false, h.node, par) : slot_offset(h, false, m, j);
+}
+DINLINE u64 recv_offset(const HierParams& h, const Plan& pl, int m, i64 j, u64 par) {
+  return pl.x ? xslot_offset(h, true, m, par) : slot_offset(h, true, m, j);
+}
+
+// parts_of is how many distinct parts the plan cuts the shard into.
+DINLINE int parts_of(const HierParams& h, const Plan& pl) { return pl.x ? 1 : h.nodes; }
 
 // Header words (see kHierHeaderBytes), as offsets in the net buffer.
 DINLINE u64 outbox_offset(const HierParams& h, u64 par) { return h.ring_offset + 8 * par; }
@@ -478,7 +535,9 @@ DINLINE bool exchange_headers(const HierParams& h, const BlockState& st, int cul
     if (early != nullptr && chunks_of(*early, m) > 0) {
       const Range r = chunk_range(*early, m, 0);
       const u64 bytes = (u64)(r.end - r.begin) * sizeof(Acc);
-      if (h.chans[m].put(slot_offset(h, true, h.node, 0), slot_offset(h, false, m, 0), bytes) == ~0ull) return false;
+      if (h.chans[m].put(recv_offset(h, *early, h.node, 0, par), send_offset(h, *early, m, 0, par), bytes) == ~0ull) {
+        return false;
+      }
     }
     if (h.chans[m].putWithSignal(inbox_offset(h, par, h.node), outbox_offset(h, par), 8) == ~0ull) return false;
   }
@@ -555,7 +614,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
   if (h.local_src != nullptr && h.local_src != own_in) {
     for (int q = 0; q < h.local_size; ++q) {
       const Plan pq = make_plan<T>(h, q);
-      for (int m = 0; m < h.nodes; ++m) {
+      for (int m = 0; m < parts_of(h, pq); ++m) {
         const i64 J = chunks_of(pq, m);
         for (i64 j = 0; j < J; ++j) {
           const Range r = chunk_range(pq, m, j);
@@ -585,7 +644,8 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
       for (int m = 0; m < h.nodes; ++m) {
         if (m == n || chunks_of(mine, m) == 0) continue;
         const Range r = chunk_range(mine, m, 0);
-        fold_partial<T>(ins, h.local_size, slot(h, false, m, 0), r.begin, r.end, h.op);
+        fold_partial<T>(ins, h.local_size, h.net + send_offset(h, mine, m, 0, par), r.begin, r.end, h.op);
+        if (mine.x) break;  // one partial, for every node
       }
       __syncthreads();  // every thread's partials before the triggers
     }
@@ -617,101 +677,143 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     return;  // 0: a failure was recorded; 2: a mismatch on some node
   }
 
-  // 3. The pipeline.
-  i64 jmax = 0;
-  for (int m = 0; m < h.nodes; ++m) {
-    const i64 J = chunks_of(mine, m);
-    jmax = J > jmax ? J : jmax;
-  }
   char* const results = own_hier(h);
-  const i64 own = chunks_of(mine, n);  // chunks of this rank's part: each other node sends that many partials
-  bool ok = true;
-  for (i64 j = 0; j < jmax && ok; ++j) {
-    for (int s = 1; s < h.nodes && ok; ++s) {
-      const int m = (n + s) % h.nodes;
-      const i64 theirs = chunks_of(mine, m);  // chunks of part m: its owner returns that many results
-      if (j >= theirs) continue;
-      if (j >= kHierRing && threadIdx.x == 0) {
-        // The slot's previous chunk, j - kHierRing: read by its owner once
-        // the owner's result of it is here.
-        const i64 jr = j - kHierRing;
-        const u64 want = base[m] + signals_before(jr, own, theirs) + partial_signal(jr, own) + 1;
-        if (!await_signals(h, chans[m], want, m)) st.abort = 1;
+  if (mine.x) {
+    // 3x. The exchange: this block's chunk of the whole shard (block 0's
+    // went with the header) to every node, theirs folded here.
+    const bool has = chunks_of(mine, n) > 0;
+    const u64 own_off = send_offset(h, mine, n, 0, par);
+    if (has && !rides_header(0)) {
+      const Range r = chunk_range(mine, n, 0);
+      fold_partial<T>(ins, h.local_size, h.net + own_off, r.begin, r.end, h.op);
+      __syncthreads();  // every thread's partial before the triggers
+      if (threadIdx.x == 0) {
+        __threadfence_system();
+        const u64 bytes = (u64)(r.end - r.begin) * sizeof(Acc);
+        for (int m = 0; m < h.nodes; ++m) {
+          if (m != n && chans[m].putWithSignal(recv_offset(h, mine, n, 0, par), own_off, bytes) == ~0ull) st.abort = 1;
+        }
+      }
+    }
+    if (threadIdx.x == 0) {
+      for (int m = 0; m < h.nodes; ++m) {
+        if (m == n || st.abort) continue;
+        const u64 want = base[m] + (has && !rides_header(0) ? 1 : 0);
+        if (!await_signals(h, chans[m], want, m)) {
+          st.abort = 1;
+        } else {
+          *chans[m].expected = want;
+        }
+      }
+    }
+    __syncthreads();
+    if (st.abort) return;
+    if (has) {
+      const Range r = chunk_range(mine, n, 0);
+      Ptrs parts;
+#pragma unroll
+      for (int m = 0; m < kMaxNodes; ++m) {
+        parts.p[m] = m < h.nodes ? h.net + (m == n ? own_off : recv_offset(h, mine, m, 0, par)) : nullptr;
+      }
+      char* const to = results + (r.begin - mine.lo) * (i64)sizeof(T);
+      fold_finish<T>(parts, h.nodes, to, to, r.end - r.begin, h.op, h.op == kOpAvg ? h.world : 0);
+    }
+  } else {
+    // 3. The pipeline.
+    i64 jmax = 0;
+    for (int m = 0; m < h.nodes; ++m) {
+      const i64 J = chunks_of(mine, m);
+      jmax = J > jmax ? J : jmax;
+    }
+    const i64 own = chunks_of(mine, n);  // chunks of this rank's part: each other node sends that many partials
+    bool ok = true;
+    for (i64 j = 0; j < jmax && ok; ++j) {
+      for (int s = 1; s < h.nodes && ok; ++s) {
+        const int m = (n + s) % h.nodes;
+        const i64 theirs = chunks_of(mine, m);  // chunks of part m: its owner returns that many results
+        if (j >= theirs) continue;
+        if (j >= kHierRing && threadIdx.x == 0) {
+          // The slot's previous chunk, j - kHierRing: read by its owner once
+          // the owner's result of it is here.
+          const i64 jr = j - kHierRing;
+          const u64 want = base[m] + signals_before(jr, own, theirs) + partial_signal(jr, own) + 1;
+          if (!await_signals(h, chans[m], want, m)) st.abort = 1;
+        }
+        __syncthreads();
+        if (st.abort) {
+          ok = false;
+          break;
+        }
+        if (rides_header(j)) continue;  // sent with the header
+        const Range r = chunk_range(mine, m, j);
+        fold_partial<T>(ins, h.local_size, slot(h, false, m, j), r.begin, r.end, h.op);
+        __syncthreads();  // every thread's partial before the trigger
+        if (threadIdx.x == 0) {
+          __threadfence_system();
+          const u64 bytes = (u64)(r.end - r.begin) * sizeof(Acc);
+          if (chans[m].putWithSignal(slot_offset(h, true, n, j), slot_offset(h, false, m, j), bytes) == ~0ull) {
+            st.abort = 1;
+          }
+        }
+      }
+      if (!ok || j >= own) continue;
+      // The own part's chunk j: this node's partial, then every node's.
+      const Range r = chunk_range(mine, n, j);
+      fold_partial<T>(ins, h.local_size, slot(h, false, n, j), r.begin, r.end, h.op);
+      if (threadIdx.x == 0) {
+        for (int m = 0; m < h.nodes; ++m) {
+          if (m == n || st.abort) continue;
+          const u64 want = base[m] + signals_before(j, own, chunks_of(mine, m)) + partial_signal(j, own);
+          if (!await_signals(h, chans[m], want, m)) st.abort = 1;
+        }
       }
       __syncthreads();
       if (st.abort) {
         ok = false;
         break;
       }
-      if (rides_header(j)) continue;  // sent with the header
-      const Range r = chunk_range(mine, m, j);
-      fold_partial<T>(ins, h.local_size, slot(h, false, m, j), r.begin, r.end, h.op);
-      __syncthreads();  // every thread's partial before the trigger
+      Ptrs parts;
+  #pragma unroll
+      for (int m = 0; m < kMaxNodes; ++m) parts.p[m] = m < h.nodes ? slot(h, m != n, m, j) : nullptr;
+      const u64 off = (u64)(r.begin - mine.lo) * sizeof(T);
+      fold_finish<T>(parts, h.nodes, results + off, h.net + off, r.end - r.begin, h.op, h.op == kOpAvg ? h.world : 0);
+      __syncthreads();  // every thread's results before the triggers
       if (threadIdx.x == 0) {
         __threadfence_system();
-        const u64 bytes = (u64)(r.end - r.begin) * sizeof(Acc);
-        if (chans[m].putWithSignal(slot_offset(h, true, n, j), slot_offset(h, false, m, j), bytes) == ~0ull) {
-          st.abort = 1;
+        const u64 bytes = (u64)(r.end - r.begin) * sizeof(T);
+        for (int m = 0; m < h.nodes; ++m) {
+          if (m != n && chans[m].putWithSignal(off, off, bytes) == ~0ull) st.abort = 1;
         }
       }
     }
-    if (!ok || j >= own) continue;
-    // The own part's chunk j: this node's partial, then every node's.
-    const Range r = chunk_range(mine, n, j);
-    fold_partial<T>(ins, h.local_size, slot(h, false, n, j), r.begin, r.end, h.op);
+    __syncthreads();
+    if (!ok || st.abort) return;
+
+    // 4. Every other part's results of this block's chunks, then the node.
     if (threadIdx.x == 0) {
       for (int m = 0; m < h.nodes; ++m) {
-        if (m == n || st.abort) continue;
-        const u64 want = base[m] + signals_before(j, own, chunks_of(mine, m)) + partial_signal(j, own);
-        if (!await_signals(h, chans[m], want, m)) st.abort = 1;
+        if (m == n) continue;
+        const i64 theirs = chunks_of(mine, m);
+        const u64 total = base[m] + signals_before(own > theirs ? own : theirs, own, theirs);
+        if (!await_signals(h, chans[m], total, m)) {
+          st.abort = 1;
+          break;
+        }
+        *chans[m].expected = total;
       }
     }
     __syncthreads();
-    if (st.abort) {
-      ok = false;
-      break;
-    }
-    Ptrs parts;
-#pragma unroll
-    for (int m = 0; m < kMaxNodes; ++m) parts.p[m] = m < h.nodes ? slot(h, m != n, m, j) : nullptr;
-    const u64 off = (u64)(r.begin - mine.lo) * sizeof(T);
-    fold_finish<T>(parts, h.nodes, results + off, h.net + off, r.end - r.begin, h.op, h.op == kOpAvg ? h.world : 0);
-    __syncthreads();  // every thread's results before the triggers
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      const u64 bytes = (u64)(r.end - r.begin) * sizeof(T);
+    if (st.abort == 0) {
+      // Other parts' results, from the net buffer to where the node reads them.
+      const char* const from = h.net - mine.lo * (i64)sizeof(T);  // by element
+      char* const to = results - mine.lo * (i64)sizeof(T);
       for (int m = 0; m < h.nodes; ++m) {
-        if (m != n && chans[m].putWithSignal(off, off, bytes) == ~0ull) st.abort = 1;
-      }
-    }
-  }
-  __syncthreads();
-  if (!ok || st.abort) return;
-
-  // 4. Every other part's results of this block's chunks, then the node.
-  if (threadIdx.x == 0) {
-    for (int m = 0; m < h.nodes; ++m) {
-      if (m == n) continue;
-      const i64 theirs = chunks_of(mine, m);
-      const u64 total = base[m] + signals_before(own > theirs ? own : theirs, own, theirs);
-      if (!await_signals(h, chans[m], total, m)) {
-        st.abort = 1;
-        break;
-      }
-      *chans[m].expected = total;
-    }
-  }
-  __syncthreads();
-  if (st.abort == 0) {
-    // Other parts' results, from the net buffer to where the node reads them.
-    const char* const from = h.net - mine.lo * (i64)sizeof(T);  // by element
-    char* const to = results - mine.lo * (i64)sizeof(T);
-    for (int m = 0; m < h.nodes; ++m) {
-      if (m == n) continue;
-      const i64 J = chunks_of(mine, m);
-      for (i64 j = 0; j < J; ++j) {
-        const Range r = chunk_range(mine, m, j);
-        copy_chunk<T>(from, to, r.begin, r.end);
+        if (m == n) continue;
+        const i64 J = chunks_of(mine, m);
+        for (i64 j = 0; j < J; ++j) {
+          const Range r = chunk_range(mine, m, j);
+          copy_chunk<T>(from, to, r.begin, r.end);
+        }
       }
     }
   }
@@ -723,7 +825,7 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
     const int lq = (h.local_rank + q) % h.local_size;  // own shard first, then stagger peers
     const Plan pq = make_plan<T>(h, lq);
     const char* const src = (const char*)pick((void* const*)h.peer_hier, lq) - pq.lo * (i64)sizeof(T);  // by element
-    for (int m = 0; m < h.nodes; ++m) {
+    for (int m = 0; m < parts_of(h, pq); ++m) {
       const i64 J = chunks_of(pq, m);
       for (i64 j = 0; j < J; ++j) {
         const Range r = chunk_range(pq, m, j);
