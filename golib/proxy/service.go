@@ -346,6 +346,7 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 		if op.Size > 0 {
 			ch.unflushed.Store(true) // once the put is under way, so that a flush after this sees it
 		}
+		traceAdd(traceEvent{what: 'u', fifo: f.id, pos: pos, op: op})
 	}
 	if op.Type&TriggerSignal != 0 {
 		if ch.sem == nil {
@@ -355,6 +356,7 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 			return fmt.Errorf("proxy: %s: %s signal: %w", where(), s.tr.Name(), err)
 		}
 		ch.unflushed.Store(true)
+		traceAdd(traceEvent{what: 's', fifo: f.id, pos: pos, op: op})
 	}
 	if op.Type&TriggerFlush != 0 && ch.unflushed.Swap(false) {
 		if err := s.tr.Flush(ch.peer); err != nil {

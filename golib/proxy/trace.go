@@ -11,7 +11,8 @@ import (
 
 // A timeline of what the proxies ran, for finding where a call's time goes:
 // with P2PCOMM_PROXY_TRACE=prefix the process keeps its last traceCap
-// events (a trigger popped, a trigger done, a moment a caller marked) and
+// events (a trigger popped, its put and signal handed to the transport, a
+// trigger done, a moment a caller marked) and
 // writes them to prefix.<pid> whenever a Service closes. Times are wall
 // clock nanoseconds, so the files of the processes of one host line up.
 // Off (the default), recording an event is one nil check.
@@ -20,7 +21,7 @@ const traceCap = 1 << 16
 
 type traceEvent struct {
 	ns    int64
-	what  byte // 'p' popped, 'd' done, 'm' marked
+	what  byte // 'p' popped, 'u' its put handed to the transport, 's' its signal, 'd' done, 'm' marked
 	fifo  uint32
 	pos   uint64
 	op    Op
