@@ -76,7 +76,7 @@ func (p *hierParams) bytes() []byte {
 type nodes struct {
 	rails   []*channel.Channels // each its own UCX worker, connections and proxy thread
 	buf     *symm.Buffer        // results region, each local rank's mapped
-	net     *symm.HostBuffer    // what crosses nodes: results on their way, header words, rings
+	net     *symm.HostBuffer    // what crosses nodes: results on their way, verdicts, rings, exchange area
 	table   *symm.Buffer        // PortChannel[hierBlocks][nodes], device memory
 	results uint64              // bytes of the results region
 	params  hierParams          // reused per launch

@@ -94,20 +94,19 @@ constexpr int kPhaseHierHeader = kPhaseFifoFlush + 1;
 constexpr int kPhaseHierVerdict = kPhaseFifoFlush + 2;
 // The net buffer (host memory, the port channels' range): results on their
 // way (ring_offset bytes, at the offsets of the results region), then
-// header and verdict words:
 //   offset        size            field
-//   0             8 * 2           outbox[2]           u64: this rank's header, by call parity
-//   16            8 * 2           verdict[2]          u64: (epoch << 2) | 1 ok, | 2 failed
-//   32            8 * 2 * N       inbox[2][kMaxNodes] u64: each node's header, by call parity
+//   0             8 * 2           verdict[2]          u64: (epoch << 2) | 1 ok, | 2 failed, by call parity
 //   kHierHeaderBytes              the rings: send[G][N][R] slots, then recv[G][N][R] slots
+//   then                          the exchange area: send[G][N][2] slots, then recv[G][N][2] slots, by call
+//                                 parity, of kHierExchangeSlotBytes: kHierExchangeHead bytes (block 0's: the
+//                                 call's header, this rank's in send[0][node], node m's in recv[0][m]), then
+//                                 an exchange's partials
+// A call is an exchange when its shard fits one exchange slot per block, and
+// past two nodes (where an exchange sends more bytes than the two trips) is
+// at most kHierExchangeSmallBytes of partials.
 constexpr u64 kHierHeaderBytes = 4096;
-static_assert(32 + 16 * kMaxNodes <= kHierHeaderBytes, "header words fit");
-// The exchange area follows the rings: send[G][N][2] slots, then
-// recv[G][N][2], of kHierExchangeSlotBytes, by call parity. A call is an
-// exchange when its shard fits one slot per block, and past two nodes (where
-// an exchange sends more bytes than the two trips) is at most
-// kHierExchangeSmallBytes of partials.
 constexpr u64 kHierExchangeSlotBytes = 131072;  // 128 KiB
+constexpr u64 kHierExchangeHead = 16;
 constexpr u64 kHierExchangeSmallBytes = 65536;  // 64 KiB
 
 // HierParams is the kernel's one by-value argument; LAYOUT.md tables it.
@@ -187,7 +186,7 @@ struct Plan {
 template <typename T> DINLINE Plan make_plan(const HierParams& h, int local_index) {
   typedef typename Num<T>::Acc Acc;
   constexpr int P = PackOf<T>::kElems;
-  constexpr i64 kExchangeElems = (i64)(kHierExchangeSlotBytes / sizeof(Acc));
+  constexpr i64 kExchangeElems = (i64)((kHierExchangeSlotBytes - kHierExchangeHead) / sizeof(Acc)) / 8 * 8;
   const Range sh = slice_range(h.count, h.local_size, local_index, P);
   Plan pl;
   pl.lo = sh.begin;
@@ -276,7 +275,7 @@ DINLINE char* slot(const HierParams& h, bool recv, int m, i64 j) { return h.net 
 
 // xslot_offset is where the exchange area's slot of (this block, node m)
 // for call parity par lies: the send slot of this rank's own node holds its
-// partial for every other node, the receive slots node m's partial.
+// header and partial for every other node, the receive slots node m's.
 DINLINE u64 xslot_offset(const HierParams& h, bool recv, int m, u64 par) {
   const u64 rings = (u64)kHierBlocks * h.nodes * kHierRing * h.slot_bytes;
   const u64 area = (u64)kHierBlocks * h.nodes * 2 * kHierExchangeSlotBytes;
@@ -287,21 +286,17 @@ DINLINE u64 xslot_offset(const HierParams& h, bool recv, int m, u64 par) {
 // send_offset is where this rank's partial of chunk j for node m lies (for
 // m == node: its own part's), recv_offset where node m's lands here.
 DINLINE u64 send_offset(const HierParams& h, const Plan& pl, int m, i64 j, u64 par) {
-  return pl.x ? xslot_offset(h, false, h.node, par) : slot_offset(h, false, m, j);
+  return pl.x ? xslot_offset(h, false, h.node, par) + kHierExchangeHead : slot_offset(h, false, m, j);
 }
 DINLINE u64 recv_offset(const HierParams& h, const Plan& pl, int m, i64 j, u64 par) {
-  return pl.x ? xslot_offset(h, true, m, par) : slot_offset(h, true, m, j);
+  return pl.x ? xslot_offset(h, true, m, par) + kHierExchangeHead : slot_offset(h, true, m, j);
 }
 
 // parts_of is how many distinct parts the plan cuts the shard into.
 DINLINE int parts_of(const HierParams& h, const Plan& pl) { return pl.x ? 1 : h.nodes; }
 
-// Header words (see kHierHeaderBytes), as offsets in the net buffer.
-DINLINE u64 outbox_offset(const HierParams& h, u64 par) { return h.ring_offset + 8 * par; }
-DINLINE u64 verdict_offset(const HierParams& h, u64 par) { return h.ring_offset + 16 + 8 * par; }
-DINLINE u64 inbox_offset(const HierParams& h, u64 par, int m) {
-  return h.ring_offset + 32 + 8 * (par * kMaxNodes + (u64)m);
-}
+// The verdict words (see kHierHeaderBytes), as offsets in the net buffer.
+DINLINE u64 verdict_offset(const HierParams& h, u64 par) { return h.ring_offset + 8 * par; }
 DINLINE u64* word_at(const HierParams& h, u64 off) { return reinterpret_cast<u64*>(h.net + off); }
 
 DINLINE Waiter waiter_of(const HierParams& h) { return Waiter{own_signal(h), h.err, h.timeout_ns, h.rank}; }
@@ -521,31 +516,37 @@ DINLINE int node_culprit(const HierParams& h, const BlockState& st) {
 // group rank and compares theirs; ok is true when all made the same call
 // and no node failed its start barrier. False when a wait failed (recorded).
 // With early (this rank's plan), the partials of block 0's chunk 0 already
-// folded into the send slots go ahead of each header, under its signal.
+// folded into the send slots go under the header's signal: in an exchange
+// in the same put (they follow the header in the slot), else ahead of it.
 template <typename T>
 DINLINE bool exchange_headers(const HierParams& h, const BlockState& st, int culprit, const u64* base, const Plan* early,
                               bool& ok) {
   typedef typename Num<T>::Acc Acc;
   const u64 par = st.epoch & 1;
   const u64 mine = start_value(st.epoch, culprit < 0 ? h.call_signature : bad_header(culprit));
-  *word_at(h, outbox_offset(h, par)) = mine;
+  const u64 out = xslot_offset(h, false, h.node, par), in = xslot_offset(h, true, h.node, par);
+  *word_at(h, out) = mine;
   __threadfence_system();  // before the trigger the proxy copies it after
   for (int m = 0; m < h.nodes; ++m) {
     if (m == h.node) continue;
+    u64 bytes = 8;
     if (early != nullptr && chunks_of(*early, m) > 0) {
       const Range r = chunk_range(*early, m, 0);
-      const u64 bytes = (u64)(r.end - r.begin) * sizeof(Acc);
-      if (h.chans[m].put(recv_offset(h, *early, h.node, 0, par), send_offset(h, *early, m, 0, par), bytes) == ~0ull) {
+      const u64 data = (u64)(r.end - r.begin) * sizeof(Acc);
+      if (early->x) {
+        bytes = kHierExchangeHead + data;
+      } else if (h.chans[m].put(recv_offset(h, *early, h.node, 0, par), send_offset(h, *early, m, 0, par), data) ==
+                 ~0ull) {
         return false;
       }
     }
-    if (h.chans[m].putWithSignal(inbox_offset(h, par, h.node), outbox_offset(h, par), 8) == ~0ull) return false;
+    if (h.chans[m].putWithSignal(in, out, bytes) == ~0ull) return false;
   }
   ok = culprit < 0;
   for (int m = 0; m < h.nodes; ++m) {
     if (m == h.node) continue;
     if (!await_signals(h, h.chans[m], base[m] + 1, m)) return false;
-    const u64 theirs = ld_flag_acquire(word_at(h, inbox_offset(h, par, m)));
+    const u64 theirs = ld_flag_acquire(word_at(h, xslot_offset(h, true, m, par)));
     if ((theirs >> 32) != st.epoch) {  // the ranks' call counts parted: nothing is consistent any more
       report_error(waiter_of(h), kErrBadParams, pick_int(h.group_of, m), kPhaseHierHeader, -1, mine, theirs);
       return false;
