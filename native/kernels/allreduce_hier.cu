@@ -405,8 +405,11 @@ DINLINE void fold_finish_op(const Ptrs& parts, int nparts, char* out, char* out2
   }
 }
 
+// fold_partial and fold_finish are called, not inlined: each has several
+// call sites, and every inlined copy of their unrolled loops (times two ops)
+// costs NVRTC seconds; a call per chunk costs the kernel nothing it would see.
 template <typename T>
-DINLINE void fold_partial(const Ptrs& in, int nin, char* dst, i64 begin, i64 end, int op) {
+static __device__ __noinline__ void fold_partial(const Ptrs& in, int nin, char* dst, i64 begin, i64 end, int op) {
   const Range r{begin, end};
   if (is_other_op(op)) {
     fold_partial_op<T>(in, nin, dst, r, OpOther{op});
@@ -416,7 +419,8 @@ DINLINE void fold_partial(const Ptrs& in, int nin, char* dst, i64 begin, i64 end
 }
 
 template <typename T>
-DINLINE void fold_finish(const Ptrs& parts, int nparts, char* out, char* out2, i64 n, int op, int divisor) {
+static __device__ __noinline__ void fold_finish(const Ptrs& parts, int nparts, char* out, char* out2, i64 n, int op,
+                                                int divisor) {
   if (is_other_op(op)) {
     fold_finish_op<T>(parts, nparts, out, out2, n, divisor, OpOther{op});
   } else {
