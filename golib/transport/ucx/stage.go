@@ -167,8 +167,9 @@ type stager struct {
 	land     uintptr // the peer's landing ring here
 	next     uint64  // ring entries taken in
 	landed   []landed
-	consumed uint64 // entries copied out (credits owed to the peer)
-	credited uint64 // consumed count last put to the peer
+	consumed uint64    // entries copied out (credits owed to the peer)
+	credited uint64    // consumed count last put to the peer
+	owed     time.Time // when consumed last passed credited
 }
 
 // staging is the transport's staging state; nil when off.
@@ -185,6 +186,14 @@ type staging struct {
 	regs       []*local       // registrations of the above
 	peers      []stager
 }
+
+// creditDelay is how long Progress holds back a credit for less than half
+// the ring: a credit put is a tcp send on the proxy's thread, and sent the
+// moment a copy completes it lands in front of the waiting kernel's next
+// trigger (its reply, in a ping-pong). The peer's flush waits up to this
+// much longer for its last credit; this rank's own waits (a flush, which
+// may be its last progress for a while) send what it owes at once.
+const creditDelay = 20 * time.Microsecond
 
 func (s *staging) stride() uint64    { return headerSize + s.chunk }
 func (s *staging) ringBytes() uint64 { return uint64(s.slots) * s.stride() }
@@ -637,8 +646,9 @@ func (t *Transport) putC(r int, name string, mem unsafe.Pointer, dst uint64, n i
 // serviceRings is the receiver's side: it takes in landed entries, queues
 // their copies into device memory (and their signals' stores behind them),
 // stores signals the copier cannot, and returns credits once copies
-// completed. It never blocks.
-func (t *Transport) serviceRings() error {
+// completed (with hold, those for less than half the ring only after
+// creditDelay). It never blocks.
+func (t *Transport) serviceRings(hold bool) error {
 	s := t.stage
 	if s == nil {
 		return nil
@@ -656,12 +666,16 @@ func (t *Transport) serviceRings() error {
 	if err != nil {
 		return status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
 	}
+	var now time.Time
 	for r := range s.peers {
 		st := &s.peers[r]
 		k := 0
 		for ; k < len(st.landed) && st.landed[k].ticket <= done; k++ {
 			if w := st.landed[k].word; w != 0 {
 				atomic.StoreUint64((*uint64)(addrPtr(w)), st.landed[k].total)
+			}
+			if st.consumed == st.credited {
+				st.owed = time.Time{}
 			}
 			st.consumed++
 		}
@@ -670,6 +684,17 @@ func (t *Transport) serviceRings() error {
 			cr := st.credit
 			if cr == nil {
 				continue
+			}
+			if hold && st.consumed-st.credited < uint64(s.slots)/2 {
+				if now.IsZero() {
+					now = time.Now()
+				}
+				if st.owed.IsZero() {
+					st.owed = now
+				}
+				if now.Sub(st.owed) < creditDelay {
+					continue
+				}
 			}
 			word := C.malloc(8)
 			*(*uint64)(word) = st.consumed
@@ -793,7 +818,7 @@ func (t *Transport) awaitCredit(r int, deadline time.Time) error {
 // rings (the peer may be waiting on them), and check the peer and time.
 func (t *Transport) stageWait(r int, op string, deadline time.Time, idle *idler) error {
 	idle.after(C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker))
-	if err := t.serviceRings(); err != nil {
+	if err := t.serviceRings(false); err != nil {
 		return err
 	}
 	if err := t.reap(r); err != nil {

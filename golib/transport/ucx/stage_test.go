@@ -186,6 +186,14 @@ func TestStagedPutWithSignal(t *testing.T) {
 	expectOK(t, runJob(t, "stagedpingpong", 2, 60*time.Second))
 }
 
+// TestStagedPutWithSignalWideRing: the same on a ring of 16 slots, where a
+// receiver owing less than half of it holds its credit back for
+// creditDelay: the final flush needs the credits held back.
+func TestStagedPutWithSignalWideRing(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagedpingpongwide", 2, 60*time.Second))
+}
+
 // TestStagedCloseWithoutFlush: a transport closed right after its staged
 // puts arrived, with no flush, hands every request back to UCP (which
 // otherwise warns at exit that requests were not returned).

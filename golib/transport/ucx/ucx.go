@@ -581,6 +581,11 @@ func (t *Transport) flushBy(peer int, deadline time.Time) error {
 		if err := t.awaitCredit(peer, deadline); err != nil {
 			return err
 		}
+		// A flush may be this rank's last progress for a while: the
+		// credits Progress held back go now.
+		if err := t.serviceRings(false); err != nil {
+			return err
+		}
 	}
 	if err := t.reap(peer); err != nil {
 		return err
@@ -620,7 +625,7 @@ func (t *Transport) Progress() (bool, error) {
 			active = active || len(t.peers[r].pending) > 0
 		}
 	}
-	return active, t.serviceRings()
+	return active, t.serviceRings(true)
 }
 
 // closeGrace bounds how long Close progresses to let operations already

@@ -172,6 +172,9 @@ func child(role string) int {
 		if role == "stagedhier" && os.Getenv("P2PCOMM_TEST_HIER_DEFAULT_RING") != "" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0
 		}
+		if role == "stagedpingpongwide" {
+			opts.RingChunks = 16 // less than half of it owed: credits wait creditDelay
+		}
 		if role == "stagedclose" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // whole 1 MiB chunks: puts still in flight when issued
 		}
@@ -202,7 +205,7 @@ func child(role string) int {
 		err = childInline(tr, bs, cfg.Timeout, transport.HostMemory)
 	case "stagedinline":
 		err = childInline(tr, bs, cfg.Timeout, transport.DeviceMemory)
-	case "stagedpingpong":
+	case "stagedpingpong", "stagedpingpongwide":
 		err = childStagedPingPong(tr, bs, cfg.Timeout, true)
 	case "stagedclose":
 		held := -1
