@@ -28,6 +28,10 @@ import (
 //     difference fails the call on every rank of every node alike.
 //  4. The owner folds each chunk of its part as the partials arrive, writes
 //     the result into its staging area and puts it into its group's.
+//     A small shard is an exchange instead (as on GPUs): every group rank
+//     owns all of it, so each sends its node's partial of the whole shard to
+//     every other node in step 2 and folds them all itself here, in node
+//     order; no results travel, a trip less.
 //  5. Once its whole shard is in its staging area, a rank tells its group
 //     it is done and flags the shard to its node; it copies every local
 //     shard into its output as each is flagged, waits until its whole group
@@ -83,15 +87,30 @@ type plan struct {
 	// part is reduced in place. Results land there too, but a chunk's
 	// results come back only after its owner received this rank's chunk.
 	inStaging bool
+	// x: the call is an exchange; part node is the whole shard, the others
+	// are empty.
+	x bool
 }
+
+// exchangeBytes is the most partials (of one shard) an exchange sends each
+// other node: every rank then folds the whole shard, twice the work of its
+// part on two nodes, which small calls do not notice.
+const exchangeBytes = 64 << 10
 
 func (c *Comm) plan(req collective.AllReduce) plan {
 	local, nodes := len(c.topo.Local()), len(c.topo.Nodes)
 	p := plan{es: int64(req.DType.Size()), as: int64(reduce.AccType(req.DType).Size())}
 	p.lo, p.hi = slice(req.Count, local, c.topo.LocalRank())
 	p.parts = make([]int64, nodes+1)
+	shard := (p.hi - p.lo) * p.as
+	p.x = shard <= exchangeBytes && shard <= int64(c.net.lay.slot)
 	for m := range nodes {
-		_, p.parts[m+1] = slice(p.hi-p.lo, nodes, m)
+		switch {
+		case !p.x:
+			_, p.parts[m+1] = slice(p.hi-p.lo, nodes, m)
+		case m >= c.net.node:
+			p.parts[m+1] = p.hi - p.lo
+		}
 	}
 	p.perChunk = max(c.net.chunk/p.as, 1)
 	return p
@@ -205,8 +224,9 @@ func (c *Comm) sendHeaders(req collective.AllReduce, nodeErr error) error {
 }
 
 // sendPartials folds this node's inputs part by part, chunk by chunk, and
-// puts each chunk of another node's part into that node's group rank. The
-// own part comes last, so the owner's step starts right after.
+// puts each chunk of another node's part into that node's group rank (in an
+// exchange, the whole shard's into every other node's). The own part comes
+// last, so the owner's step starts right after.
 func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error {
 	n := c.net
 	in := c.inputs(seq)
@@ -215,7 +235,7 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 	nodes := len(n.group)
 	for step := 1; step <= nodes; step++ {
 		m := (n.node + step) % nodes
-		if p.inStaging && m == n.node {
+		if p.inStaging && m == n.node && !p.x {
 			continue
 		}
 		a, b := p.parts[m], p.parts[m+1]
@@ -230,19 +250,37 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 				}
 				reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
 			}
-			if m == n.node {
-				continue
-			}
 			dst := n.lay.recv + uint64(n.node)*n.lay.slot + uint64((lo-a)*p.as)
-			if err := c.put(m, n.regionR[m], dst, src, off, uint64(cnt*p.as), wordData,
-				fmt.Sprintf("partials of call #%d", seq)); err != nil {
-				return err
+			for _, to := range partialsTo(m, n.node, nodes, p.x) {
+				if err := c.put(to, n.regionR[to], dst, src, off, uint64(cnt*p.as), wordData,
+					fmt.Sprintf("partials of call #%d", seq)); err != nil {
+					return err
+				}
+				n.dataSent[to]++
 			}
-			n.dataSent[m]++
 			c.progress()
 		}
 	}
 	return nil
+}
+
+// partialsTo is where the partials of part m go: to its owner, node m, or
+// in an exchange (where part m is this node's whole shard) to every other
+// node.
+func partialsTo(m, node, nodes int, x bool) []int {
+	if !x {
+		if m == node {
+			return nil
+		}
+		return []int{m}
+	}
+	to := make([]int, 0, nodes-1)
+	for k := range nodes {
+		if k != node {
+			to = append(to, k)
+		}
+	}
+	return to
 }
 
 // readHeaders waits for every group rank's header and returns the call's
@@ -288,7 +326,8 @@ func (c *Comm) readHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 
 // reduceOwnPart folds each chunk of this rank's part as every node's
 // partial of it arrives, in node order, into the staging area, and puts the
-// result into the same place of every group rank's staging area.
+// result into the same place of every group rank's staging area (but in an
+// exchange, where every group rank folds the whole shard itself).
 func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error {
 	n := c.net
 	a, b := p.parts[n.node], p.parts[n.node+1]
@@ -318,7 +357,7 @@ func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error
 		out := uint64((p.lo + lo) * p.es)
 		reduce.HostFinish(unsafe.Add(staging, out), srcs, int(cnt), req.DType, req.Op, c.size)
 		for m := range n.group {
-			if m == n.node {
+			if m == n.node || p.x {
 				continue
 			}
 			if err := c.put(m, n.stagingR[m], out, n.stagingL, out, uint64(cnt*p.es), wordResult, what); err != nil {
