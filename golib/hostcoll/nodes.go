@@ -86,6 +86,7 @@ type plan struct {
 	// they go from there without a fold into the send slots, and its own
 	// part is reduced in place. Results land there too, but a chunk's
 	// results come back only after its owner received this rank's chunk.
+	// Never in an exchange, which sends the own part's partial as well.
 	inStaging bool
 	// x: the call is an exchange; part node is the whole shard, the others
 	// are empty.
@@ -130,7 +131,10 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error)
 	var p plan // only for calls whose arguments passed (a bad dtype has no size)
 	if nodeErr == nil {
 		p = c.plan(req)
-		p.inStaging = len(c.topo.Local()) == 1 && p.as == p.es && c.ctl[c.rank].desc(seq).Input < 0
+		// Not in an exchange: the own part's partial goes out too there,
+		// and the fold in place could overwrite it under a put still
+		// reading it.
+		p.inStaging = len(c.topo.Local()) == 1 && p.as == p.es && c.ctl[c.rank].desc(seq).Input < 0 && !p.x
 		if err := c.sendPartials(req, seq, p); err != nil {
 			return err
 		}
@@ -235,7 +239,7 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 	nodes := len(n.group)
 	for step := 1; step <= nodes; step++ {
 		m := (n.node + step) % nodes
-		if p.inStaging && m == n.node && !p.x {
+		if p.inStaging && m == n.node {
 			continue
 		}
 		a, b := p.parts[m], p.parts[m+1]
