@@ -666,7 +666,6 @@ func (t *Transport) serviceRings(hold bool) error {
 	if err != nil {
 		return status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
 	}
-	var now time.Time
 	for r := range s.peers {
 		st := &s.peers[r]
 		k := 0
@@ -680,31 +679,55 @@ func (t *Transport) serviceRings(hold bool) error {
 			st.consumed++
 		}
 		st.landed = st.landed[k:]
-		if st.consumed > st.credited && t.peers[r].ep != nil && t.peers[r].err == nil {
-			cr := st.credit
-			if cr == nil {
+	}
+	t.sendCredits(hold)
+	return nil
+}
+
+// sendCredits puts each peer the count of its entries copied out, where it
+// grew; with hold, a count less than half the ring ahead of the last one
+// sent waits until it is creditDelay old. UCX calls only, so Close may
+// call it from any thread.
+func (t *Transport) sendCredits(hold bool) {
+	s := t.stage
+	var now time.Time
+	for r := range s.peers {
+		st := &s.peers[r]
+		if st.consumed <= st.credited || t.peers[r].ep == nil || t.peers[r].err != nil || st.credit == nil {
+			continue
+		}
+		if hold && st.consumed-st.credited < uint64(s.slots)/2 {
+			if now.IsZero() {
+				now = time.Now()
+			}
+			if st.owed.IsZero() {
+				st.owed = now
+			}
+			if now.Sub(st.owed) < creditDelay {
 				continue
 			}
-			if hold && st.consumed-st.credited < uint64(s.slots)/2 {
-				if now.IsZero() {
-					now = time.Now()
-				}
-				if st.owed.IsZero() {
-					st.owed = now
-				}
-				if now.Sub(st.owed) < creditDelay {
-					continue
-				}
-			}
-			word := C.malloc(8)
-			*(*uint64)(word) = st.consumed
-			if err := t.putC(r, "staging credit", word, cr.base+uint64(8*t.rank), 8, cr.rkey); err != nil {
-				continue // the peer failed; its next operation says so
-			}
-			st.credited = st.consumed
+		}
+		word := C.malloc(8)
+		*(*uint64)(word) = st.consumed
+		cr := st.credit
+		if err := t.putC(r, "staging credit", word, cr.base+uint64(8*t.rank), 8, cr.rkey); err != nil {
+			continue // the peer failed; its next operation says so
+		}
+		st.credited = st.consumed
+	}
+}
+
+// owesCredit reports whether a credit for a copied entry has not gone out.
+func (t *Transport) owesCredit() bool {
+	if t.stage == nil {
+		return false
+	}
+	for r := range t.stage.peers {
+		if st := &t.stage.peers[r]; st.consumed > st.credited && t.peers[r].err == nil {
+			return true
 		}
 	}
-	return nil
+	return false
 }
 
 // takeIn takes in rank r's landed entries, in order.

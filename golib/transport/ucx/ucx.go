@@ -625,7 +625,9 @@ func (t *Transport) Progress() (bool, error) {
 			active = active || len(t.peers[r].pending) > 0
 		}
 	}
-	return active, t.serviceRings(true)
+	err := t.serviceRings(true)
+	// A credit held back needs a later call: stay active until it went.
+	return active || t.owesCredit(), err
 }
 
 // closeGrace bounds how long Close progresses to let operations already
@@ -639,6 +641,9 @@ const closeGrace = 200 * time.Millisecond
 // kept past the worker is one UCP warns of at exit.
 func (t *Transport) settle() {
 	deadline := time.Now().Add(min(closeGrace, t.timeout))
+	if t.stage != nil {
+		t.sendCredits(false) // those held back: a peer may be flushing
+	}
 	for {
 		busy := false
 		for r := range t.peers {
