@@ -58,8 +58,10 @@
 // trip instead of two (two nodes send the same bytes either way). No result
 // comes back to say a slot was read, so the exchange area's slots alternate
 // by call parity: a peer writes this rank's slot of parity p again only in
-// the call after next, which it starts once it holds this rank's partials
-// of the call between, sent after this rank had read the slot.
+// the call after next, which it starts once it holds this rank's header of
+// the call between, sent by a launch after the one that read the slot. (The
+// parity is the blocks' call counter, which on a communicator across nodes
+// only this kernel advances.)
 //
 // No end barrier: a node's peers read this rank's results region until
 // their middle barrier's copies end, and this rank writes it again only
