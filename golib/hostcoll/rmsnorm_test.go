@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"math/rand"
+	"runtime"
 	"testing"
 	"unsafe"
 
@@ -24,10 +25,12 @@ func TestAllReduceRMSNorm(t *testing.T) {
 	errs := run(t, world, Options{}, func(c *Comm) error {
 		rng := rand.New(rand.NewSource(int64(c.rank)))
 		x, res, w := heapBytes(2*n), heapBytes(2*n), heapBytes(2*hidden)
+		sum, normed, resOut := heapBytes(2*n), heapBytes(2*n), heapBytes(2*n)
+		// The requests hold addresses only, which keep nothing alive.
+		defer runtime.KeepAlive([][]byte{x, res, w, sum, normed, resOut})
 		fill(rng, x, d)
 		fill(rng, res, d)
 		fill(rng, w, d)
-		sum := heapBytes(2 * n)
 		if err := c.AllReduce(collective.AllReduce{Src: ptr(x), Dst: ptr(sum), Count: n, DType: d, Op: reduce.Sum}); err != nil {
 			return err
 		}
@@ -35,7 +38,6 @@ func TestAllReduceRMSNorm(t *testing.T) {
 		copy(wantNormed, sum)
 		reduce.ResidualRMSNorm(unsafe.Pointer(&wantNormed[0]), unsafe.Pointer(&wantRes[0]), unsafe.Pointer(&wantNormed[0]),
 			unsafe.Pointer(&res[0]), unsafe.Pointer(&w[0]), rows, hidden, true, 1e-6)
-		normed, resOut := heapBytes(2*n), heapBytes(2*n)
 		req := collective.RMSNorm{X: ptr(x), Residual: ptr(res), Weight: ptr(w), Normed: ptr(normed),
 			ResidualOut: ptr(resOut), Rows: rows, Hidden: hidden, DType: d, Eps: 1e-6}
 		if err := c.AllReduceRMSNorm(req); err != nil {
