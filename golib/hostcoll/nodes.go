@@ -255,7 +255,12 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 				reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
 			}
 			dst := n.lay.recv + uint64(n.node)*n.lay.slot + uint64((lo-a)*p.as)
-			for _, to := range partialsTo(m, n.node, nodes, p.x) {
+			// To part m's owner; in an exchange (part m is this node's whole
+			// shard) to every other node.
+			for to := range nodes {
+				if to == n.node || (!p.x && to != m) {
+					continue
+				}
 				if err := c.put(to, n.regionR[to], dst, src, off, uint64(cnt*p.as), wordData,
 					fmt.Sprintf("partials of call #%d", seq)); err != nil {
 					return err
@@ -266,25 +271,6 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 		}
 	}
 	return nil
-}
-
-// partialsTo is where the partials of part m go: to its owner, node m, or
-// in an exchange (where part m is this node's whole shard) to every other
-// node.
-func partialsTo(m, node, nodes int, x bool) []int {
-	if !x {
-		if m == node {
-			return nil
-		}
-		return []int{m}
-	}
-	to := make([]int, 0, nodes-1)
-	for k := range nodes {
-		if k != node {
-			to = append(to, k)
-		}
-	}
-	return to
 }
 
 // readHeaders waits for every group rank's header and returns the call's
