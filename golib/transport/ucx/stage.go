@@ -647,11 +647,11 @@ func (t *Transport) putC(r int, name string, mem unsafe.Pointer, dst uint64, n i
 // their copies into device memory (and their signals' stores behind them),
 // stores signals the copier cannot, and returns credits once copies
 // completed (with hold, those for less than half the ring only after
-// creditDelay). It never blocks.
-func (t *Transport) serviceRings(hold bool) error {
+// creditDelay; it then reports whether one is still held). It never blocks.
+func (t *Transport) serviceRings(hold bool) (bool, error) {
 	s := t.stage
 	if s == nil {
-		return nil
+		return false, nil
 	}
 	for r := range s.peers {
 		st := &s.peers[r]
@@ -659,12 +659,12 @@ func (t *Transport) serviceRings(hold bool) error {
 			continue
 		}
 		if err := t.takeIn(r, st); err != nil {
-			return err
+			return false, err
 		}
 	}
 	done, err := s.copier.Completed()
 	if err != nil {
-		return status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
+		return false, status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
 	}
 	for r := range s.peers {
 		st := &s.peers[r]
@@ -680,15 +680,14 @@ func (t *Transport) serviceRings(hold bool) error {
 		}
 		st.landed = st.landed[k:]
 	}
-	t.sendCredits(hold)
-	return nil
+	return t.sendCredits(hold), nil
 }
 
 // sendCredits puts each peer the count of its entries copied out, where it
 // grew; with hold, a count less than half the ring ahead of the last one
-// sent waits until it is creditDelay old. UCX calls only, so Close may
-// call it from any thread.
-func (t *Transport) sendCredits(hold bool) {
+// sent waits until it is creditDelay old; it reports whether one still
+// waits. UCX calls only, so Close may call it from any thread.
+func (t *Transport) sendCredits(hold bool) (held bool) {
 	s := t.stage
 	var now time.Time
 	for r := range s.peers {
@@ -704,6 +703,7 @@ func (t *Transport) sendCredits(hold bool) {
 				st.owed = now
 			}
 			if now.Sub(st.owed) < creditDelay {
+				held = true
 				continue
 			}
 		}
@@ -715,19 +715,7 @@ func (t *Transport) sendCredits(hold bool) {
 		}
 		st.credited = st.consumed
 	}
-}
-
-// owesCredit reports whether a credit for a copied entry has not gone out.
-func (t *Transport) owesCredit() bool {
-	if t.stage == nil {
-		return false
-	}
-	for r := range t.stage.peers {
-		if st := &t.stage.peers[r]; st.consumed > st.credited && t.peers[r].err == nil {
-			return true
-		}
-	}
-	return false
+	return held
 }
 
 // takeIn takes in rank r's landed entries, in order.
@@ -841,7 +829,7 @@ func (t *Transport) awaitCredit(r int, deadline time.Time) error {
 // rings (the peer may be waiting on them), and check the peer and time.
 func (t *Transport) stageWait(r int, op string, deadline time.Time, idle *idler) error {
 	idle.after(C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker))
-	if err := t.serviceRings(false); err != nil {
+	if _, err := t.serviceRings(false); err != nil {
 		return err
 	}
 	if err := t.reap(r); err != nil {

@@ -583,9 +583,7 @@ func (t *Transport) flushBy(peer int, deadline time.Time) error {
 		}
 		// A flush may be this rank's last progress for a while: the
 		// credits Progress held back go now.
-		if err := t.serviceRings(false); err != nil {
-			return err
-		}
+		t.sendCredits(false)
 	}
 	if err := t.reap(peer); err != nil {
 		return err
@@ -625,9 +623,9 @@ func (t *Transport) Progress() (bool, error) {
 			active = active || len(t.peers[r].pending) > 0
 		}
 	}
-	err := t.serviceRings(true)
 	// A credit held back needs a later call: stay active until it went.
-	return active || t.owesCredit(), err
+	held, err := t.serviceRings(true)
+	return active || held, err
 }
 
 // closeGrace bounds how long Close progresses to let operations already
