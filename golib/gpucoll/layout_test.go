@@ -90,7 +90,6 @@ func TestHierLayoutMatchesTheKernel(t *testing.T) {
 		{"group_of", unsafe.Offsetof(p.GroupOf), 344},
 		{"kHierBlocks", hierBlocks, uintptr(constant("kHierBlocks"))},
 		{"kHierRing", hierRing, uintptr(constant("kHierRing"))},
-		{"kHierHeaderBytes", hierHeaderBytes, uintptr(constant("kHierHeaderBytes"))},
 		{"kHierExchangeSlotBytes", hierExchangeSlotBytes, uintptr(constant("kHierExchangeSlotBytes"))},
 		{"kPhaseHierHeader", phaseHierHeader, uintptr(phase("kPhaseHierHeader"))},
 		{"kPhaseHierVerdict", phaseHierVerdict, uintptr(phase("kPhaseHierVerdict"))},

@@ -24,12 +24,11 @@ import (
 
 // Geometry shared with allreduce_hier.cu.
 const (
-	hierBlocks      = 8         // kHierBlocks: the grid, and one port channel set per block
-	hierRing        = 2         // kHierRing: chunks in flight per block and peer
-	hierHeaderBytes = 4096      // kHierHeaderBytes: header and verdict words, in the net buffer
-	hierSlotBytes   = 256 << 10 // a ring slot: one chunk of partials in the accumulator type
-	hierRails       = 2         // proxies (and UCX workers) per rank; blocks split evenly among them
-	hierFile        = "allreduce_hier.cu"
+	hierBlocks    = 8         // kHierBlocks: the grid, and one port channel set per block
+	hierRing      = 2         // kHierRing: chunks in flight per block and peer
+	hierSlotBytes = 256 << 10 // a ring slot: one chunk of partials in the accumulator type
+	hierRails     = 2         // proxies (and UCX workers) per rank; blocks split evenly among them
+	hierFile      = "allreduce_hier.cu"
 	// kHierExchangeSlotBytes: a slot of the exchange area, where the
 	// partials of calls that skip the results' trip go, by call parity.
 	hierExchangeSlotBytes = 128 << 10
@@ -76,7 +75,7 @@ func (p *hierParams) bytes() []byte {
 type nodes struct {
 	rails   []*channel.Channels // each its own UCX worker, connections and proxy thread
 	buf     *symm.Buffer        // results region, each local rank's mapped
-	net     *symm.HostBuffer    // what crosses nodes: results on their way, verdicts, rings, exchange area
+	net     *symm.HostBuffer    // what crosses nodes: results on their way, rings, exchange area
 	table   *symm.Buffer        // PortChannel[hierBlocks][nodes], device memory
 	results uint64              // bytes of the results region
 	params  hierParams          // reused per launch
@@ -189,7 +188,7 @@ func (b *Backend) openNodes(stream uintptr) error {
 	results := (shard + 4095) &^ 4095
 	rings := uint64(2 * hierBlocks * nodeCount * hierRing * hierSlotBytes)
 	exchange := uint64(2 * hierBlocks * nodeCount * 2 * hierExchangeSlotBytes)
-	total := results + hierHeaderBytes + rings + exchange // the net buffer
+	total := results + rings + exchange // the net buffer
 	if total-1 > proxy.MaxOffset {
 		return status.Errorf(status.Capacity, "all-reduce across nodes needs %d bytes of port channel memory, more than a trigger addresses: lower P2PCOMM_STAGING_BYTES", total)
 	}

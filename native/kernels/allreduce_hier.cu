@@ -96,9 +96,7 @@ constexpr int kPhaseHierHeader = kPhaseFifoFlush + 1;
 constexpr int kPhaseHierVerdict = kPhaseFifoFlush + 2;
 // The net buffer (host memory, the port channels' range): results on their
 // way (ring_offset bytes, at the offsets of the results region), then
-//   offset        size            field
-//   0             8 * 2           verdict[2]          u64: (epoch << 2) | 1 ok, | 2 failed, by call parity
-//   kHierHeaderBytes              the rings: send[G][N][R] slots, then recv[G][N][R] slots
+//   the rings: send[G][N][R] slots, then recv[G][N][R] slots
 //   then                          the exchange area: send[G][N][2] slots, then recv[G][N][2] slots, by call
 //                                 parity, of kHierExchangeSlotBytes: kHierExchangeHead bytes (block 0's: the
 //                                 call's header, this rank's in send[0][node], node m's in recv[0][m]), then
@@ -106,7 +104,6 @@ constexpr int kPhaseHierVerdict = kPhaseFifoFlush + 2;
 // A call is an exchange when its shard fits one exchange slot per block, and
 // past two nodes (where an exchange sends more bytes than the two trips) is
 // at most kHierExchangeSmallBytes of partials.
-constexpr u64 kHierHeaderBytes = 4096;
 constexpr u64 kHierExchangeSlotBytes = 131072;  // 128 KiB
 constexpr u64 kHierExchangeHead = 16;
 constexpr u64 kHierExchangeSmallBytes = 65536;  // 64 KiB
@@ -271,7 +268,7 @@ DINLINE Signal* own_signal(const HierParams& h) { return (Signal*)pick((void* co
 DINLINE u64 slot_offset(const HierParams& h, bool recv, int m, i64 j) {
   const u64 s = ((u64)blockIdx.x * h.nodes + m) * kHierRing + (u64)(j % kHierRing);
   const u64 rings = (u64)kHierBlocks * h.nodes * kHierRing * h.slot_bytes;
-  return h.ring_offset + kHierHeaderBytes + (recv ? rings : 0) + s * h.slot_bytes;
+  return h.ring_offset + (recv ? rings : 0) + s * h.slot_bytes;
 }
 DINLINE char* slot(const HierParams& h, bool recv, int m, i64 j) { return h.net + slot_offset(h, recv, m, j); }
 
@@ -282,7 +279,7 @@ DINLINE u64 xslot_offset(const HierParams& h, bool recv, int m, u64 par) {
   const u64 rings = (u64)kHierBlocks * h.nodes * kHierRing * h.slot_bytes;
   const u64 area = (u64)kHierBlocks * h.nodes * 2 * kHierExchangeSlotBytes;
   const u64 s = ((u64)blockIdx.x * h.nodes + m) * 2 + par;
-  return h.ring_offset + kHierHeaderBytes + 2 * rings + (recv ? area : 0) + s * kHierExchangeSlotBytes;
+  return h.ring_offset + 2 * rings + (recv ? area : 0) + s * kHierExchangeSlotBytes;
 }
 
 // send_offset is where this rank's partial of chunk j for node m lies (for
@@ -297,8 +294,6 @@ DINLINE u64 recv_offset(const HierParams& h, const Plan& pl, int m, i64 j, u64 p
 // parts_of is how many distinct parts the plan cuts the shard into.
 DINLINE int parts_of(const HierParams& h, const Plan& pl) { return pl.x ? 1 : h.nodes; }
 
-// The verdict words (see kHierHeaderBytes), as offsets in the net buffer.
-DINLINE u64 verdict_offset(const HierParams& h, u64 par) { return h.ring_offset + 8 * par; }
 DINLINE u64* word_at(const HierParams& h, u64 off) { return reinterpret_cast<u64*>(h.net + off); }
 
 DINLINE Waiter waiter_of(const HierParams& h) { return Waiter{own_signal(h), h.err, h.timeout_ns, h.rank}; }
@@ -643,7 +638,10 @@ DINLINE void hier(const HierParams& h, BlockState& st) {
   // the node agreed (else its inputs need not fit this rank's plan), and
   // read only once every node agreed, when every plan is the same.
   const u64 par = st.epoch & 1;
-  u64* const verdict_word = word_at(h, verdict_offset(h, par));
+  // In this rank's Signal (device memory), not the net buffer: the other
+  // blocks poll it all through block 0's exchange, and polls of host memory
+  // from several SMs slow block 0's own reads across PCIe.
+  u64* const verdict_word = &own_signal(h)->hier_verdict[par];
   const Ptrs ins = ptrs_all(const_cast<void* const*>(h.peer_in), h.local_size);
   if (blockIdx.x == 0) {
     const bool early = node_ok && h.signature != kRejectSignature;

@@ -113,14 +113,15 @@ struct alignas(128) Signal {
   u32 abort_claim;
   u32 ll_done;
   u64 ll_epoch;
-  u32 pad0[28];
+  u64 hier_verdict[2];  // allreduce_hier.cu: block 0's verdict on a call, for the other blocks, by call parity
+  u32 pad0[24];
   u64 flag[kNumPhases][kMaxBlocks][kMaxRanks];
 };
 // NVRTC has no offsetof: each layout asserts its size and that the sizes of
 // its fields add up to it (no padding), which pins every offset in the table.
 static_assert(sizeof(Signal) == 33920, "Signal size");
 static_assert(sizeof(Signal::counter) + sizeof(Signal::abort_claim) + sizeof(Signal::ll_done) +
-                      sizeof(Signal::ll_epoch) + sizeof(Signal::pad0) == 1152,
+                      sizeof(Signal::ll_epoch) + sizeof(Signal::hier_verdict) + sizeof(Signal::pad0) == 1152,
               "Signal.flag offset");
 static_assert(sizeof(Signal::counter) == 1024 && sizeof(Signal::flag) == 32768, "Signal fields");
 
