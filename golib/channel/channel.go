@@ -256,7 +256,8 @@ func (c *Channels) onGPU() bool { return c.cfg.GPU != nil }
 // ucxOptions are the UCX transport's options for this communicator.
 func (c *Channels) ucxOptions() ucx.Options {
 	return ucx.Options{Timeout: c.cfg.Timeout, LibraryDirs: c.cfg.UCXDirs, ChunkBytes: c.cfg.UCXStageChunk,
-		RingChunks: c.cfg.UCXStageSlots, SeparateHosts: c.cfg.Topology != nil && c.cfg.Topology.SharedHosts}
+		RingChunks: c.cfg.UCXStageSlots, SeparateHosts: c.cfg.Topology != nil && c.cfg.Topology.SharedHosts,
+		OneHost: c.cfg.Topology != nil && c.cfg.Topology.OneHost()}
 }
 
 // newIPC creates the copy-engine transport on this rank's GPU.

@@ -682,6 +682,29 @@ func (r *router) PutInline(dst transport.Remote, dstOff uint64, data []byte) err
 // The proxy finds inline puts through the router: it must offer them.
 var _ transport.InlinePutter = (*router)(nil)
 
+// PutWithSignal sends a put and its signal on their peer's transport, as
+// one call where that transport takes them so.
+func (r *router) PutWithSignal(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
+	sem transport.Remote, semOff, value uint64) error {
+	t, err := r.to(dst.Peer())
+	if err != nil {
+		return err
+	}
+	m, ok := src.(*multiLocal)
+	if !ok {
+		return status.Errorf(status.InvalidArgument, "put from a range the router did not register")
+	}
+	if ps, ok := t.(transport.PutSignaler); ok && sem.Peer() == dst.Peer() {
+		return ps.PutWithSignal(dst, dstOff, m.part(t), srcOff, size, sem, semOff, value)
+	}
+	if err := t.Put(dst, dstOff, m.part(t), srcOff, size); err != nil {
+		return err
+	}
+	return r.Signal(sem, semOff, value)
+}
+
+var _ transport.PutSignaler = (*router)(nil)
+
 func (r *router) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	t, err := r.to(dst.Peer())
 	if err != nil {

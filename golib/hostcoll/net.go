@@ -144,7 +144,7 @@ func (c *Comm) openNetwork() error {
 		return fmt.Errorf("all-reduce across nodes needs UCX: %w", err)
 	}
 	t, err := ucx.Open(c.bs, ucx.Options{Timeout: c.opts.Timeout, Stage: ucx.StageNever,
-		SeparateHosts: c.topo.SharedHosts})
+		SeparateHosts: c.topo.SharedHosts, OneHost: c.topo.OneHost()})
 	if err != nil {
 		return fmt.Errorf("all-reduce across nodes: %w", err)
 	}

@@ -76,7 +76,7 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		return nil, fmt.Errorf("ExpertParallel across nodes needs UCX: %w", err)
 	}
 	tp := host.Topology()
-	t, err := ucx.Open(bs, ucx.Options{Timeout: host.Timeout(), Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts})
+	t, err := ucx.Open(bs, ucx.Options{Timeout: host.Timeout(), Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost()})
 	if err != nil {
 		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
 	}

@@ -339,6 +339,17 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 	ch := t.channels[op.Channel]
 	s.lockTransport()
 	defer s.unlockTransport()
+	if op.Type&(TriggerPut|TriggerSignal) == TriggerPut|TriggerSignal && op.Size > 0 && op.SrcMemory != InlineMemory {
+		if ps, ok := s.tr.(transport.PutSignaler); ok && ch.sem != nil {
+			if err := s.putWithSignal(ps, op, t, ch, where); err != nil {
+				return err
+			}
+			ch.unflushed.Store(true)
+			traceAdd(traceEvent{what: 'u', fifo: f.id, pos: pos, op: op})
+			traceAdd(traceEvent{what: 's', fifo: f.id, pos: pos, op: op})
+			op.Type &^= TriggerPut | TriggerSignal
+		}
+	}
 	if op.Type&TriggerPut != 0 {
 		if err := s.put(f, op, t, where); err != nil {
 			return err
@@ -362,6 +373,25 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 		if err := s.tr.Flush(ch.peer); err != nil {
 			return fmt.Errorf("proxy: %s: %s flush: %w", where(), s.tr.Name(), err)
 		}
+	}
+	return nil
+}
+
+// putWithSignal runs a trigger's put from registered local memory and the
+// signal behind it as one transport call.
+func (s *Service) putWithSignal(ps transport.PutSignaler, op Op, t *tables, ch channel, where func() string) error {
+	if int(op.DstMemory) >= len(t.remotes) || int(op.SrcMemory) >= len(t.locals) {
+		return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
+	}
+	dst, src := t.remotes[op.DstMemory], t.locals[op.SrcMemory]
+	if op.DstOffset+op.Size > dst.Size() {
+		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
+	}
+	if op.SrcOffset+op.Size > src.Size() {
+		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (source %d bytes)", where(), src.Size())
+	}
+	if err := ps.PutWithSignal(dst, op.DstOffset, src, op.SrcOffset, op.Size, ch.sem, ch.semOff, 1); err != nil {
+		return fmt.Errorf("proxy: %s: %s put with signal: %w", where(), s.tr.Name(), err)
 	}
 	return nil
 }

@@ -38,6 +38,9 @@ func Single(rank, size int) *Topology {
 	return t
 }
 
+// OneHost reports whether every rank runs on this rank's host.
+func (t *Topology) OneHost() bool { return t.HostRanks == len(t.NodeOf) }
+
 // Node is this rank's node.
 func (t *Topology) Node() int { return t.NodeOf[t.Rank] }
 

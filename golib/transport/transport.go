@@ -70,3 +70,10 @@ type Transport interface {
 type InlinePutter interface {
 	PutInline(dst Remote, dstOff uint64, data []byte) error
 }
+
+// PutSignaler is a Transport that also runs a put and the Signal behind it
+// in one call (a port channel's putWithSignal), which may cost it fewer
+// messages; the effect is Put's, then Signal's.
+type PutSignaler interface {
+	PutWithSignal(dst Remote, dstOff uint64, src Local, srcOff, size uint64, sem Remote, semOff, value uint64) error
+}

@@ -248,3 +248,84 @@ static inline void* p2p_ucx_am_land_send(void* f, void* ep, uint64_t addr, uint6
 			const p2p_ucp_request_param*))f)(ep, P2P_AM_LAND, (const void*)(uintptr_t)addr, sizeof(uint64_t),
 			(const void*)(uintptr_t)buffer, length, &p), status);
 }
+
+// A put to host memory with the signal behind it travels as one active
+// message when the endpoint has a single lane (tcp): the header names the
+// destination, the signal word and its new total, the data follows. The
+// receiver's handler copies the data, then stores the total (never a
+// smaller one than the word holds), so a kernel polling the word sees the
+// data first: one send instead of a put, a fence and a put.
+enum { P2P_AM_PUTSIG = 2 };
+
+typedef struct {
+	uint64_t dst, word, total;
+} p2p_putsig_header;
+
+// p2p_ranges bounds what the handler may write: this rank's registered
+// host memory, replaced whole (under the transport's lock, which progress
+// holds while handlers run) whenever a registration comes or goes.
+typedef struct {
+	uint64_t n;
+	uint64_t r[]; // base, size pairs
+} p2p_ranges;
+
+typedef struct {
+	p2p_ranges* ranges;
+} p2p_putsig_target;
+
+static inline int p2p_ranges_hold(const p2p_ranges* rs, uint64_t addr, uint64_t n) {
+	if (rs == NULL) return 0;
+	for (uint64_t i = 0; i < rs->n; i++) {
+		uint64_t base = rs->r[2 * i], size = rs->r[2 * i + 1];
+		if (addr >= base && addr - base <= size && n <= size - (addr - base)) return 1;
+	}
+	return 0;
+}
+
+static int p2p_ucx_am_putsig(void* arg, const void* header, size_t header_length, void* data, size_t length,
+		const p2p_ucp_am_recv_param* param) {
+	const p2p_putsig_target* t = (const p2p_putsig_target*)arg;
+	p2p_putsig_header h;
+	if (header_length != sizeof h || (param->recv_attr & P2P_UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+		return P2P_UCS_OK; // not ours: nothing lands, and the sender's waiter times out naming us
+	}
+	memcpy(&h, header, sizeof h);
+	if (h.word % 8 != 0 || !p2p_ranges_hold(t->ranges, h.dst, length) || !p2p_ranges_hold(t->ranges, h.word, 8)) {
+		return P2P_UCS_OK;
+	}
+	memcpy((void*)(uintptr_t)h.dst, data, length);
+	uint64_t* w = (uint64_t*)(uintptr_t)h.word;
+	if (__atomic_load_n(w, __ATOMIC_RELAXED) < h.total) {
+		__atomic_store_n(w, h.total, __ATOMIC_RELEASE);
+	}
+	return P2P_UCS_OK;
+}
+
+static inline int p2p_ucx_set_am_putsig(void* f, void* worker, p2p_putsig_target* t) {
+	p2p_ucp_am_handler_param p;
+	memset(&p, 0, sizeof p);
+	p.field_mask = P2P_UCP_AM_HANDLER_PARAM_FIELD_ID | P2P_UCP_AM_HANDLER_PARAM_FIELD_CB |
+			P2P_UCP_AM_HANDLER_PARAM_FIELD_ARG;
+	p.id = P2P_AM_PUTSIG;
+	p.cb = (void*)p2p_ucx_am_putsig;
+	p.arg = t;
+	return ((int (*)(void*, const p2p_ucp_am_handler_param*))f)(worker, &p);
+}
+
+// p2p_ucx_am_putsig_send sends length bytes at src under the header at
+// header (C memory); both live until the request completes.
+static inline void* p2p_ucx_am_putsig_send(void* f, void* ep, void* header, uint64_t src, size_t length,
+		void* memh, int* status) {
+	p2p_ucp_request_param p;
+	memset(&p, 0, sizeof p);
+	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_FLAGS | P2P_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+	p.flags = P2P_UCP_AM_SEND_FLAG_EAGER;
+	p.memory_type = P2P_UCS_MEMORY_TYPE_HOST;
+	if (memh != NULL) {
+		p.op_attr_mask |= P2P_UCP_OP_ATTR_FIELD_MEMH;
+		p.memh = memh;
+	}
+	return p2p_ucx_split(((void* (*)(void*, unsigned, const void*, size_t, const void*, size_t,
+			const p2p_ucp_request_param*))f)(ep, P2P_AM_PUTSIG, header, sizeof(p2p_putsig_header),
+			(const void*)(uintptr_t)src, length, &p), status);
+}

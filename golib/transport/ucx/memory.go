@@ -86,6 +86,9 @@ func (l *local) unmap() {
 	}
 	l.memh = nil
 	delete(l.t.locals, l)
+	if l.mem == transport.HostMemory {
+		l.t.landRanges()
+	}
 }
 
 // Close destroys the remote key after flushing the peer, as UCP requires
@@ -161,6 +164,9 @@ func (t *Transport) Register(addr uintptr, size uint64, mem transport.Memory) (t
 	l.key = append(t.keyHeader(l), C.GoBytes(buf, C.int(n))...)
 	C.p2p_ucx_call_p(f.rkeyBufferRelease, buf)
 	t.locals[l] = struct{}{}
+	if mem == transport.HostMemory {
+		t.landRanges()
+	}
 	return l, nil
 }
 
@@ -250,6 +256,10 @@ func within(off, n, size uint64) bool { return off <= size && n <= size-off }
 func (t *Transport) Put(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	return t.put(dst, dstOff, src, srcOff, size)
+}
+
+func (t *Transport) put(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64) error {
 	if src == nil {
 		return status.Errorf(status.InvalidArgument, "UCX put: no source range")
 	}
@@ -385,6 +395,10 @@ func (t *Transport) signalWord(dst transport.Remote, dstOff uint64) (*remote, *p
 func (t *Transport) Signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	return t.signal(dst, dstOff, value)
+}
+
+func (t *Transport) signal(dst transport.Remote, dstOff uint64, value uint64) error {
 	r, p, word, err := t.signalWord(dst, dstOff)
 	if err != nil {
 		return err

@@ -50,6 +50,11 @@ type Options struct {
 	// ranks share a host that P2PCOMM_LOCAL_SIZE split into nodes, which
 	// must reach each other the way separate hosts would.
 	SeparateHosts bool
+	// OneHost: every rank runs on this host, so UCX needs no network
+	// device but the loopback (unless UCX_NET_DEVICES says otherwise). Its
+	// endpoints then have a single lane, which lets a put with a signal
+	// travel as one message (PutWithSignal).
+	OneHost bool
 }
 
 // SeparateHostsTLS is UCX_TLS for ranks that must behave as separate hosts.
@@ -107,8 +112,9 @@ type Transport struct {
 	locals   map[*local]struct{}
 	remotes  map[*remote]struct{}
 	passMemh bool
-	stage    *staging       // nil unless some peer's device puts are staged
-	landing  unsafe.Pointer // the staging handler's bounds, freed after the worker
+	stage    *staging             // nil unless some peer's device puts are staged
+	landing  unsafe.Pointer       // the staging handler's bounds, freed after the worker
+	putsig   *C.p2p_putsig_target // the put-with-signal handler's bounds (nil: not landed here), freed after the worker
 	closed   bool
 }
 
@@ -119,6 +125,11 @@ type peer struct {
 	sums    map[uint64]uint64 // signal word address -> total this rank added
 	flushed []flushedSignal   // signals waiting for a flush of the endpoint, oldest first
 	err     error             // sticky: the endpoint failed or a wait on it timed out
+	// putsig: a put to the peer's host memory with a signal behind it may
+	// go as one active message (the peer lands them, and the endpoint has
+	// a single lane, so UCP keeps them in order with puts and fences).
+	putsig     bool
+	putsigSent uint64 // puts with signals sent as one message
 	// unordered: a put of device memory went to the peer through UCP
 	// itself (not staged) since the last flush; UCP may carry it on a lane
 	// of its own (cuda_ipc), which a weak fence does not order.
@@ -227,6 +238,9 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	if opts.SeparateHosts {
 		settings = append(settings[:len(settings):len(settings)], [2]string{"TLS", SeparateHostsTLS})
 	}
+	if opts.OneHost {
+		settings = append(settings[:len(settings):len(settings)], [2]string{"NET_DEVICES", "lo"})
+	}
 	for _, kv := range settings {
 		if _, set := os.LookupEnv("UCX_" + kv[0]); set {
 			continue
@@ -253,7 +267,10 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	if s := C.p2p_ucx_worker_address(f.workerQuery, t.worker, &addr, &addrLen); s != C.P2P_UCS_OK {
 		return t.ucsError(s, "query the worker's address")
 	}
-	mine := C.GoBytes(addr, C.int(addrLen))
+	// The first byte says whether this rank lands puts with signals sent
+	// as active messages (the rest is the worker's address).
+	lands := t.landPutSignals()
+	mine := append([]byte{b2byte(lands)}, C.GoBytes(addr, C.int(addrLen))...)
 	C.p2p_ucx_call_pp(f.workerReleaseAddress, t.worker, addr)
 	all, err := bs.AllGather(mine)
 	if err != nil {
@@ -264,10 +281,10 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 		if r == t.rank {
 			continue
 		}
-		if len(all[r]) == 0 {
+		if len(all[r]) < 2 {
 			return status.Errorf(status.Mismatch, "rank %d sent an empty worker address", r)
 		}
-		caddr := C.CBytes(all[r])
+		caddr := C.CBytes(all[r][1:])
 		s := C.p2p_ucx_ep_create(f.epCreate, t.worker, caddr, cErrMode, t.slot(r), &t.peers[r].ep)
 		C.free(caddr)
 		if s != C.P2P_UCS_OK {
@@ -280,6 +297,9 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	// flushing needs this rank's acknowledgements.
 	if err := t.flushAll("wire up"); err != nil {
 		return err
+	}
+	for r := range t.peers {
+		t.peers[r].putsig = r != t.rank && lands && all[r][0] == 1 && t.singleLane(r)
 	}
 	if err := t.openStaging(bs, opts); err != nil {
 		return err
@@ -703,6 +723,11 @@ func (t *Transport) Close() error {
 	if t.worker != nil {
 		C.p2p_ucx_call_p(f.workerDestroy, t.worker)
 		t.worker = nil
+	}
+	if t.putsig != nil {
+		C.free(unsafe.Pointer(t.putsig.ranges))
+		C.free(unsafe.Pointer(t.putsig))
+		t.putsig = nil
 	}
 	if t.landing != nil {
 		C.free(t.landing)

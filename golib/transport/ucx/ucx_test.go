@@ -183,6 +183,9 @@ func child(role string) int {
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // the defaults
 		}
 	}
+	if role == "putsig" {
+		opts.SeparateHosts, opts.OneHost = true, true // tcp over the loopback alone: one lane
+	}
 	tr, err := Open(bs, opts)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "open:", err)
@@ -201,6 +204,8 @@ func child(role string) int {
 		err = childHier(tr, bs, cfg.Timeout, transport.HostMemory)
 	case "stagedhier":
 		err = childHier(tr, bs, cfg.Timeout, transport.DeviceMemory)
+	case "putsig":
+		err = childPutSignal(tr, bs, cfg.Timeout)
 	case "inline":
 		err = childInline(tr, bs, cfg.Timeout, transport.HostMemory)
 	case "stagedinline":

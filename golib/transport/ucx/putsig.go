@@ -1,0 +1,151 @@
+package ucx
+
+/*
+#include <stdlib.h>
+#include "calls.h"
+*/
+import "C"
+
+import (
+	"strings"
+	"unsafe"
+
+	"github.com/p2pcomm/p2pcomm/golib/transport"
+)
+
+// A put into a peer's host memory with a signal behind it (a port
+// channel's putWithSignal, how kernels hand partials between nodes) is, as
+// Put then Signal, two messages: the data, then the signal word's total
+// behind a fence. Over tcp each is a send on the proxy's thread. Where the
+// endpoint has a single lane, both go as one active message whose handler
+// (calls.h) copies the data and then stores the total: one send. A single
+// lane keeps active messages in order with each other and, behind a
+// fence, with puts and signals before and after them, as the
+// two-message way relies on.
+
+// putSigMax bounds the data of a put with signal sent as one message: UCP
+// sends it eagerly (in fragments past the lane's segment) and the
+// receiver's handler copies it once more.
+const putSigMax = 64 << 10
+
+var _ transport.PutSignaler = (*Transport)(nil)
+
+// landPutSignals registers the handler that lands puts with signals and
+// reports whether it did.
+func (t *Transport) landPutSignals() bool {
+	f := &t.lib.fn
+	if f.workerSetAMRecvHandler == nil || f.amSendNbx == nil {
+		return false
+	}
+	t.putsig = (*C.p2p_putsig_target)(C.calloc(1, C.size_t(unsafe.Sizeof(C.p2p_putsig_target{}))))
+	if C.p2p_ucx_set_am_putsig(f.workerSetAMRecvHandler, t.worker, t.putsig) != C.P2P_UCS_OK {
+		C.free(unsafe.Pointer(t.putsig))
+		t.putsig = nil
+		return false
+	}
+	return true
+}
+
+// landRanges gives the handler this rank's registered host memory, the only
+// memory it writes. Called with t.mu held, as progress (where handlers
+// run) is.
+func (t *Transport) landRanges() {
+	if t.putsig == nil {
+		return
+	}
+	var pairs []uint64
+	for l := range t.locals {
+		if l.mem == transport.HostMemory && l.memh != nil {
+			pairs = append(pairs, uint64(l.addr), l.size)
+		}
+	}
+	rs := (*C.p2p_ranges)(C.calloc(1, C.size_t(8+8*len(pairs))))
+	rs.n = C.uint64_t(len(pairs) / 2)
+	copy(unsafe.Slice((*uint64)(unsafe.Add(unsafe.Pointer(rs), 8)), len(pairs)), pairs)
+	old := t.putsig.ranges
+	t.putsig.ranges = rs
+	C.free(unsafe.Pointer(old))
+}
+
+// singleLane reports whether every message to rank r takes one tcp lane.
+func (t *Transport) singleLane(r int) bool {
+	if t.lib.fn.epQuery == nil || t.peers[r].ep == nil {
+		return false
+	}
+	var buf [512]C.char
+	if C.p2p_ucx_ep_transports(t.lib.fn.epQuery, t.peers[r].ep, &buf[0], C.size_t(len(buf))) != C.P2P_UCS_OK {
+		return false
+	}
+	lanes := 0
+	for _, n := range strings.Split(strings.TrimSuffix(C.GoString(&buf[0]), ","), ",") {
+		switch {
+		case n == "cuda_copy" || n == "rocm_copy":
+			// copies between memory types, not a lane to the peer
+		case n == "tcp":
+			lanes++
+		default:
+			return false
+		}
+	}
+	return lanes == 1
+}
+
+// PutWithSignal is Put, then Signal of value at sem's word sOff, to the
+// same peer (transport.PutSignaler): one active message where it can be,
+// else the two calls.
+func (t *Transport) PutWithSignal(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
+	sem transport.Remote, semOff, value uint64) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r, l, err := t.putTarget(dst, dstOff, src, size)
+	if err != nil || l == nil || size == 0 || size > putSigMax || sem == nil || sem.Peer() != r.peer ||
+		!t.peers[r.peer].putsig || l.mem != transport.HostMemory || r.mem != transport.HostMemory ||
+		l.memh == nil || r.rkey == nil || !within(srcOff, size, l.size) || t.staged(r, l) {
+		if err := t.put(dst, dstOff, src, srcOff, size); err != nil {
+			return err
+		}
+		return t.signal(sem, semOff, value)
+	}
+	rs, p, word, err := t.signalWord(sem, semOff)
+	if err != nil {
+		return err
+	}
+	if t.stageSignal(rs.peer) || p.unordered || len(p.flushed) > 0 {
+		// Behind work that must land first by other means (see Signal).
+		if err := t.put(dst, dstOff, src, srcOff, size); err != nil {
+			return err
+		}
+		return t.signal(sem, semOff, value)
+	}
+	// Behind every earlier put to the peer, as Signal's total would be.
+	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
+		err := t.peerError(r.peer, "signal fence", s)
+		t.fail(r.peer, err)
+		return err
+	}
+	p.sums[word] += value
+	t.putDirect(r.peer)
+	h := (*C.p2p_putsig_header)(C.malloc(C.size_t(unsafe.Sizeof(C.p2p_putsig_header{}))))
+	h.dst, h.word, h.total = C.uint64_t(r.base+dstOff), C.uint64_t(word), C.uint64_t(p.sums[word])
+	var memh unsafe.Pointer
+	if t.passMemh {
+		memh = l.memh
+	}
+	var s C.int
+	req := C.p2p_ucx_am_putsig_send(t.lib.fn.amSendNbx, t.peers[r.peer].ep, unsafe.Pointer(h),
+		C.uint64_t(uint64(l.addr)+srcOff), C.size_t(size), memh, &s)
+	if s != C.P2P_UCS_INPROGRESS {
+		C.free(unsafe.Pointer(h))
+	}
+	if s == C.P2P_UCS_OK || s == C.P2P_UCS_INPROGRESS {
+		t.peers[r.peer].putsigSent++
+	}
+	return t.started(r.peer, "put with signal", op{req, unsafe.Pointer(h)}, s)
+}
+
+func b2byte(b bool) byte {
+	if b {
+		return 1
+	}
+	return 0
+}
