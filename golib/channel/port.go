@@ -653,16 +653,25 @@ func (r *router) Remote(int, []byte) (transport.Remote, error) {
 	return nil, status.Errorf(status.Internal, "remote through the router")
 }
 
-func (r *router) Put(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64) error {
+// source is the transport of dst's peer and src's registration with it.
+func (r *router) source(dst transport.Remote, src transport.Local) (transport.Transport, transport.Local, error) {
 	t, err := r.to(dst.Peer())
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	m, ok := src.(*multiLocal)
 	if !ok {
-		return status.Errorf(status.InvalidArgument, "put from a range the router did not register")
+		return nil, nil, status.Errorf(status.InvalidArgument, "put from a range the router did not register")
 	}
-	return t.Put(dst, dstOff, m.part(t), srcOff, size)
+	return t, m.part(t), nil
+}
+
+func (r *router) Put(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64) error {
+	t, l, err := r.source(dst, src)
+	if err != nil {
+		return err
+	}
+	return t.Put(dst, dstOff, l, srcOff, size)
 }
 
 // PutInline sends a kernel's inline put on its peer's transport, which
@@ -686,18 +695,14 @@ var _ transport.InlinePutter = (*router)(nil)
 // one call where that transport takes them so.
 func (r *router) PutWithSignal(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
 	sem transport.Remote, semOff, value uint64) error {
-	t, err := r.to(dst.Peer())
+	t, l, err := r.source(dst, src)
 	if err != nil {
 		return err
 	}
-	m, ok := src.(*multiLocal)
-	if !ok {
-		return status.Errorf(status.InvalidArgument, "put from a range the router did not register")
-	}
 	if ps, ok := t.(transport.PutSignaler); ok && sem.Peer() == dst.Peer() {
-		return ps.PutWithSignal(dst, dstOff, m.part(t), srcOff, size, sem, semOff, value)
+		return ps.PutWithSignal(dst, dstOff, l, srcOff, size, sem, semOff, value)
 	}
-	if err := t.Put(dst, dstOff, m.part(t), srcOff, size); err != nil {
+	if err := t.Put(dst, dstOff, l, srcOff, size); err != nil {
 		return err
 	}
 	return r.Signal(sem, semOff, value)

@@ -218,23 +218,28 @@ static int p2p_ucx_am_land(void* arg, const void* header, size_t header_length, 
 	return P2P_UCS_OK;
 }
 
-static inline int p2p_ucx_set_am_land(void* f, void* worker, p2p_landing* l) {
+// p2p_ucx_set_am sets the worker's handler of active messages id.
+static inline int p2p_ucx_set_am(void* f, void* worker, unsigned id, void* cb, void* arg) {
 	p2p_ucp_am_handler_param p;
 	memset(&p, 0, sizeof p);
 	p.field_mask = P2P_UCP_AM_HANDLER_PARAM_FIELD_ID | P2P_UCP_AM_HANDLER_PARAM_FIELD_CB |
 			P2P_UCP_AM_HANDLER_PARAM_FIELD_ARG;
-	p.id = P2P_AM_LAND;
-	p.cb = (void*)p2p_ucx_am_land;
-	p.arg = l;
+	p.id = id;
+	p.cb = cb;
+	p.arg = arg;
 	return ((int (*)(void*, const p2p_ucp_am_handler_param*))f)(worker, &p);
 }
 
-// p2p_ucx_am_land_send sends an entry of length bytes at buffer to the
-// landing slot whose address is the 8 bytes at addr; both live until the
+static inline int p2p_ucx_set_am_land(void* f, void* worker, p2p_landing* l) {
+	return p2p_ucx_set_am(f, worker, P2P_AM_LAND, (void*)p2p_ucx_am_land, l);
+}
+
+// p2p_ucx_am_send sends active message id, eagerly: header_length bytes at
+// header, then length bytes of host memory at buffer; both live until the
 // request completes (UCP may send later, e.g. while the endpoint connects,
 // and older UCP cannot copy the header).
-static inline void* p2p_ucx_am_land_send(void* f, void* ep, uint64_t addr, uint64_t buffer, size_t length,
-		void* memh, int* status) {
+static inline void* p2p_ucx_am_send(void* f, void* ep, unsigned id, const void* header, size_t header_length,
+		uint64_t buffer, size_t length, void* memh, int* status) {
 	p2p_ucp_request_param p;
 	memset(&p, 0, sizeof p);
 	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_FLAGS | P2P_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
@@ -245,8 +250,16 @@ static inline void* p2p_ucx_am_land_send(void* f, void* ep, uint64_t addr, uint6
 		p.memh = memh;
 	}
 	return p2p_ucx_split(((void* (*)(void*, unsigned, const void*, size_t, const void*, size_t,
-			const p2p_ucp_request_param*))f)(ep, P2P_AM_LAND, (const void*)(uintptr_t)addr, sizeof(uint64_t),
-			(const void*)(uintptr_t)buffer, length, &p), status);
+			const p2p_ucp_request_param*))f)(ep, id, header, header_length, (const void*)(uintptr_t)buffer, length, &p),
+			status);
+}
+
+// p2p_ucx_am_land_send sends an entry of length bytes at buffer to the
+// landing slot whose address is the 8 bytes at addr.
+static inline void* p2p_ucx_am_land_send(void* f, void* ep, uint64_t addr, uint64_t buffer, size_t length,
+		void* memh, int* status) {
+	return p2p_ucx_am_send(f, ep, P2P_AM_LAND, (const void*)(uintptr_t)addr, sizeof(uint64_t), buffer, length, memh,
+			status);
 }
 
 // A put to host memory with the signal behind it travels as one active
@@ -302,30 +315,12 @@ static int p2p_ucx_am_putsig(void* arg, const void* header, size_t header_length
 }
 
 static inline int p2p_ucx_set_am_putsig(void* f, void* worker, p2p_putsig_target* t) {
-	p2p_ucp_am_handler_param p;
-	memset(&p, 0, sizeof p);
-	p.field_mask = P2P_UCP_AM_HANDLER_PARAM_FIELD_ID | P2P_UCP_AM_HANDLER_PARAM_FIELD_CB |
-			P2P_UCP_AM_HANDLER_PARAM_FIELD_ARG;
-	p.id = P2P_AM_PUTSIG;
-	p.cb = (void*)p2p_ucx_am_putsig;
-	p.arg = t;
-	return ((int (*)(void*, const p2p_ucp_am_handler_param*))f)(worker, &p);
+	return p2p_ucx_set_am(f, worker, P2P_AM_PUTSIG, (void*)p2p_ucx_am_putsig, t);
 }
 
 // p2p_ucx_am_putsig_send sends length bytes at src under the header at
 // header (C memory); both live until the request completes.
-static inline void* p2p_ucx_am_putsig_send(void* f, void* ep, void* header, uint64_t src, size_t length,
-		void* memh, int* status) {
-	p2p_ucp_request_param p;
-	memset(&p, 0, sizeof p);
-	p.op_attr_mask = P2P_UCP_OP_ATTR_FIELD_FLAGS | P2P_UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-	p.flags = P2P_UCP_AM_SEND_FLAG_EAGER;
-	p.memory_type = P2P_UCS_MEMORY_TYPE_HOST;
-	if (memh != NULL) {
-		p.op_attr_mask |= P2P_UCP_OP_ATTR_FIELD_MEMH;
-		p.memh = memh;
-	}
-	return p2p_ucx_split(((void* (*)(void*, unsigned, const void*, size_t, const void*, size_t,
-			const p2p_ucp_request_param*))f)(ep, P2P_AM_PUTSIG, header, sizeof(p2p_putsig_header),
-			(const void*)(uintptr_t)src, length, &p), status);
+static inline void* p2p_ucx_am_putsig_send(void* f, void* ep, void* header, uint64_t src, size_t length, void* memh,
+		int* status) {
+	return p2p_ucx_am_send(f, ep, P2P_AM_PUTSIG, header, sizeof(p2p_putsig_header), src, length, memh, status);
 }

@@ -417,9 +417,7 @@ func (t *Transport) signal(dst transport.Remote, dstOff uint64, value uint64) er
 		p.sums[word] += value
 		return t.signalAfterFlush(r, p, word)
 	}
-	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
-		err := t.peerError(r.peer, "signal fence", s)
-		t.fail(r.peer, err)
+	if err := t.fence(r.peer); err != nil {
 		return err
 	}
 	p.sums[word] += value
@@ -428,4 +426,15 @@ func (t *Transport) signal(dst transport.Remote, dstOff uint64, value uint64) er
 	total := C.malloc(8)
 	*(*uint64)(total) = p.sums[word]
 	return t.putC(r.peer, "signal", total, word, 8, r.rkey)
+}
+
+// fence orders what goes to peer next behind everything before it; a
+// failure fails the peer.
+func (t *Transport) fence(peer int) error {
+	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
+		err := t.peerError(peer, "signal fence", s)
+		t.fail(peer, err)
+		return err
+	}
+	return nil
 }

@@ -68,16 +68,10 @@ func (t *Transport) landRanges() {
 }
 
 // singleLane reports whether every message to rank r takes one tcp lane.
+// An older UCP that names no transports of an endpoint (1.13) gets false.
 func (t *Transport) singleLane(r int) bool {
-	if t.lib.fn.epQuery == nil || t.peers[r].ep == nil {
-		return false
-	}
-	var buf [512]C.char
-	if C.p2p_ucx_ep_transports(t.lib.fn.epQuery, t.peers[r].ep, &buf[0], C.size_t(len(buf))) != C.P2P_UCS_OK {
-		return false
-	}
 	lanes := 0
-	for _, n := range strings.Split(strings.TrimSuffix(C.GoString(&buf[0]), ","), ",") {
+	for _, n := range t.laneNames(r) {
 		switch {
 		case n == "cuda_copy" || n == "rocm_copy":
 			// copies between memory types, not a lane to the peer
@@ -88,6 +82,23 @@ func (t *Transport) singleLane(r int) bool {
 		}
 	}
 	return lanes == 1
+}
+
+// laneNames are the transports of the endpoint to rank r, as UCP reports
+// them (none where it cannot).
+func (t *Transport) laneNames(r int) []string {
+	if t.lib.fn.epQuery == nil || t.peers[r].ep == nil {
+		return nil
+	}
+	var buf [512]C.char
+	if C.p2p_ucx_ep_transports(t.lib.fn.epQuery, t.peers[r].ep, &buf[0], C.size_t(len(buf))) != C.P2P_UCS_OK {
+		return nil
+	}
+	names := strings.TrimSuffix(C.GoString(&buf[0]), ",")
+	if names == "" {
+		return nil
+	}
+	return strings.Split(names, ",")
 }
 
 // PutWithSignal is Put, then Signal of value at sem's word sOff, to the
@@ -118,9 +129,7 @@ func (t *Transport) PutWithSignal(dst transport.Remote, dstOff uint64, src trans
 		return t.signal(sem, semOff, value)
 	}
 	// Behind every earlier put to the peer, as Signal's total would be.
-	if s := C.p2p_ucx_status_p(t.lib.fn.workerFence, t.worker); s != C.P2P_UCS_OK {
-		err := t.peerError(r.peer, "signal fence", s)
-		t.fail(r.peer, err)
+	if err := t.fence(r.peer); err != nil {
 		return err
 	}
 	p.sums[word] += value
