@@ -101,7 +101,7 @@ func (t *Transport) laneNames(r int) []string {
 	return strings.Split(names, ",")
 }
 
-// PutWithSignal is Put, then Signal of value at sem's word sOff, to the
+// PutWithSignal is Put, then Signal of value to the word at semOff of sem, to the
 // same peer (transport.PutSignaler): one active message where it can be,
 // else the two calls.
 func (t *Transport) PutWithSignal(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
