@@ -254,13 +254,23 @@ func (n *network) close() error {
 }
 
 // put sends bytes of this rank's range src at off to node m's rank, at the
-// same offset of dst, then signals word kind there.
+// same offset of dst, then signals word kind there: as one message where
+// UCX can (PutWithSignal), except a done, which waits for what it covers.
 func (c *Comm) put(m int, dst transport.Remote, dstOff uint64, src transport.Local, srcOff, bytes uint64, kind int, what string) error {
 	n := c.net
-	if err := n.t.Put(dst, dstOff, src, srcOff, bytes); err != nil {
+	var err error
+	if kind == wordDone {
+		err = n.t.Put(dst, dstOff, src, srcOff, bytes)
+	} else {
+		err = n.t.PutWithSignal(dst, dstOff, src, srcOff, bytes, n.regionR[m], n.lay.word(c.rank, kind), 1)
+	}
+	if err != nil {
 		return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its %s: %v", what, err), true)
 	}
-	return c.signal(m, kind, what)
+	if kind == wordDone {
+		return c.signal(m, kind, what)
+	}
+	return nil
 }
 
 // signal adds one to word kind of this rank's in group rank m. A header's,
