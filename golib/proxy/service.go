@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/trace"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
 
@@ -261,13 +262,13 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 		idle = 0
 		if s.Err() == nil {
 			op := Decode(t)
-			traceAdd(traceEvent{what: 'p', fifo: f.id, pos: pos, op: op})
+			traceOp('p', f, pos, op)
 			if err := s.run(f, op, pos); err != nil {
 				s.fail(err)
 				continue
 			}
 			atomic.StoreUint64(&f.hw.Done, pos+1)
-			traceAdd(traceEvent{what: 'd', fifo: f.id, pos: pos, op: op})
+			traceOp('d', f, pos, op)
 		}
 		last = time.Now()
 	}
@@ -345,8 +346,8 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 				return err
 			}
 			ch.unflushed.Store(true)
-			traceAdd(traceEvent{what: 'u', fifo: f.id, pos: pos, op: op})
-			traceAdd(traceEvent{what: 's', fifo: f.id, pos: pos, op: op})
+			traceOp('u', f, pos, op)
+			traceOp('s', f, pos, op)
 			op.Type &^= TriggerPut | TriggerSignal
 		}
 	}
@@ -357,7 +358,7 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 		if op.Size > 0 {
 			ch.unflushed.Store(true) // once the put is under way, so that a flush after this sees it
 		}
-		traceAdd(traceEvent{what: 'u', fifo: f.id, pos: pos, op: op})
+		traceOp('u', f, pos, op)
 	}
 	if op.Type&TriggerSignal != 0 {
 		if ch.sem == nil {
@@ -367,7 +368,7 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 			return fmt.Errorf("proxy: %s: %s signal: %w", where(), s.tr.Name(), err)
 		}
 		ch.unflushed.Store(true)
-		traceAdd(traceEvent{what: 's', fifo: f.id, pos: pos, op: op})
+		traceOp('s', f, pos, op)
 	}
 	if op.Type&TriggerFlush != 0 && ch.unflushed.Swap(false) {
 		if err := s.tr.Flush(ch.peer); err != nil {
@@ -499,6 +500,6 @@ func (s *Service) Close() error {
 				"proxy: close: FIFO %d's proxy did not stop within %v (stuck in a %s call)", f.id, s.timeout, s.tr.Name()))
 		}
 	}
-	_ = traceWrite() // a diagnostic: a prefix that cannot be written does not fail Close
+	_ = trace.Write() // a diagnostic: a prefix that cannot be written does not fail Close
 	return errors.Join(errs...)
 }

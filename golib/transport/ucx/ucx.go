@@ -20,6 +20,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/trace"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
 
@@ -625,6 +626,9 @@ func (t *Transport) Progress() (bool, error) {
 		return false, status.Errorf(status.State, "UCX progress: transport closed")
 	}
 	active := C.p2p_ucx_progress(t.lib.fn.workerProgress, t.worker) != 0
+	if active && trace.On() {
+		trace.Mark("ucx progressed") // something arrived or completed
+	}
 	for r := range t.peers {
 		if t.peers[r].err != nil {
 			continue
