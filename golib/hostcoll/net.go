@@ -254,37 +254,13 @@ func (n *network) close() error {
 }
 
 // put sends bytes of this rank's range src at off to node m's rank, at the
-// same offset of dst, then signals word kind there: as one message where
-// UCX can (PutWithSignal), except a done, which waits for what it covers.
+// same offset of dst, then signals word kind there (a header's, partials' or
+// results'): one message where UCX can (PutWithSignal), else a signal that
+// follows its data on the endpoint behind a weak fence (tcp keeps an
+// endpoint's puts in order), so several chunks can be in flight.
 func (c *Comm) put(m int, dst transport.Remote, dstOff uint64, src transport.Local, srcOff, bytes uint64, kind int, what string) error {
 	n := c.net
-	var err error
-	if kind == wordDone {
-		err = n.t.Put(dst, dstOff, src, srcOff, bytes)
-	} else {
-		err = n.t.PutWithSignal(dst, dstOff, src, srcOff, bytes, n.regionR[m], n.lay.word(c.rank, kind), 1)
-	}
-	if err != nil {
-		return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its %s: %v", what, err), true)
-	}
-	if kind == wordDone {
-		return c.signal(m, kind, what)
-	}
-	return nil
-}
-
-// signal adds one to word kind of this rank's in group rank m. A header's,
-// partials' or results' signal follows its data on the endpoint (a weak
-// fence: tcp keeps an endpoint's puts in order), so several chunks can be
-// in flight; a done goes out only once everything before it has landed
-// (SignalFlushed), which is what lets its receiver reuse or free buffers.
-func (c *Comm) signal(m, kind int, what string) error {
-	n := c.net
-	send := n.t.Signal
-	if kind == wordDone {
-		send = n.t.SignalFlushed
-	}
-	if err := send(n.regionR[m], n.lay.word(c.rank, kind), 1); err != nil {
+	if err := n.t.PutWithSignal(dst, dstOff, src, srcOff, bytes, n.regionR[m], n.lay.word(c.rank, kind), 1); err != nil {
 		return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its %s: %v", what, err), true)
 	}
 	return nil

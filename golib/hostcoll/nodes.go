@@ -178,8 +178,8 @@ func (c *Comm) sendDone(seq uint64) error {
 	n := c.net
 	for m := range n.group {
 		if m != n.node {
-			if err := c.signal(m, wordDone, fmt.Sprintf("end of call #%d", seq)); err != nil {
-				return err
+			if err := n.t.SignalFlushed(n.regionR[m], n.lay.word(c.rank, wordDone), 1); err != nil {
+				return c.netFailure(n.group[m], fmt.Sprintf("could not be sent its end of call #%d: %v", seq, err), true)
 			}
 		}
 	}

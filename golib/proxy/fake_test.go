@@ -134,3 +134,16 @@ func (c *countingTransport) Signal(transport.Remote, uint64, uint64) error { ret
 func (c *countingTransport) Flush(int) error                               { return nil }
 func (c *countingTransport) Progress() (bool, error)                       { return false, nil }
 func (c *countingTransport) Close() error                                  { return nil }
+
+// putSignalTransport is a fakeTransport that also takes a put and its
+// signal as one call, recorded as "putsignal".
+type putSignalTransport struct{ fakeTransport }
+
+func (f *putSignalTransport) PutWithSignal(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
+	sem transport.Remote, semOff, value uint64) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d, s := dst.(*fakeMem), src.(*fakeMem)
+	f.calls = append(f.calls, &call{kind: "putsignal", peer: d.peer, dst: d, src: s, dstOff: dstOff, srcOff: srcOff, size: size})
+	return nil
+}

@@ -340,19 +340,10 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 	ch := t.channels[op.Channel]
 	s.lockTransport()
 	defer s.unlockTransport()
-	if op.Type&(TriggerPut|TriggerSignal) == TriggerPut|TriggerSignal && op.Size > 0 && op.SrcMemory != InlineMemory {
-		if ps, ok := s.tr.(transport.PutSignaler); ok && ch.sem != nil {
-			if err := s.putWithSignal(ps, op, t, ch, where); err != nil {
-				return err
-			}
-			ch.unflushed.Store(true)
-			traceOp('u', f, pos, op)
-			traceOp('s', f, pos, op)
-			op.Type &^= TriggerPut | TriggerSignal
-		}
-	}
+	signalled := false // the put took the signal along
 	if op.Type&TriggerPut != 0 {
-		if err := s.put(f, op, t, where); err != nil {
+		var err error
+		if signalled, err = s.put(f, op, t, ch, where); err != nil {
 			return err
 		}
 		if op.Size > 0 {
@@ -364,8 +355,10 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 		if ch.sem == nil {
 			return status.Errorf(status.InvalidArgument, "proxy: %s: the channel has no semaphore", where())
 		}
-		if err := s.tr.Signal(ch.sem, ch.semOff, 1); err != nil {
-			return fmt.Errorf("proxy: %s: %s signal: %w", where(), s.tr.Name(), err)
+		if !signalled {
+			if err := s.tr.Signal(ch.sem, ch.semOff, 1); err != nil {
+				return fmt.Errorf("proxy: %s: %s signal: %w", where(), s.tr.Name(), err)
+			}
 		}
 		ch.unflushed.Store(true)
 		traceOp('s', f, pos, op)
@@ -378,62 +371,51 @@ func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 	return nil
 }
 
-// putWithSignal runs a trigger's put from registered local memory and the
-// signal behind it as one transport call.
-func (s *Service) putWithSignal(ps transport.PutSignaler, op Op, t *tables, ch channel, where func() string) error {
-	if int(op.DstMemory) >= len(t.remotes) || int(op.SrcMemory) >= len(t.locals) {
-		return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
-	}
-	dst, src := t.remotes[op.DstMemory], t.locals[op.SrcMemory]
-	if op.DstOffset+op.Size > dst.Size() {
-		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
-	}
-	if op.SrcOffset+op.Size > src.Size() {
-		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (source %d bytes)", where(), src.Size())
-	}
-	if err := ps.PutWithSignal(dst, op.DstOffset, src, op.SrcOffset, op.Size, ch.sem, ch.semOff, 1); err != nil {
-		return fmt.Errorf("proxy: %s: %s put with signal: %w", where(), s.tr.Name(), err)
-	}
-	return nil
-}
-
 // put runs a trigger's put: from a registered local memory, or the bytes an
-// inline put carried (popped into f.payload).
-func (s *Service) put(f *FIFO, op Op, t *tables, where func() string) error {
+// inline put carried (popped into f.payload). A put from registered memory
+// with a signal behind it goes as one transport call where the transport
+// takes them so (transport.PutSignaler); signalled says it did.
+func (s *Service) put(f *FIFO, op Op, t *tables, ch channel, where func() string) (signalled bool, err error) {
 	inline := op.SrcMemory == InlineMemory
 	if int(op.DstMemory) >= len(t.remotes) || (!inline && int(op.SrcMemory) >= len(t.locals)) {
-		return status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
+		return false, status.Errorf(status.InvalidArgument, "proxy: %s: memory not registered", where())
 	}
 	dst := t.remotes[op.DstMemory]
 	if op.DstOffset+op.Size > dst.Size() {
-		return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
+		return false, status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (destination %d bytes)", where(), dst.Size())
 	}
 	if !inline {
 		src := t.locals[op.SrcMemory]
 		if op.SrcOffset+op.Size > src.Size() {
-			return status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (source %d bytes)", where(), src.Size())
+			return false, status.Errorf(status.InvalidArgument, "proxy: %s: out of bounds (source %d bytes)", where(), src.Size())
 		}
 		if op.Size == 0 {
-			return nil
+			return false, nil
+		}
+		if ps, ok := s.tr.(transport.PutSignaler); ok && op.Type&TriggerSignal != 0 && ch.sem != nil {
+			if err := ps.PutWithSignal(dst, op.DstOffset, src, op.SrcOffset, op.Size, ch.sem, ch.semOff, 1); err != nil {
+				return false, fmt.Errorf("proxy: %s: %s put with signal: %w", where(), s.tr.Name(), err)
+			}
+			return true, nil
 		}
 		if err := s.tr.Put(dst, op.DstOffset, src, op.SrcOffset, op.Size); err != nil {
-			return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
+			return false, fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
 		}
-		return nil
+		return false, nil
 	}
 	ip, ok := s.tr.(transport.InlinePutter)
 	switch {
 	case !ok:
-		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put, which %s does not take", where(), s.tr.Name())
+		return false, status.Errorf(status.InvalidArgument, "proxy: %s: an inline put, which %s does not take", where(), s.tr.Name())
 	case op.Size > InlineBytes:
-		return status.Errorf(status.InvalidArgument, "proxy: %s: an inline put of more than %d bytes", where(), InlineBytes)
+		return false, status.Errorf(status.InvalidArgument, "proxy: %s: an inline put of more than %d bytes", where(), InlineBytes)
 	case op.Size == 0:
-		return nil
+		return false, nil
 	}
 	if err := ip.PutInline(dst, op.DstOffset, f.payload[:op.Size]); err != nil {
-		return fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
+		return false, fmt.Errorf("proxy: %s: %s put: %w", where(), s.tr.Name(), err)
 	}
-	return nil
+	return false, nil
 }
 
 // describe names a trigger for errors: its kind, channel and peer.

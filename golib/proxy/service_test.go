@@ -509,3 +509,45 @@ func TestFlushAsksTransportOnlyAfterWork(t *testing.T) {
 		}
 	}
 }
+
+// TestPutWithSignalIsOneCall: on a transport that takes a put and its
+// signal together, a putWithSignal trigger is one such call with the put's
+// ranges; a put alone, a signal alone, an empty put with a signal and an
+// inline put keep their own calls.
+func TestPutWithSignalIsOneCall(t *testing.T) {
+	tr := &putSignalTransport{}
+	s := newService(t, tr, Options{Timeout: 10 * time.Second})
+	defer s.Close()
+	id := mustID(t)
+	src := id(s.AddLocal(&fakeMem{size: 1 << 20}))
+	dst := id(s.AddRemote(&fakeMem{peer: 1, size: 1 << 20}))
+	ch := id(s.AddChannel(1, &fakeMem{peer: 1, size: 1 << 20}, 0))
+	f, err := s.NewFIFO()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ops := []Op{
+		{Type: TriggerPut | TriggerSignal, Channel: ch, DstMemory: dst, SrcMemory: src, DstOffset: 64, SrcOffset: 128, Size: 4112},
+		{Type: TriggerPut, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 8},
+		{Type: TriggerSignal, Channel: ch},
+		{Type: TriggerPut | TriggerSignal, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 0},
+	}
+	for _, op := range ops {
+		if _, err := f.Push(op); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.Flush(ch); err != nil {
+		t.Fatal(err)
+	}
+	var kinds []string
+	for _, c := range tr.snapshot() {
+		kinds = append(kinds, c.kind)
+		if c.kind == "putsignal" && (c.dstOff != 64 || c.srcOff != 128 || c.size != 4112) {
+			t.Errorf("put with signal of %d bytes from %d to %d, want 4112 from 128 to 64", c.size, c.srcOff, c.dstOff)
+		}
+	}
+	if want := "putsignal put signal signal flush"; strings.Join(kinds, " ") != want {
+		t.Fatalf("transport calls %q, want %q", strings.Join(kinds, " "), want)
+	}
+}

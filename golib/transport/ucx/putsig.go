@@ -101,28 +101,15 @@ func (t *Transport) laneNames(r int) []string {
 	return strings.Split(names, ",")
 }
 
-// PutWithSignal is Put, then Signal of value to the word at semOff of sem, to the
-// same peer (transport.PutSignaler): one active message where it can be,
+// PutWithSignal is Put, then Signal of value to the word at semOff of sem, to
+// the same peer (transport.PutSignaler): one active message where it can be,
 // else the two calls.
 func (t *Transport) PutWithSignal(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
 	sem transport.Remote, semOff, value uint64) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	r, l, err := t.putTarget(dst, dstOff, src, size)
-	if err != nil || l == nil || size == 0 || size > putSigMax || sem == nil || sem.Peer() != r.peer ||
-		!t.peers[r.peer].putsig || l.mem != transport.HostMemory || r.mem != transport.HostMemory ||
-		l.memh == nil || r.rkey == nil || !within(srcOff, size, l.size) || t.staged(r, l) {
-		if err := t.put(dst, dstOff, src, srcOff, size); err != nil {
-			return err
-		}
-		return t.signal(sem, semOff, value)
-	}
-	rs, p, word, err := t.signalWord(sem, semOff)
-	if err != nil {
-		return err
-	}
-	if t.stageSignal(rs.peer) || p.unordered || len(p.flushed) > 0 {
-		// Behind work that must land first by other means (see Signal).
+	r, l, word, ok := t.oneMessage(dst, dstOff, src, srcOff, size, sem, semOff)
+	if !ok {
 		if err := t.put(dst, dstOff, src, srcOff, size); err != nil {
 			return err
 		}
@@ -132,6 +119,7 @@ func (t *Transport) PutWithSignal(dst transport.Remote, dstOff uint64, src trans
 	if err := t.fence(r.peer); err != nil {
 		return err
 	}
+	p := &t.peers[r.peer]
 	p.sums[word] += value
 	t.putDirect(r.peer)
 	h := (*C.p2p_putsig_header)(C.malloc(C.size_t(unsafe.Sizeof(C.p2p_putsig_header{}))))
@@ -141,15 +129,35 @@ func (t *Transport) PutWithSignal(dst transport.Remote, dstOff uint64, src trans
 		memh = l.memh
 	}
 	var s C.int
-	req := C.p2p_ucx_am_putsig_send(t.lib.fn.amSendNbx, t.peers[r.peer].ep, unsafe.Pointer(h),
+	req := C.p2p_ucx_am_putsig_send(t.lib.fn.amSendNbx, p.ep, unsafe.Pointer(h),
 		C.uint64_t(uint64(l.addr)+srcOff), C.size_t(size), memh, &s)
 	if s != C.P2P_UCS_INPROGRESS {
 		C.free(unsafe.Pointer(h))
 	}
 	if s == C.P2P_UCS_OK || s == C.P2P_UCS_INPROGRESS {
-		t.peers[r.peer].putsigSent++
+		p.putsigSent++
 	}
 	return t.started(r.peer, "put with signal", op{req, unsafe.Pointer(h)}, s)
+}
+
+// oneMessage reports whether a put with its signal may go as one message,
+// with the put's ranges and the word's address: host memory on both sides,
+// valid ranges (else the two calls report the error), one peer that lands
+// them over a single lane, and nothing before it that must land by other
+// means (see Signal).
+func (t *Transport) oneMessage(dst transport.Remote, dstOff uint64, src transport.Local, srcOff, size uint64,
+	sem transport.Remote, semOff uint64) (*remote, *local, uint64, bool) {
+	r, l, err := t.putTarget(dst, dstOff, src, size)
+	if err != nil || l == nil || size == 0 || size > putSigMax || sem == nil || sem.Peer() != r.peer ||
+		!t.peers[r.peer].putsig || l.mem != transport.HostMemory || r.mem != transport.HostMemory ||
+		l.memh == nil || r.rkey == nil || !within(srcOff, size, l.size) || t.staged(r, l) {
+		return nil, nil, 0, false
+	}
+	_, p, word, err := t.signalWord(sem, semOff)
+	if err != nil || t.stageSignal(r.peer) || p.unordered || len(p.flushed) > 0 {
+		return nil, nil, 0, false
+	}
+	return r, l, word, true
 }
 
 func b2byte(b bool) byte {
