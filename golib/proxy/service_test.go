@@ -465,16 +465,8 @@ func TestIdleProxyDozes(t *testing.T) {
 // and only then.
 func TestFlushAsksTransportOnlyAfterWork(t *testing.T) {
 	tr := &fakeTransport{}
-	s := newService(t, tr, Options{Timeout: 10 * time.Second})
+	s, f, src, dst, ch := peerChannel(t, tr)
 	defer s.Close()
-	id := mustID(t)
-	src := id(s.AddLocal(&fakeMem{size: 1 << 20}))
-	dst := id(s.AddRemote(&fakeMem{peer: 1, size: 1 << 20}))
-	ch := id(s.AddChannel(1, &fakeMem{peer: 1, size: 1 << 20}, 0))
-	f, err := s.NewFIFO()
-	if err != nil {
-		t.Fatal(err)
-	}
 	flushes := func() (n int) {
 		for _, c := range tr.snapshot() {
 			if c.kind == "flush" {
@@ -516,16 +508,8 @@ func TestFlushAsksTransportOnlyAfterWork(t *testing.T) {
 // inline put keep their own calls.
 func TestPutWithSignalIsOneCall(t *testing.T) {
 	tr := &putSignalTransport{}
-	s := newService(t, tr, Options{Timeout: 10 * time.Second})
+	s, f, src, dst, ch := peerChannel(t, tr)
 	defer s.Close()
-	id := mustID(t)
-	src := id(s.AddLocal(&fakeMem{size: 1 << 20}))
-	dst := id(s.AddRemote(&fakeMem{peer: 1, size: 1 << 20}))
-	ch := id(s.AddChannel(1, &fakeMem{peer: 1, size: 1 << 20}, 0))
-	f, err := s.NewFIFO()
-	if err != nil {
-		t.Fatal(err)
-	}
 	ops := []Op{
 		{Type: TriggerPut | TriggerSignal, Channel: ch, DstMemory: dst, SrcMemory: src, DstOffset: 64, SrcOffset: 128, Size: 4112},
 		{Type: TriggerPut, Channel: ch, DstMemory: dst, SrcMemory: src, Size: 8},
@@ -550,4 +534,21 @@ func TestPutWithSignalIsOneCall(t *testing.T) {
 	if want := "putsignal put signal signal flush"; strings.Join(kinds, " ") != want {
 		t.Fatalf("transport calls %q, want %q", strings.Join(kinds, " "), want)
 	}
+}
+
+// peerChannel is a Service over tr with one FIFO and a channel to peer 1
+// with a semaphore, and the ids of a 1 MiB source and destination.
+func peerChannel(t *testing.T, tr transport.Transport) (s *Service, f *FIFO, src, dst, ch uint32) {
+	t.Helper()
+	s = newService(t, tr, Options{Timeout: 10 * time.Second})
+	id := mustID(t)
+	src = id(s.AddLocal(&fakeMem{size: 1 << 20}))
+	dst = id(s.AddRemote(&fakeMem{peer: 1, size: 1 << 20}))
+	ch = id(s.AddChannel(1, &fakeMem{peer: 1, size: 1 << 20}, 0))
+	f, err := s.NewFIFO()
+	if err != nil {
+		s.Close()
+		t.Fatal(err)
+	}
+	return s, f, src, dst, ch
 }
