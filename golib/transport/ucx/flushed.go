@@ -83,6 +83,7 @@ func (t *Transport) pumpFlushed(r int) error {
 				return err
 			}
 		}
+		t.putDirect(r) // as Signal's own put
 		// The total travels from C memory of its own, freed when the put
 		// completes.
 		total := C.malloc(8)

@@ -110,6 +110,33 @@ func fencedBehindDirectPut(tr *Transport, j *job, me, peer int) error {
 				return fmt.Errorf("entry %d after a direct put: %d sent as active messages, want %d", k, got, want)
 			}
 		}
+		// A signal with nothing staged owed is a direct put too: an entry
+		// behind it with a larger total for the same word must not land
+		// first, or the put would take the word back.
+		if err := tr.Flush(peer); err != nil {
+			return err
+		}
+		if tr.stageSignal(peer) {
+			return fmt.Errorf("a signal after a flush would travel through the ring")
+		}
+		if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+			return err
+		}
+		before := st.amSent
+		if err := tr.PutInline(j.rdst[peer], 0, []byte{4, 5, 6}); err != nil {
+			return err
+		}
+		if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+			return err
+		}
+		for len(st.queue) > 0 {
+			if _, err := tr.Progress(); err != nil {
+				return err
+			}
+		}
+		if got := st.amSent - before; got != 0 {
+			return fmt.Errorf("the entry after a direct signal: %d sent as active messages, want 0", got)
+		}
 		return nil
 	}
 	if err := j.await(signalWord(peer), 101, "the signal behind the direct put"); err != nil {
@@ -118,5 +145,14 @@ func fencedBehindDirectPut(tr *Transport, j *job, me, peer int) error {
 	if got := j.load(uint64(16*peer + 8)); got != value {
 		return fmt.Errorf("the direct put's word is %#x once the signal behind it came, want %#x", got, value)
 	}
-	return j.await(signalWord(peer), 102, "the next signal")
+	if err := j.await(signalWord(peer), 102, "the next signal"); err != nil {
+		return err
+	}
+	if err := j.await(signalWord(peer), 104, "the signal of the entry behind a direct signal"); err != nil {
+		return err
+	}
+	if got := j.dst[peer*slotSize : peer*slotSize+3]; !bytes.Equal(got, []byte{4, 5, 6}) {
+		return fmt.Errorf("the entry behind a direct signal: got %x, want 040506", got)
+	}
+	return nil
 }

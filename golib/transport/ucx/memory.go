@@ -420,6 +420,10 @@ func (t *Transport) signal(dst transport.Remote, dstOff uint64, value uint64) er
 	if err := t.fence(r.peer); err != nil {
 		return err
 	}
+	// A later ring entry's total must not land before this one: over
+	// another lane (an active message) it could, and this put would then
+	// take the word back.
+	t.putDirect(r.peer)
 	p.sums[word] += value
 	// The total travels from C memory of its own, freed when the put
 	// completes, so a later Signal cannot change what an earlier one sends.
