@@ -170,7 +170,11 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration, top *topo
 	if err != nil {
 		return nil, err
 	}
-	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks),
+	rails, err := cfg.int64Env(gpucoll.NetRailsEnv, 0)
+	if err != nil {
+		return nil, err
+	}
+	opts := gpucoll.Options{Timeout: timeout, StagingBytes: staging, MaxBlocks: int(maxBlocks), NetRails: int(rails),
 		NVRTCOptions: strings.Fields(cfg.Env["P2PCOMM_NVRTC_OPTIONS"]), ShareGPUs: cfg.Env["P2PCOMM_SHARE_GPUS"] == "1",
 		Topology: top}
 	if name, ok := cfg.Lookup("P2PCOMM_ALGO"); ok && name != "" {

@@ -28,7 +28,6 @@ const (
 	hierBlocks    = 8         // kHierBlocks: the grid, and one port channel set per block
 	hierRing      = 2         // kHierRing: chunks in flight per block and peer
 	hierSlotBytes = 256 << 10 // a ring slot: one chunk of partials in the accumulator type
-	hierRails     = 2         // proxies (and UCX workers) per rank; blocks split evenly among them
 	hierFile      = "allreduce_hier.cu"
 	// kHierExchangeSlotBytes: a slot of the exchange area, where the
 	// partials of calls that skip the results' trip go, by call parity.
@@ -37,6 +36,52 @@ const (
 	// of the C ABI).
 	hierAlgo = collective.Algorithm(-2)
 )
+
+// NetRailsEnv sets Options.NetRails.
+const NetRailsEnv = "P2PCOMM_NET_RAILS"
+
+// DefaultNetRails: over tcp the thread that sends and receives a rail's
+// bytes is what limits it, so a rail per block (each its own thread, UCX
+// worker and connections) moves about three times what two rails move.
+const DefaultNetRails = hierBlocks
+
+// netRails is how many rails this rank asks for: the option, else the
+// default where the host has two cores per proxy thread of its ranks.
+func (b *Backend) netRails() (int, error) {
+	switch r := b.opts.NetRails; {
+	case r == 0:
+		cores := runtime.NumCPU() / (2 * max(1, b.topo.HostRanks))
+		r = DefaultNetRails
+		for r > 1 && r > cores {
+			r /= 2
+		}
+		return r, nil
+	case r > 0 && r <= hierBlocks && hierBlocks%r == 0:
+		return r, nil
+	default:
+		return 0, status.Errorf(status.InvalidArgument, "%s=%d: want 1, 2, 4 or 8", NetRailsEnv, r)
+	}
+}
+
+// agreeRails is the fewest rails any rank asks for: each rail is a set of
+// connections between the same rail of every rank.
+func (b *Backend) agreeRails() (int, error) {
+	mine, err := b.netRails()
+	if err = bootstrap.Agree(b.bs, err); err != nil {
+		return 0, err
+	}
+	all, err := b.bs.AllGather([]byte{byte(mine)})
+	if err != nil {
+		return 0, err
+	}
+	for _, m := range all {
+		if len(m) != 1 {
+			return 0, status.Errorf(status.Mismatch, "all-reduce across nodes: a rank sent a %d-byte rail count", len(m))
+		}
+		mine = min(mine, int(m[0]))
+	}
+	return mine, nil
+}
 
 // hierParams mirrors HierParams in allreduce_hier.cu byte for byte
 // (LAYOUT.md; layout_test.go pins the offsets).
@@ -222,9 +267,13 @@ func (b *Backend) buildNodes(n *nodes, results, total uint64) error {
 	// proxy thread and a UCX worker with connections of its own): proxies
 	// sharing one worker would take turns at it, and one thread moving
 	// every byte both ways over tcp is what limits a rank's bandwidth.
+	rails, err := b.agreeRails()
+	if err != nil {
+		return err
+	}
 	table := make([]proxy.PortChannel, hierBlocks*nodeCount)
-	per := hierBlocks / hierRails
-	for rail := range hierRails {
+	per := hierBlocks / rails
+	for rail := range rails {
 		ch := channel.New(channel.Config{Bootstrap: b.bs, Topology: b.topo, Timeout: b.opts.Timeout,
 			GPU: &channel.GPU{Driver: b.drv, Space: b.space, Device: b.device, ErrWord: b.errDev}})
 		n.rails = append(n.rails, ch)

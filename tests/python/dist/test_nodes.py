@@ -260,6 +260,33 @@ def test_bad_input_raises_on_every_rank_of_every_node(layouts_on, device):
 
 
 @GPU_ONLY
+def test_net_rails_agree_or_raise_on_every_rank(group, monkeypatch):
+    """P2PCOMM_NET_RAILS: a bad count on one rank raises on every rank at the first call across nodes; counts that
+    differ between ranks settle on the fewest (each rail connects the same rail of every rank)."""
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(local_cuda_index())
+    monkeypatch.setenv("P2PCOMM_LOCAL_SIZE", "1")
+    for counts, ok in (({0: "3"}, False), ({0: "8", w - 1: "2"}, True), ({}, True)):
+        if counts:
+            monkeypatch.setenv("P2PCOMM_NET_RAILS", counts.get(r, "1"))
+        else:
+            monkeypatch.delenv("P2PCOMM_NET_RAILS", raising=False)  # the default
+        with p2pcomm.Communicator(group, device="cuda") as comm:
+            x = torch.randn(300_001, device="cuda", generator=torch.Generator("cuda").manual_seed(r))
+            if not ok:
+                with pytest.raises(p2pcomm.InvalidArgumentError, match="P2PCOMM_NET_RAILS=3"):
+                    comm.all_reduce(x)
+                continue
+            want = torch.zeros(x.numel(), dtype=torch.float64)
+            for q in range(w):
+                want += torch.randn(x.numel(), device="cuda", generator=torch.Generator("cuda").manual_seed(q)).cpu().double()
+            got = comm.all_reduce(x)
+            torch.cuda.synchronize()
+            comm.check()
+            assert torch.allclose(got.cpu().double(), want, rtol=1e-5, atol=1e-5 * w)
+
+
+@GPU_ONLY
 def test_cuda_graph_replays_across_nodes(layouts_on):
     """No host work per call: an all-reduce across nodes captured once replays with new data."""
     for nodes in layouts_on("cuda"):
