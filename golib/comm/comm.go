@@ -170,7 +170,7 @@ func newGPU(bs bootstrap.Bootstrap, cfg Config, timeout time.Duration, top *topo
 	if err != nil {
 		return nil, err
 	}
-	rails, err := cfg.int64Env(gpucoll.NetRailsEnv, 0)
+	rails, err := cfg.int64Env(topo.NetRailsEnv, 0)
 	if err != nil {
 		return nil, err
 	}

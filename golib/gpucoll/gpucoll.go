@@ -29,9 +29,8 @@ type Options struct {
 	// Topology says which ranks share this rank's node; only their memory
 	// is mapped (nil: every rank shares one node).
 	Topology *topo.Topology
-	// NetRails is how many proxies, each with a UCX worker and connections
-	// of its own, carry a rank's all-reduce across nodes: 1, 2, 4 or 8
-	// (0: DefaultNetRails, fewer on a host with few cores per rank).
+	// NetRails is how many rails (topo.NetRails) carry a rank's traffic
+	// to other nodes: 1, 2, 4 or 8, 0 for the default.
 	NetRails int
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/symm"
+	"github.com/p2pcomm/p2pcomm/golib/topo"
 	"github.com/p2pcomm/p2pcomm/golib/trace"
 )
 
@@ -37,51 +38,8 @@ const (
 	hierAlgo = collective.Algorithm(-2)
 )
 
-// NetRailsEnv sets Options.NetRails.
-const NetRailsEnv = "P2PCOMM_NET_RAILS"
-
-// DefaultNetRails: over tcp the thread that sends and receives a rail's
-// bytes is what limits it, so a rail per block (each its own thread, UCX
-// worker and connections) moves about three times what two rails move.
-const DefaultNetRails = hierBlocks
-
-// netRails is how many rails this rank asks for: the option, else the
-// default where the host has two cores per proxy thread of its ranks.
-func (b *Backend) netRails() (int, error) {
-	switch r := b.opts.NetRails; {
-	case r == 0:
-		cores := runtime.NumCPU() / (2 * max(1, b.topo.HostRanks))
-		r = DefaultNetRails
-		for r > 1 && r > cores {
-			r /= 2
-		}
-		return r, nil
-	case r > 0 && r <= hierBlocks && hierBlocks%r == 0:
-		return r, nil
-	default:
-		return 0, status.Errorf(status.InvalidArgument, "%s=%d: want 1, 2, 4 or 8", NetRailsEnv, r)
-	}
-}
-
-// agreeRails is the fewest rails any rank asks for: each rail is a set of
-// connections between the same rail of every rank.
-func (b *Backend) agreeRails() (int, error) {
-	mine, err := b.netRails()
-	if err = bootstrap.Agree(b.bs, err); err != nil {
-		return 0, err
-	}
-	all, err := b.bs.AllGather([]byte{byte(mine)})
-	if err != nil {
-		return 0, err
-	}
-	for _, m := range all {
-		if len(m) != 1 {
-			return 0, status.Errorf(status.Mismatch, "all-reduce across nodes: a rank sent a %d-byte rail count", len(m))
-		}
-		mine = min(mine, int(m[0]))
-	}
-	return mine, nil
-}
+// Rails split the blocks evenly: topo's rail counts divide hierBlocks.
+var _ = [1]int{}[hierBlocks%topo.MaxNetRails]
 
 // hierParams mirrors HierParams in allreduce_hier.cu byte for byte
 // (LAYOUT.md; layout_test.go pins the offsets).
@@ -267,7 +225,7 @@ func (b *Backend) buildNodes(n *nodes, results, total uint64) error {
 	// proxy thread and a UCX worker with connections of its own): proxies
 	// sharing one worker would take turns at it, and one thread moving
 	// every byte both ways over tcp is what limits a rank's bandwidth.
-	rails, err := b.agreeRails()
+	rails, err := b.topo.AgreeRails(b.bs, b.opts.NetRails)
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,58 @@
+package topo
+
+import (
+	"runtime"
+
+	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// A rail is a transport of its own (a UCX worker with its connections, and
+// the thread that progresses it) that carries a share of a rank's traffic
+// to other nodes: over tcp the thread that moves a transport's bytes is what
+// limits it, so several rails move several times as much.
+
+// NetRailsEnv asks for a number of rails.
+const NetRailsEnv = "P2PCOMM_NET_RAILS"
+
+// MaxNetRails is the most rails a rank uses, and the default where the host
+// has two cores per rail of its ranks.
+const MaxNetRails = 8
+
+// NetRails is how many rails this rank asks for: asked (1, 2, 4 or 8), or
+// for 0 the default.
+func (t *Topology) NetRails(asked int) (int, error) {
+	switch {
+	case asked == 0:
+		cores := runtime.NumCPU() / (2 * max(1, t.HostRanks))
+		r := MaxNetRails
+		for r > 1 && r > cores {
+			r /= 2
+		}
+		return r, nil
+	case asked > 0 && asked <= MaxNetRails && MaxNetRails%asked == 0:
+		return asked, nil
+	}
+	return 0, status.Errorf(status.InvalidArgument, "%s=%d: want 1, 2, 4 or 8", NetRailsEnv, asked)
+}
+
+// AgreeRails settles every rank on the fewest rails any rank asks for (rail
+// k connects rail k of every rank); collective. A bad count on any rank is
+// every rank's error.
+func (t *Topology) AgreeRails(bs bootstrap.Bootstrap, asked int) (int, error) {
+	mine, err := t.NetRails(asked)
+	if err = bootstrap.Agree(bs, err); err != nil {
+		return 0, err
+	}
+	all, err := bs.AllGather([]byte{byte(mine)})
+	if err != nil {
+		return 0, err
+	}
+	for r, m := range all {
+		if len(m) != 1 {
+			return 0, status.Errorf(status.Mismatch, "rank %d sent a %d-byte rail count", r, len(m))
+		}
+		mine = min(mine, int(m[0]))
+	}
+	return mine, nil
+}
