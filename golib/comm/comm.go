@@ -93,9 +93,14 @@ func New(cfg Config, torchBS bootstrap.Bootstrap) (*Comm, error) {
 			bs.Close()
 			return nil, err
 		}
+		var rails int64
+		if rails, err = cfg.int64Env(topo.NetRailsEnv, 0); err != nil {
+			bs.Close()
+			return nil, err
+		}
 		be, err = hostcoll.New(bs, hostcoll.Options{
 			Job: bootstrap.JobToken(cfg.Lookup), StagingBytes: staging, Timeout: time.Duration(timeoutMs) * time.Millisecond,
-			Topology: top,
+			Topology: top, NetRails: int(rails),
 		})
 	} else {
 		be, err = newGPU(bs, cfg, time.Duration(timeoutMs)*time.Millisecond, top)

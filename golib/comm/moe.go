@@ -42,7 +42,7 @@ func (c *Comm) NewMoE(cfg moe.Config) (*moe.EP, error) {
 			// path, over a host backend of the same ranks for this EP.
 			var host *hostcoll.Comm
 			if host, err = hostcoll.New(c.bs, hostcoll.Options{Job: c.job, StagingBytes: stagedHostStaging,
-				Timeout: c.timeout, Topology: c.topo}); err == nil {
+				Timeout: c.timeout, Topology: c.topo, NetRails: be.NetRails()}); err == nil {
 				ep, err = moe.NewStaged(c.bs, host, moeGPU{be, be.Driver()}, cfg)
 			}
 		case *hostcoll.Comm:

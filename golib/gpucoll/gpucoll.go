@@ -335,3 +335,6 @@ func (b *Backend) Device() int { return b.device }
 
 // Timeout bounds every wait of the backend's kernels (P2PCOMM_TIMEOUT_MS).
 func (b *Backend) Timeout() time.Duration { return b.opts.Timeout }
+
+// NetRails is the rail count asked for across nodes (0: the default).
+func (b *Backend) NetRails() int { return b.opts.NetRails }

@@ -35,6 +35,9 @@ type Options struct {
 	// NetChunkBytes is how much of a partial each put across nodes carries
 	// (default DefaultNetChunkBytes).
 	NetChunkBytes int64
+	// NetRails is how many rails (topo.NetRails) an ExpertParallel over
+	// this Comm uses across nodes: 1, 2, 4 or 8, 0 for the default.
+	NetRails int
 }
 
 // DefaultStagingBytes is the staging capacity without P2PCOMM_STAGING_BYTES.
@@ -257,6 +260,9 @@ func (c *Comm) Topology() *topo.Topology { return c.topo }
 
 // Timeout is the bound on every wait for a peer (P2PCOMM_TIMEOUT_MS).
 func (c *Comm) Timeout() time.Duration { return c.opts.Timeout }
+
+// NetRails is the rail count asked for across nodes (0: the default).
+func (c *Comm) NetRails() int { return c.opts.NetRails }
 
 // Check returns the error that broke the communicator, if any.
 func (c *Comm) Check() error { return c.broken }

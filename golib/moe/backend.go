@@ -38,6 +38,9 @@ type Host interface {
 	Timeout() time.Duration
 	// Pace paces the i-th poll of a wait: spin, yield, then nap.
 	Pace(i int)
+	// NetRails is the rail count asked for across nodes (topo.NetRails;
+	// 0: the default).
+	NetRails() int
 }
 
 // GPU is what the kernel path needs of the GPU backend (gpucoll, adapted in

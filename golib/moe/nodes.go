@@ -2,8 +2,10 @@ package moe
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -29,6 +31,29 @@ import (
 // put to that peer has landed (SignalFlushed), so a rank past a barrier
 // holds every byte its peers wrote into it before the barrier, wherever they
 // are.
+
+// Rails (topo.NetRails). Rail 0 is n.t: it carries the barrier's flags and
+// blame words in the symmetric buffer and every small put. Each further
+// rail is a UCX transport of its own that carries a stripe of every large
+// put, and at a barrier a flag of its own per rank, signalled behind its
+// stripes (SignalFlushed): a rank past a barrier has every rail's flag from
+// every peer, so every stripe they put before it. While a barrier waits,
+// a goroutine per further rail progresses it, so that the rails' bytes move
+// on several threads at once.
+type rail struct {
+	t      *ucx.Transport
+	self   transport.Local    // the symmetric buffer
+	out    transport.Local    // the outbox (nil without one)
+	flags  []uint64           // [world]: word s is rank s's barrier count on this rail, written by s only
+	mem    []byte             // flags' memory
+	remote []transport.Remote // by rank: its symmetric buffer; nil on this node
+	rflags []transport.Remote // by rank: its flags of this rail
+	bg     *ucx.Background
+}
+
+// railStripeMin is the smallest put split across rails: below it one tcp
+// send is cheaper than several.
+const railStripeMin = 256 << 10
 
 // groupBootstrap is the construction's Group as the bootstrap UCX opens
 // through (the communicator's own, which this EP does not close).
@@ -63,6 +88,7 @@ type netPeers struct {
 
 	broken error
 	bg     *ucx.Background // progresses UCX between calls
+	rails  []*rail         // rails 1 and up
 }
 
 // openNetPeers opens UCX and exchanges keys, collectively. base is this
@@ -112,7 +138,119 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
 	}
 	n.bg = ucx.StartBackground(n.t)
+	rails, err := tp.AgreeRails(bs, host.NetRails())
+	for k := 1; err == nil && k < rails; k++ {
+		err = n.openRail(bs, tp, host.Timeout(), base, size)
+	}
+	if err != nil {
+		n.close()
+		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
+	}
 	return n, nil
+}
+
+// openRail opens one more rail: a transport, this rank's buffer, outbox and
+// flags registered with it, and every remote rank's. Collective; any rank's
+// failure is every rank's.
+func (n *netPeers) openRail(bs bootstrap.Bootstrap, tp *topo.Topology, timeout time.Duration, base uintptr, size int64) error {
+	t, err := ucx.Open(bs, ucx.Options{Timeout: timeout, Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost()})
+	if err != nil {
+		return err
+	}
+	l := &rail{t: t, remote: make([]transport.Remote, n.world), rflags: make([]transport.Remote, n.world)}
+	n.rails = append(n.rails, l)
+	var key []byte
+	err = func() error {
+		if l.self, err = t.Register(base, uint64(size), transport.HostMemory); err != nil {
+			return err
+		}
+		if n.out != nil {
+			if l.out, err = t.Register(uintptr(unsafe.Pointer(&n.outbox[0])), uint64(len(n.outbox)), transport.HostMemory); err != nil {
+				return err
+			}
+		}
+		if l.mem, err = unix.Mmap(-1, 0, 8*n.world, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+			l.mem = nil
+			return status.Errorf(status.Capacity, "map a rail's barrier flags: %v", err)
+		}
+		l.flags = unsafe.Slice((*uint64)(unsafe.Pointer(&l.mem[0])), n.world)
+		flags, err := t.Register(uintptr(unsafe.Pointer(&l.mem[0])), uint64(len(l.mem)), transport.HostMemory)
+		if err != nil {
+			return err
+		}
+		key = binary.LittleEndian.AppendUint32(nil, uint32(len(l.self.Key())))
+		key = append(append(key, l.self.Key()...), flags.Key()...)
+		return nil
+	}()
+	if err = bootstrap.Agree(bs, err); err != nil {
+		return err
+	}
+	keys, err := bs.AllGather(key)
+	for r, k := range keys {
+		if err != nil || n.box[r] < 0 {
+			continue
+		}
+		if len(k) < 4 || uint64(len(k)-4) < uint64(binary.LittleEndian.Uint32(k)) {
+			err = status.Errorf(status.Bootstrap, "rank %d sent a %d-byte rail key", r, len(k))
+			break
+		}
+		m := 4 + binary.LittleEndian.Uint32(k)
+		if l.remote[r], err = t.Remote(r, k[4:m]); err == nil {
+			l.rflags[r], err = t.Remote(r, k[m:])
+		}
+	}
+	if err = bootstrap.Agree(bs, err); err != nil {
+		return err
+	}
+	l.bg = ucx.StartBackground(t)
+	return nil
+}
+
+// stripes calls put for each rail's share of bytes: all of them on rail 0
+// below railStripeMin, else one page-aligned stripe per rail.
+func (n *netPeers) stripes(bytes uint64, put func(k int, at, size uint64) error) error {
+	if len(n.rails) == 0 || bytes < railStripeMin {
+		return put(0, 0, bytes)
+	}
+	parts := uint64(len(n.rails) + 1)
+	stripe := (bytes/parts + 4095) &^ 4095
+	for k, at := 0, uint64(0); at < bytes; k, at = k+1, at+stripe {
+		if err := put(k, at, min(stripe, bytes-at)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// spinRails progresses every further rail on a goroutine of its own until
+// the returned func is called (and has waited for them).
+func (n *netPeers) spinRails() func() {
+	if len(n.rails) == 0 {
+		return func() {}
+	}
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	for _, l := range n.rails {
+		l.bg.Enter()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; !stop.Load(); i++ {
+				if active, _ := l.t.Progress(); !active {
+					n.pace(i)
+				} else {
+					i = 0
+				}
+			}
+		}()
+	}
+	return func() {
+		stop.Store(true)
+		wg.Wait()
+		for _, l := range n.rails {
+			l.bg.Leave()
+		}
+	}
 }
 
 // register registers this rank's buffer and maps and registers the outbox;
@@ -167,7 +305,15 @@ func (n *netPeers) put(r int, off, boxOff, bytes uint64, what string) error {
 	if bytes == 0 {
 		return nil
 	}
-	if err := n.t.Put(n.remote[r], off, n.out, uint64(n.box[r])*n.boxBytes+boxOff, bytes); err != nil {
+	from := uint64(n.box[r])*n.boxBytes + boxOff
+	err := n.stripes(bytes, func(k int, at, size uint64) error {
+		if k == 0 {
+			return n.t.Put(n.remote[r], off+at, n.out, from+at, size)
+		}
+		l := n.rails[k-1]
+		return l.t.Put(l.remote[r], off+at, l.out, from+at, size)
+	})
+	if err != nil {
 		return n.fail(r, fmt.Sprintf("could not be sent its %s: %v", what, err))
 	}
 	return nil
@@ -192,6 +338,7 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 	}
 	n.bg.Enter()
 	defer n.bg.Leave()
+	defer n.spinRails()()
 	n.entered++
 	want := n.entered
 	mine := n.flagOff + 8*uint64(n.rank)
@@ -207,15 +354,19 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 		if err := n.t.SignalFlushed(n.remote[r], mine, 1); err != nil && unsent == nil {
 			unsent = n.fail(r, fmt.Sprintf("could not be sent the %s barrier of %s: %v", phase, call, err))
 		}
+		for _, l := range n.rails {
+			if err := l.t.SignalFlushed(l.rflags[r], 8*uint64(n.rank), 1); err != nil && unsent == nil {
+				unsent = n.fail(r, fmt.Sprintf("could not be sent the %s barrier of %s on a rail: %v", phase, call, err))
+			}
+		}
 	}
 	if unsent != nil {
 		return unsent
 	}
 	start := time.Now()
-	own := n.flags[n.rank]
 	for o := 1; o < n.world; o++ {
 		r := (n.rank + o) % n.world
-		for i := 0; atomic.LoadUint64(&own[r]) < want; i++ {
+		for i := 0; !n.arrived(r, want); i++ {
 			n.t.Progress() // its only error is a device copier's, and there is none here
 			n.pace(i)
 			if i%64 != 63 {
@@ -228,7 +379,7 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 				return n.adopt(b, phase, call)
 			}
 			for q := 0; q < n.world; q++ {
-				if q == n.rank || atomic.LoadUint64(&own[q]) >= want {
+				if q == n.rank || n.arrived(q, want) {
 					continue
 				}
 				if gone := n.gone(q); gone != "" {
@@ -242,6 +393,22 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 		}
 	}
 	return nil
+}
+
+// arrived reports whether rank r's want-th barrier flag came, on every rail.
+func (n *netPeers) arrived(r int, want uint64) bool {
+	if atomic.LoadUint64(&n.flags[n.rank][r]) < want {
+		return false
+	}
+	if n.remote[r] == nil {
+		return true
+	}
+	for _, l := range n.rails {
+		if atomic.LoadUint64(&l.flags[r]) < want {
+			return false
+		}
+	}
+	return true
 }
 
 // A blame word says whom a rank holds responsible for its failure: the
@@ -355,6 +522,11 @@ func (n *netPeers) gone(r int) string {
 	if err := n.t.PeerError(r); err != nil {
 		return fmt.Sprintf("failed (%v)", err)
 	}
+	for _, l := range n.rails {
+		if err := l.t.PeerError(r); err != nil {
+			return fmt.Sprintf("failed (%v)", err)
+		}
+	}
 	return ""
 }
 
@@ -373,17 +545,26 @@ func (n *netPeers) fail(r int, why string) error {
 func (n *netPeers) close() error {
 	n.bg.Stop()
 	n.bg = nil
-	var err error
-	if n.t != nil {
-		var remote []int
-		for r, rem := range n.remote {
-			if rem != nil {
-				remote = append(remote, r)
-			}
+	var remote []int
+	for r, rem := range n.remote {
+		if rem != nil {
+			remote = append(remote, r)
 		}
-		err = n.t.CloseAfterFlush(remote, n.linger)
+	}
+	var errs []error
+	if n.t != nil {
+		errs = append(errs, n.t.CloseAfterFlush(remote, n.linger))
 		n.t = nil
 	}
+	for _, l := range n.rails {
+		l.bg.Stop()
+		errs = append(errs, l.t.CloseAfterFlush(remote, n.linger))
+		if l.mem != nil {
+			unix.Munmap(l.mem)
+		}
+	}
+	n.rails = nil
+	err := errors.Join(errs...)
 	if n.outbox != nil {
 		unix.Munmap(n.outbox)
 		n.outbox = nil

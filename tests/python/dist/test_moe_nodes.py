@@ -72,6 +72,37 @@ def test_eager_across_nodes_match_reference(nodes, comms, case):
         assert_same_bits(run_round(one, inputs, r, dev)[2], y.cpu(), "one node against nodes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rails_carry_stripes_of_large_puts(group, device, monkeypatch):
+    """P2PCOMM_NET_RAILS: rows and partials of more than a stripe's worth per peer travel in stripes over several
+    UCX transports; every element still matches the reference and the emulation's bits, counts that differ
+    between ranks settle on the fewest, and a bad count on one rank raises on every rank at construction."""
+    W, r = dist.get_world_size(), dist.get_rank()
+    name, local = layout(W)
+    E, K, H, Tm, dtype = experts_for(16, W), 4, 2048, 160, torch.bfloat16  # rows of 4 KiB: ~470 KiB per peer
+    cfg = dict(num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    inputs = [make_inputs(29, q, Tm - 7 * q, H, E, K, dtype) for q in range(W)]
+    for asked in ({q: "8" for q in range(W)}, {**{q: "4" for q in range(W)}, W - 1: "2"}, {0: "3"}):
+        monkeypatch.setenv("P2PCOMM_NET_RAILS", asked.get(r, "1"))
+        made = Nodes(name, local, list(range(W)), device)
+        try:
+            if asked.get(0) == "3":
+                with pytest.raises(p2pcomm.InvalidArgumentError, match="P2PCOMM_NET_RAILS=3"):
+                    ep_of(made.comm, **cfg)
+                if device == "cpu":  # the communicator goes on (its CPU all-reduce uses no rails)
+                    assert torch.equal(made.comm.all_reduce(torch.ones(3)), torch.full((3,), float(W)))
+                continue
+            for transit in TRANSITS:
+                with ep_of(made.comm, combine_dtype=transit_dtype(transit, dtype), **cfg) as ep:
+                    recv, out, y = run_round(ep, inputs, r, device)
+                    check_dispatch(recv, inputs, r, W, E, K, dtype)
+                    check_combine(y, inputs, r, W, E, K, dtype, transit_dtype(transit, dtype))
+                    assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, transit_dtype(transit, dtype)),
+                                     f"combine over rails {asked}")
+        finally:
+            made.comm.close()
+
+
 @pytest.mark.parametrize("transit", TRANSITS)
 def test_capturable_across_nodes(nodes, transit):
     """Capturable rounds with uneven T (one rank none) and -1 ids: recv.x and the expert output rows past
