@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -54,6 +55,10 @@ type rail struct {
 // railStripeMin is the smallest put split across rails: below it one tcp
 // send is cheaper than several.
 const railStripeMin = 256 << 10
+
+// railYieldPolls is how many idle polls a rail's goroutine yields between
+// before it paces like the host's waits (naps), milliseconds' worth.
+const railYieldPolls = 1 << 14
 
 // groupBootstrap is the construction's Group as the bootstrap UCX opens
 // through (the communicator's own, which this EP does not close).
@@ -235,11 +240,15 @@ func (n *netPeers) spinRails() func() {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for i := 0; !stop.Load(); i++ {
-				if active, _ := l.t.Progress(); !active {
-					n.pace(i)
+			// Yield, not nap, through the short lulls of a call: a rail
+			// napping when its bytes arrive holds the whole barrier up.
+			for idle := 0; !stop.Load(); {
+				if active, _ := l.t.Progress(); active {
+					idle = 0
+				} else if idle++; idle < railYieldPolls {
+					runtime.Gosched()
 				} else {
-					i = 0
+					n.pace(idle)
 				}
 			}
 		}()
