@@ -40,6 +40,9 @@ func ranksOn(t *testing.T, world, localSize int, timeout time.Duration, cfg func
 	}, cfg, f)
 }
 
+// testRails is the rail count ranksWith's ranks ask for (0: the default).
+var testRails int
+
 // ranksWith is ranksOn with the EPs that build makes over each rank's host
 // backend.
 func ranksWith(t *testing.T, world, localSize int, timeout time.Duration, build func(rank int, g Group, c *hostcoll.Comm, cfg Config) (*EP, error),
@@ -57,7 +60,7 @@ func ranksWith(t *testing.T, world, localSize int, timeout time.Duration, build 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			o := hostcoll.Options{Cooperative: true, Timeout: timeout} // Cooperative: the ranks are goroutines here
+			o := hostcoll.Options{Cooperative: true, Timeout: timeout, NetRails: testRails} // Cooperative: the ranks are goroutines here
 			if localSize > 0 {
 				var err error
 				if o.Topology, err = topo.Build(r, keys, localSize); err != nil {

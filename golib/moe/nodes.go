@@ -57,7 +57,7 @@ type rail struct {
 const railStripeMin = 256 << 10
 
 // railYieldPolls is how many idle polls a rail's goroutine yields between
-// before it paces like the host's waits (naps), milliseconds' worth.
+// before it naps between polls, milliseconds' worth.
 const railYieldPolls = 1 << 14
 
 // groupBootstrap is the construction's Group as the bootstrap UCX opens
@@ -159,7 +159,10 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 // failure is every rank's.
 func (n *netPeers) openRail(bs bootstrap.Bootstrap, tp *topo.Topology, timeout time.Duration, base uintptr, size int64) error {
 	t, err := ucx.Open(bs, ucx.Options{Timeout: timeout, Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost()})
-	if err != nil {
+	if err = bootstrap.Agree(bs, err); err != nil {
+		if t != nil {
+			t.Close()
+		}
 		return err
 	}
 	l := &rail{t: t, remote: make([]transport.Remote, n.world), rflags: make([]transport.Remote, n.world)}
@@ -211,14 +214,15 @@ func (n *netPeers) openRail(bs bootstrap.Bootstrap, tp *topo.Topology, timeout t
 	return nil
 }
 
-// stripes calls put for each rail's share of bytes: all of them on rail 0
-// below railStripeMin, else one page-aligned stripe per rail.
+// stripes calls put for each rail's share of bytes, in order and covering
+// each byte once: all of them on rail 0 below railStripeMin, else stripes
+// of a whole number of pages, at most one per rail.
 func (n *netPeers) stripes(bytes uint64, put func(k int, at, size uint64) error) error {
 	if len(n.rails) == 0 || bytes < railStripeMin {
 		return put(0, 0, bytes)
 	}
 	parts := uint64(len(n.rails) + 1)
-	stripe := (bytes/parts + 4095) &^ 4095
+	stripe := ((bytes+parts-1)/parts + 4095) &^ 4095
 	for k, at := 0, uint64(0); at < bytes; k, at = k+1, at+stripe {
 		if err := put(k, at, min(stripe, bytes-at)); err != nil {
 			return err
@@ -248,7 +252,7 @@ func (n *netPeers) spinRails() func() {
 				} else if idle++; idle < railYieldPolls {
 					runtime.Gosched()
 				} else {
-					n.pace(idle)
+					time.Sleep(20 * time.Microsecond)
 				}
 			}
 		}()
@@ -347,7 +351,6 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 	}
 	n.bg.Enter()
 	defer n.bg.Leave()
-	defer n.spinRails()()
 	n.entered++
 	want := n.entered
 	mine := n.flagOff + 8*uint64(n.rank)
@@ -372,6 +375,9 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 	if unsent != nil {
 		return unsent
 	}
+	// The rails' goroutines start once the signals went out: they would
+	// take turns with them at each rail's transport.
+	defer n.spinRails()()
 	start := time.Now()
 	for o := 1; o < n.world; o++ {
 		r := (n.rank + o) % n.world
@@ -560,19 +566,36 @@ func (n *netPeers) close() error {
 			remote = append(remote, r)
 		}
 	}
-	var errs []error
-	if n.t != nil {
-		errs = append(errs, n.t.CloseAfterFlush(remote, n.linger))
-		n.t = nil
-	}
+	// Every transport is flushed before any closes: a peer still in the
+	// last barrier that lost one of them would take this rank for failed.
 	for _, l := range n.rails {
 		l.bg.Stop()
-		errs = append(errs, l.t.CloseAfterFlush(remote, n.linger))
+	}
+	ts := []*ucx.Transport{}
+	if n.t != nil {
+		ts = append(ts, n.t)
+	}
+	for _, l := range n.rails {
+		ts = append(ts, l.t)
+	}
+	for _, r := range remote {
+		deadline := time.Now().Add(max(n.linger, 100*time.Millisecond))
+		for _, t := range ts {
+			if t.PeerError(r) == nil {
+				t.FlushWithin(r, max(time.Until(deadline), time.Millisecond))
+			}
+		}
+	}
+	var errs []error
+	for _, t := range ts {
+		errs = append(errs, t.Close())
+	}
+	for _, l := range n.rails {
 		if l.mem != nil {
 			unix.Munmap(l.mem)
 		}
 	}
-	n.rails = nil
+	n.t, n.rails = nil, nil
 	err := errors.Join(errs...)
 	if n.outbox != nil {
 		unix.Munmap(n.outbox)

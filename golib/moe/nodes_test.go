@@ -43,6 +43,26 @@ func TestCPUAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 	}
 }
 
+// Over rails, puts of more than a stripe's worth per peer travel in
+// stripes: rows and combines keep the documented order and bits, in 2
+// nodes of 1 over 4 rails and 2 nodes of 2 over 2.
+func TestCPUAcrossNodesOverRails(t *testing.T) {
+	ucxtest.Need(t)
+	for _, c := range []struct {
+		local, rails int
+		rounds       roundsCase // rows of 8 and 4 KiB: several hundred KiB per peer and call
+	}{
+		{1, 4, roundsCase{2, 4, 2, 4096, 80, reduce.BFloat16, reduce.Float32, 0}},
+		{2, 2, roundsCase{4, 8, 3, 2048, 96, reduce.BFloat16, reduce.BFloat16, 0.1}},
+	} {
+		t.Run(fmt.Sprintf("local%d_rails%d", c.local, c.rails), func(t *testing.T) {
+			defer func(old int) { testRails = old }(testRails)
+			testRails = c.rails
+			checkRounds(t, onNodes(c.local), []roundsCase{c.rounds})
+		})
+	}
+}
+
 // Rejected calls across nodes fail on every rank and move nothing; every
 // rank is usable after.
 func TestCPURejectedCallsAcrossNodesMoveNothing(t *testing.T) {
@@ -57,8 +77,11 @@ func TestCPURejectedCallsAcrossNodesMoveNothing(t *testing.T) {
 func TestCPUAbsentRankAcrossNodesIsNamed(t *testing.T) {
 	ucxtest.Need(t)
 	const W, E, K, H, Tm = 4, 4, 2, 8, 4
-	for _, absent := range []int{1, 2} {
-		t.Run(fmt.Sprintf("rank%d", absent), func(t *testing.T) {
+	for _, c := range []struct{ absent, rails int }{{1, 1}, {2, 1}, {1, 2}, {2, 2}} {
+		absent := c.absent
+		t.Run(fmt.Sprintf("rank%d_rails%d", absent, c.rails), func(t *testing.T) {
+			defer func(old int) { testRails = old }(testRails)
+			testRails = c.rails
 			cfg := sameConfig(E, H, Tm, K, reduce.Float32)
 			timeout := 400 * time.Millisecond
 			begin := time.Now()
@@ -108,6 +131,47 @@ func TestBlameWordRoundTrips(t *testing.T) {
 			if blameCulprit(b) != c.culprit || blameSeer(b) != c.seer || blameHow(b) != c.how || (b&blameFinal != 0) != final {
 				t.Errorf("makeBlame(%d, %d, %d, %v) = %#x reads back %d, %d, %d, %v", c.culprit, c.seer, c.how, final, b,
 					blameCulprit(b), blameSeer(b), blameHow(b), b&blameFinal != 0)
+			}
+		}
+	}
+}
+
+// TestStripes: a put's stripes cover every byte once, in order, on rails
+// that exist, each a whole number of pages but the last; a put below
+// railStripeMin stays whole on rail 0. Sizes include odd ones whose share
+// per rail is a whole number of pages.
+func TestStripes(t *testing.T) {
+	rng := rand.New(rand.NewSource(5))
+	for _, extra := range []int{0, 1, 3, 7} {
+		n := &netPeers{rails: make([]*rail, extra)}
+		parts := uint64(extra + 1)
+		sizes := []uint64{0, 1, railStripeMin - 1, railStripeMin, railStripeMin + 1, 294916, 262145,
+			parts * 4096 * 64, parts*4096*64 + 3, 64 << 20}
+		for range 200 {
+			sizes = append(sizes, railStripeMin+uint64(rng.Int63n(64<<20)))
+		}
+		for _, size := range sizes {
+			next, last := uint64(0), -1
+			err := n.stripes(size, func(k int, at, part uint64) error {
+				switch {
+				case k < 0 || k > extra || k <= last:
+					return fmt.Errorf("stripe on rail %d after rail %d", k, last)
+				case at != next:
+					return fmt.Errorf("stripe at %d, want %d", at, next)
+				case size >= railStripeMin && extra > 0 && at+part < size && part%4096 != 0:
+					return fmt.Errorf("stripe of %d bytes before the last", part)
+				}
+				next, last = at+part, k
+				return nil
+			})
+			if err == nil && next != size {
+				err = fmt.Errorf("stripes end at %d", next)
+			}
+			if err == nil && (size < railStripeMin || extra == 0) && last != 0 {
+				err = fmt.Errorf("a put below the stripe size on rail %d", last)
+			}
+			if err != nil {
+				t.Fatalf("%d further rails, %d bytes: %v", extra, size, err)
 			}
 		}
 	}

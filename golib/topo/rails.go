@@ -1,7 +1,10 @@
 package topo
 
 import (
+	"os"
 	"runtime"
+	"strconv"
+	"strings"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -15,8 +18,9 @@ import (
 // NetRailsEnv asks for a number of rails.
 const NetRailsEnv = "P2PCOMM_NET_RAILS"
 
-// MaxNetRails is the most rails a rank uses, and the default where the host
-// has two cores per rail of its ranks.
+// MaxNetRails is the most rails a rank uses, and the default where a rank
+// has two cores per rail (the cores it is bound to, else its share of the
+// host's).
 const MaxNetRails = 8
 
 // NetRails is how many rails this rank asks for: asked (1, 2, 4 or 8), or
@@ -24,7 +28,7 @@ const MaxNetRails = 8
 func (t *Topology) NetRails(asked int) (int, error) {
 	switch {
 	case asked == 0:
-		cores := runtime.NumCPU() / (2 * max(1, t.HostRanks))
+		cores := coresPerRank(runtime.NumCPU(), onlineCPUs(), t.HostRanks) / 2
 		r := MaxNetRails
 		for r > 1 && r > cores {
 			r /= 2
@@ -55,4 +59,38 @@ func (t *Topology) AgreeRails(bs bootstrap.Bootstrap, asked int) (int, error) {
 		mine = min(mine, int(m[0]))
 	}
 	return mine, nil
+}
+
+// coresPerRank is this rank's share of the host's cores: all it may run on
+// where that is fewer than the host has (a launcher bound each rank to its
+// own), else an even share among the host's ranks.
+func coresPerRank(allowed, online, hostRanks int) int {
+	if online > 0 && allowed < online {
+		return allowed
+	}
+	return allowed / max(1, hostRanks)
+}
+
+// onlineCPUs counts the host's online CPUs (0 when it cannot tell).
+func onlineCPUs() int {
+	b, err := os.ReadFile("/sys/devices/system/cpu/online")
+	if err != nil {
+		return 0
+	}
+	n := 0
+	for _, part := range strings.Split(strings.TrimSpace(string(b)), ",") {
+		lo, hi, isRange := strings.Cut(part, "-")
+		a, err := strconv.Atoi(lo)
+		if err != nil {
+			return 0
+		}
+		z := a
+		if isRange {
+			if z, err = strconv.Atoi(hi); err != nil || z < a {
+				return 0
+			}
+		}
+		n += z - a + 1
+	}
+	return n
 }

@@ -29,9 +29,21 @@ func TestNetRails(t *testing.T) {
 		if err != nil || got < 1 || got > MaxNetRails || got&(got-1) != 0 {
 			t.Fatalf("default on %d host ranks: %d, %v", ranks, got, err)
 		}
-		if got > 1 && 2*got*max(1, ranks) > runtime.NumCPU() {
+		if got > 1 && 2*got > coresPerRank(runtime.NumCPU(), onlineCPUs(), ranks) {
 			t.Errorf("default on %d host ranks and %d cores: %d rails", ranks, runtime.NumCPU(), got)
 		}
+	}
+	// A rank bound to 16 of 128 cores has them to itself; an unbound one
+	// shares the host's with the other ranks.
+	for _, c := range []struct{ allowed, online, ranks, want int }{
+		{16, 128, 8, 16}, {128, 128, 8, 16}, {2, 2, 4, 0}, {32, 0, 2, 16}, {4, 4, 1, 4},
+	} {
+		if got := coresPerRank(c.allowed, c.online, c.ranks); got != c.want {
+			t.Errorf("coresPerRank(%d of %d, %d ranks) = %d, want %d", c.allowed, c.online, c.ranks, got, c.want)
+		}
+	}
+	if n := onlineCPUs(); n != 0 && n < runtime.NumCPU() {
+		t.Errorf("%d CPUs online, fewer than the %d this process may run on", n, runtime.NumCPU())
 	}
 }
 
