@@ -27,7 +27,8 @@ type flushedSignal struct {
 // Signal, once every earlier Put to that peer has landed, but orders them
 // without a fence: it starts a flush of the peer's endpoint and puts the
 // new total when that flush completes (Progress, Drain and Flush move it
-// on), and returns at once. Signals of one peer go out in the order made.
+// on), and returns at once. Behind staged puts it travels as Signal does,
+// through the ring. Signals of one peer go out in the order made.
 // Signal's fence (ucp_worker_fence) is, with UCP's protocols v2, a blocking
 // flush of every endpoint of the worker, which does not return while any
 // peer has stopped; this waits for nothing and for no other peer. The same
@@ -41,7 +42,24 @@ func (t *Transport) SignalFlushed(dst transport.Remote, dstOff uint64, value uin
 		return err
 	}
 	p.sums[word] += value
+	if t.stageSignal(r.peer) {
+		return t.ringSignal(r, p, word) // a flush does not wait for staged copies
+	}
 	return t.signalAfterFlush(r, p, word)
+}
+
+// ringSignal sends word's total to r's peer through the staging ring,
+// behind the staged chunks queued or not yet credited: the peer applies it
+// once they reached device memory. Totals still waiting for a flush go out
+// first, and the entry then as fenced puts behind them (see pumpFlushed),
+// so that its larger total cannot land first and be overwritten.
+func (t *Transport) ringSignal(r *remote, p *peer, word uint64) error {
+	if len(p.flushed) > 0 {
+		if err := t.drainFlushed(r.peer, time.Now().Add(t.timeout)); err != nil {
+			return err
+		}
+	}
+	return t.queueSignal(r.peer, word, p.sums[word])
 }
 
 // signalAfterFlush starts a flush of r's endpoint and queues the word's

@@ -404,10 +404,8 @@ func (t *Transport) signal(dst transport.Remote, dstOff uint64, value uint64) er
 		return err
 	}
 	if t.stageSignal(r.peer) {
-		// Behind staged chunks: the peer applies it once they reached
-		// device memory.
 		p.sums[word] += value
-		return t.queueSignal(r.peer, word, p.sums[word])
+		return t.ringSignal(r, p, word)
 	}
 	if p.unordered || len(p.flushed) > 0 {
 		// Device memory that UCP reaches itself (cuda_ipc between GPUs of a

@@ -239,8 +239,9 @@ func progressStaged(tr *Transport, fn func() error) error {
 	}
 }
 
-// childStagedPingPong answers staged puts with signals in turn; with flush
-// false it leaves its last puts unflushed for Close.
+// childStagedPingPong answers staged puts with signals in turn (Signal and
+// SignalFlushed by turns); with flush false it leaves its last puts
+// unflushed for Close.
 func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, flush bool) error {
 	j := newJob(tr, bs, timeout)
 	j.mem = transport.DeviceMemory
@@ -259,7 +260,14 @@ func childStagedPingPong(tr *Transport, bs bootstrap.Bootstrap, timeout time.Dur
 			if err := tr.Put(j.rdst[peer], uint64(me*slotSize), j.lsrc, 0, uint64(n)); err != nil {
 				return err
 			}
-			if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+			// Signal and SignalFlushed in turn, on the same word: each
+			// lands after the put before it, and neither takes the word
+			// back below the other's total.
+			signal := tr.Signal
+			if i%4 >= 2 {
+				signal = tr.SignalFlushed
+			}
+			if err := signal(j.rword[peer], signalWord(me), 1); err != nil {
 				return err
 			}
 			continue
