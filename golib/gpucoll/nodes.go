@@ -32,7 +32,7 @@ const (
 	hierFile      = "allreduce_hier.cu"
 	// kHierExchangeSlotBytes: a slot of the exchange area, where the
 	// partials of calls that skip the results' trip go, by call parity.
-	hierExchangeSlotBytes = 128 << 10
+	hierExchangeSlotBytes = 132 << 10
 	// hierAlgo enters the call's signature (it is no collective.Algorithm
 	// of the C ABI).
 	hierAlgo = collective.Algorithm(-2)

@@ -17,7 +17,8 @@
 // index l owns shard l of the elements (slice_range over L); the ranks of
 // local index l on all nodes form its group, which splits shard l into N
 // parts (slice_range over N): the group rank on node m owns part m. Parts
-// travel in chunks of chunk_elems elements; chunk k of a part belongs to
+// travel in chunks of at most chunk_elems elements, fewer where a part would
+// otherwise leave blocks idle; chunk k of a part belongs to
 // block k mod kHierBlocks, so each block is a pipeline of its own with a
 // lane of port channels (semaphores of its own; blocks of a rail share its
 // FIFO): the j-th signal block b gets from a peer is always that peer's
@@ -104,7 +105,7 @@ constexpr int kPhaseHierVerdict = kPhaseFifoFlush + 2;
 // A call is an exchange when its shard fits one exchange slot per block, and
 // past two nodes (where an exchange sends more bytes than the two trips) is
 // at most kHierExchangeSmallBytes of partials.
-constexpr u64 kHierExchangeSlotBytes = 131072;  // 128 KiB
+constexpr u64 kHierExchangeSlotBytes = 135168;  // 132 KiB: 128 KiB of partials and the header
 constexpr u64 kHierExchangeHead = 16;
 constexpr u64 kHierExchangeSmallBytes = 65536;  // 64 KiB
 
@@ -123,7 +124,7 @@ constexpr u64 kHierExchangeSmallBytes = 65536;  // 64 KiB
 //   224    8    net             this rank's net buffer (mapped host memory, device address)
 //   232    8    count           i64 elements
 //   240    8    timeout_ns      u64; 0 = kDefaultTimeoutNs
-//   248    8    chunk_elems     i64: elements per chunk, a multiple of 8
+//   248    8    chunk_elems     i64: most elements per chunk, a multiple of 8
 //   256    8    ring_offset     u64: bytes of the results region (the net buffer's headers and rings follow)
 //   264    8    slot_bytes      u64: bytes of a ring slot, >= chunk_elems * sizeof(Acc)
 //   272    4    local_rank      i32
@@ -202,7 +203,11 @@ template <typename T> DINLINE Plan make_plan(const HierParams& h, int local_inde
   }
   pl.psz = (n + h.nodes - 1) / h.nodes;
   pl.psz = (pl.psz + P - 1) / P * P;
-  pl.ce = h.chunk_elems;
+  // Chunks of at most a slot, and small enough that a part keeps every
+  // block (each on its own rail) busy: the rails, not a chunk's size, set
+  // the pace over tcp.
+  const i64 even = ((pl.psz + kHierBlocks - 1) / kHierBlocks + 7) / 8 * 8;
+  pl.ce = even < h.chunk_elems ? even : h.chunk_elems;
   return pl;
 }
 
