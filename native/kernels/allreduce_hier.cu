@@ -108,6 +108,11 @@ constexpr int kPhaseHierVerdict = kPhaseFifoFlush + 2;
 constexpr u64 kHierExchangeSlotBytes = 135168;  // 132 KiB: 128 KiB of partials and the header
 constexpr u64 kHierExchangeHead = 16;
 constexpr u64 kHierExchangeSmallBytes = 65536;  // 64 KiB
+// An exchange's partials up to kHierSingleChunkBytes travel as one chunk,
+// under the header's signal; larger ones as one chunk per block, so that
+// every rail carries a share.
+constexpr u64 kHierSingleChunkBytes = 16384;
+static_assert(kHierSingleChunkBytes <= kHierExchangeSlotBytes - kHierExchangeHead, "a single chunk fits a slot");
 
 // HierParams is the kernel's one by-value argument; LAYOUT.md tables it.
 // Pointers are device addresses valid here; [i] entries are by local index
@@ -194,9 +199,10 @@ template <typename T> DINLINE Plan make_plan(const HierParams& h, int local_inde
   const i64 n = sh.end - sh.begin;
   pl.x = n <= kHierBlocks * kExchangeElems && (h.nodes == 2 || (u64)n * sizeof(Acc) <= kHierExchangeSmallBytes);
   if (pl.x) {
-    // One chunk, which rides with block 0's header, while it fits a slot;
-    // else one per block. Chunks hold a multiple of 8 elements.
-    const i64 per = n <= kExchangeElems ? n : (n + kHierBlocks - 1) / kHierBlocks;
+    // One chunk, which rides with block 0's header, up to
+    // kHierSingleChunkBytes; else one per block. Chunks hold a multiple of
+    // 8 elements.
+    const i64 per = (u64)n * sizeof(Acc) <= kHierSingleChunkBytes ? n : (n + kHierBlocks - 1) / kHierBlocks;
     pl.psz = n;
     pl.ce = per < 8 ? 8 : (per + 7) / 8 * 8;
     return pl;
