@@ -101,13 +101,20 @@ test-dist: lib $(PY_ENV)
 # The Python tests spend much of their time waiting (for subprocesses to
 # start, for peers' timeouts), so they run beside the Go race tests; their
 # output follows the Go tests'.
+# A Go package's tests print only when they end (the slowest take a minute),
+# so a line every 25 s says that they still run and where the python tests are.
 PY_TEST_LOG := build/logs/test-python.log
+HEARTBEAT_S := 25
 test-go-and-python: lib $(PY_ENV)
-	@mkdir -p build/logs; \
+	@mkdir -p build/logs; : > $(PY_TEST_LOG); start=$$(date +%s); \
 	$(MAKE) --no-print-directory test-python > $(PY_TEST_LOG) 2>&1 & py=$$!; \
 	echo "python tests run beside the Go tests: $(PY_TEST_LOG)"; \
+	{ n=0; while sleep 1; do \
+		n=$$((n + 1)); test $$((n % $(HEARTBEAT_S))) -eq 0 || continue; \
+		echo "  ... $$(( $$(date +%s) - start )) s: Go tests running; python tests: $$(tail -n 1 $(PY_TEST_LOG) | cut -c 1-60)"; \
+	done; } & beat=$$!; \
 	$(MAKE) --no-print-directory test-go-race; gorc=$$?; \
-	wait $$py; pyrc=$$?; cat $(PY_TEST_LOG); \
+	kill $$beat; wait $$py; pyrc=$$?; cat $(PY_TEST_LOG); \
 	test $$gorc -eq 0 && test $$pyrc -eq 0 || { echo "failed: Go tests $$gorc, python tests $$pyrc"; exit 1; }
 
 test: lib $(PY_ENV)
