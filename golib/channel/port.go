@@ -269,16 +269,15 @@ func (l *portLocal) keys(ok bool) []byte {
 	if !ok {
 		return []byte{0}
 	}
-	out := []byte{1}
+	var keys [][]byte
 	for _, loc := range []transport.Local{l.data.ucx, l.ucxSem, l.data.ipc, l.ipcSem} {
 		var k []byte
 		if loc != nil {
 			k = loc.Key()
 		}
-		out = binary.LittleEndian.AppendUint32(out, uint32(len(k)))
-		out = append(out, k...)
+		keys = append(keys, k)
 	}
-	return out
+	return transport.AppendKeys([]byte{1}, keys...)
 }
 
 // decodeKeys splits a peer's keys; ok is false when the peer failed.
@@ -286,14 +285,11 @@ func decodeKeys(r int, b []byte) (keys [4][]byte, ok bool, err error) {
 	if len(b) == 0 || b[0] == 0 {
 		return keys, false, nil
 	}
-	b = b[1:]
-	for i := range keys {
-		if len(b) < 4 || uint64(len(b)-4) < uint64(binary.LittleEndian.Uint32(b)) {
-			return keys, false, status.Errorf(status.Bootstrap, "rank %d sent truncated channel keys", r)
-		}
-		n := binary.LittleEndian.Uint32(b)
-		keys[i], b = b[4:4+n], b[4+n:]
+	split, ok := transport.SplitKeys(b[1:], len(keys))
+	if !ok {
+		return keys, false, status.Errorf(status.Bootstrap, "rank %d sent truncated channel keys", r)
 	}
+	copy(keys[:], split)
 	return keys, true, nil
 }
 

@@ -192,11 +192,7 @@ func (c *Comm) registerNetwork(n *network) ([]byte, error) {
 		return nil, err
 	}
 	out := binary.LittleEndian.AppendUint64(nil, uint64(c.opts.StagingBytes))
-	for _, k := range [][]byte{n.regionL.Key(), n.stagingL.Key()} {
-		out = binary.LittleEndian.AppendUint32(out, uint32(len(k)))
-		out = append(out, k...)
-	}
-	return out, nil
+	return transport.AppendKeys(out, n.regionL.Key(), n.stagingL.Key()), nil
 }
 
 // connectGroup turns the keys of this rank's group into remote ranges.
@@ -215,14 +211,9 @@ func (c *Comm) connectGroup(n *network, all [][]byte) error {
 		if m == n.node {
 			continue
 		}
-		b = b[8:]
-		var keys [2][]byte
-		for i := range keys {
-			if len(b) < 4 || uint64(len(b)-4) < uint64(binary.LittleEndian.Uint32(b)) {
-				return status.Errorf(status.Bootstrap, "rank %d sent truncated inter-node keys", r)
-			}
-			k := binary.LittleEndian.Uint32(b)
-			keys[i], b = b[4:4+k], b[4+k:]
+		keys, ok := transport.SplitKeys(b[8:], 2)
+		if !ok {
+			return status.Errorf(status.Bootstrap, "rank %d sent truncated inter-node keys", r)
 		}
 		var err error
 		if n.regionR[m], err = n.t.Remote(r, keys[0]); err != nil {

@@ -2,7 +2,6 @@ package moe
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"os"
 	"runtime"
@@ -186,8 +185,7 @@ func (n *netPeers) openRail(bs bootstrap.Bootstrap, tp *topo.Topology, timeout t
 		if err != nil {
 			return err
 		}
-		key = binary.LittleEndian.AppendUint32(nil, uint32(len(l.self.Key())))
-		key = append(append(key, l.self.Key()...), flags.Key()...)
+		key = transport.AppendKeys(nil, l.self.Key(), flags.Key())
 		return nil
 	}()
 	if err = bootstrap.Agree(bs, err); err != nil {
@@ -198,13 +196,13 @@ func (n *netPeers) openRail(bs bootstrap.Bootstrap, tp *topo.Topology, timeout t
 		if err != nil || n.box[r] < 0 {
 			continue
 		}
-		if len(k) < 4 || uint64(len(k)-4) < uint64(binary.LittleEndian.Uint32(k)) {
-			err = status.Errorf(status.Bootstrap, "rank %d sent a %d-byte rail key", r, len(k))
+		two, ok := transport.SplitKeys(k, 2)
+		if !ok {
+			err = status.Errorf(status.Bootstrap, "rank %d sent truncated rail keys", r)
 			break
 		}
-		m := 4 + binary.LittleEndian.Uint32(k)
-		if l.remote[r], err = t.Remote(r, k[4:m]); err == nil {
-			l.rflags[r], err = t.Remote(r, k[m:])
+		if l.remote[r], err = t.Remote(r, two[0]); err == nil {
+			l.rflags[r], err = t.Remote(r, two[1])
 		}
 	}
 	if err = bootstrap.Agree(bs, err); err != nil {
@@ -566,37 +564,21 @@ func (n *netPeers) close() error {
 			remote = append(remote, r)
 		}
 	}
-	// Every transport is flushed before any closes: a peer still in the
-	// last barrier that lost one of them would take this rank for failed.
-	for _, l := range n.rails {
-		l.bg.Stop()
-	}
 	ts := []*ucx.Transport{}
 	if n.t != nil {
 		ts = append(ts, n.t)
 	}
 	for _, l := range n.rails {
+		l.bg.Stop()
 		ts = append(ts, l.t)
 	}
-	for _, r := range remote {
-		deadline := time.Now().Add(max(n.linger, 100*time.Millisecond))
-		for _, t := range ts {
-			if t.PeerError(r) == nil {
-				t.FlushWithin(r, max(time.Until(deadline), time.Millisecond))
-			}
-		}
-	}
-	var errs []error
-	for _, t := range ts {
-		errs = append(errs, t.Close())
-	}
+	err := ucx.CloseAllAfterFlush(ts, remote, n.linger)
 	for _, l := range n.rails {
 		if l.mem != nil {
 			unix.Munmap(l.mem)
 		}
 	}
 	n.t, n.rails = nil, nil
-	err := errors.Join(errs...)
 	if n.outbox != nil {
 		unix.Munmap(n.outbox)
 		n.outbox = nil
