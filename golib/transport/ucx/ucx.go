@@ -9,6 +9,7 @@ package ucx
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strings"
@@ -558,12 +559,27 @@ func (t *Transport) FlushWithin(peer int, timeout time.Duration) error {
 // still wait for the last of it, and closing would cut it off unsent. A
 // failed flush leaves nothing to save, so only Close's error is returned.
 func (t *Transport) CloseAfterFlush(peers []int, linger time.Duration) error {
+	return CloseAllAfterFlush([]*Transport{t}, peers, linger)
+}
+
+// CloseAllAfterFlush is CloseAfterFlush for several transports to the same
+// peers (rails): every one is flushed, within one linger per peer, before
+// any closes, since a peer still waiting on one of them would take the
+// loss of another for this rank's failure.
+func CloseAllAfterFlush(ts []*Transport, peers []int, linger time.Duration) error {
 	for _, r := range peers {
-		if r != t.rank && t.PeerError(r) == nil {
-			t.FlushWithin(r, max(linger, 100*time.Millisecond))
+		deadline := time.Now().Add(max(linger, 100*time.Millisecond))
+		for _, t := range ts {
+			if r != t.rank && t.PeerError(r) == nil {
+				t.FlushWithin(r, max(time.Until(deadline), time.Millisecond))
+			}
 		}
 	}
-	return t.Close()
+	var errs []error
+	for _, t := range ts {
+		errs = append(errs, t.Close())
+	}
+	return errors.Join(errs...)
 }
 
 func (t *Transport) flush(peer int) error { return t.flushBy(peer, time.Now().Add(t.timeout)) }
