@@ -14,6 +14,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/gpucoll"
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -39,7 +40,7 @@ func p2p_precompile(arch C.int, files *C.char, progress C.int, report *C.char, r
 				}
 			}
 		}
-		built, err := gpucoll.Precompile(int(arch), names, strings.Fields(os.Getenv("P2PCOMM_NVRTC_OPTIONS")),
+		built, err := gpucoll.Precompile(int(arch), names, strings.Fields(procenv.Get("P2PCOMM_NVRTC_OPTIONS")),
 			func(b gpucoll.Built) {
 				if progress != 0 {
 					from := ""

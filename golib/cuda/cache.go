@@ -11,6 +11,8 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 )
 
 // EnvCacheDir overrides where compiled kernels are cached.
@@ -19,10 +21,10 @@ const EnvCacheDir = "P2PCOMM_CACHE_DIR"
 // CacheDir returns the kernel cache directory: $P2PCOMM_CACHE_DIR, else
 // $XDG_CACHE_HOME/p2pcomm, else ~/.cache/p2pcomm.
 func CacheDir() (string, error) {
-	if d := os.Getenv(EnvCacheDir); d != "" {
+	if d := procenv.Get(EnvCacheDir); d != "" {
 		return d, nil
 	}
-	if d := os.Getenv("XDG_CACHE_HOME"); d != "" {
+	if d := procenv.Get("XDG_CACHE_HOME"); d != "" {
 		return filepath.Join(d, "p2pcomm"), nil
 	}
 	home, err := os.UserHomeDir()

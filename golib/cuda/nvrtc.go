@@ -17,6 +17,7 @@ import (
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/dl"
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -135,18 +136,18 @@ func siblingBuiltins(dir string) []string {
 
 // NVRTCCandidates returns the paths LoadNVRTC tries, in order, for logging.
 func NVRTCCandidates() []string {
-	if p := os.Getenv(EnvNVRTC); p != "" {
+	if p := procenv.Get(EnvNVRTC); p != "" {
 		return []string{p}
 	}
 	var dirs []string
-	for _, d := range filepath.SplitList(os.Getenv(EnvNVIDIAPaths)) {
+	for _, d := range filepath.SplitList(procenv.Get(EnvNVIDIAPaths)) {
 		if d != "" {
 			dirs = append(dirs, d, filepath.Join(d, "lib"), filepath.Join(d, "*", "lib"))
 		}
 	}
 	dirs = append(dirs, mappedNVIDIADirs()...)
 	for _, env := range []string{"CUDA_HOME", "CUDA_PATH"} {
-		if h := os.Getenv(env); h != "" {
+		if h := procenv.Get(env); h != "" {
 			dirs = append(dirs, filepath.Join(h, "lib64"), filepath.Join(h, "lib"))
 		}
 	}

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 )
 
 // Cap is how many events are kept, the newest.
@@ -33,7 +35,7 @@ type Event struct {
 }
 
 var (
-	to    = os.Getenv("P2PCOMM_PROXY_TRACE")
+	to    = procenv.Get("P2PCOMM_PROXY_TRACE")
 	buf   []Event
 	count atomic.Uint64
 	mu    sync.Mutex // guards buf's slots and the file

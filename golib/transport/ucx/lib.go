@@ -20,7 +20,6 @@ import "C"
 import (
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -29,6 +28,7 @@ import (
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/dl"
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
 
@@ -124,7 +124,7 @@ func load(dirs []string) (*library, error) {
 	if loaded != nil {
 		return loaded, nil
 	}
-	lib, err := openLibrary(os.LookupEnv, dirs, pythonLibDir)
+	lib, err := openLibrary(procenv.Lookup, dirs, pythonLibDir)
 	if err != nil {
 		return nil, err
 	}

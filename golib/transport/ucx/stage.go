@@ -9,13 +9,13 @@ import "C"
 import (
 	"encoding/binary"
 	"fmt"
-	"os"
 	"strings"
 	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
@@ -235,7 +235,7 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	mode := opts.Stage
 	if mode == StageDefault {
 		var err error
-		if mode, err = ParseStageMode(os.Getenv(StageEnv)); err != nil {
+		if mode, err = ParseStageMode(procenv.Get(StageEnv)); err != nil {
 			return err
 		}
 	}

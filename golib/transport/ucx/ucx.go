@@ -11,7 +11,6 @@ import "C"
 import (
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -20,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/trace"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
@@ -224,7 +224,7 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	errMode := opts.Errors
 	if errMode == ErrorsDefault {
 		var err error
-		if errMode, err = ParseErrorMode(os.Getenv(ErrorsEnv)); err != nil {
+		if errMode, err = ParseErrorMode(procenv.Get(ErrorsEnv)); err != nil {
 			return err
 		}
 	}
@@ -244,7 +244,7 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 		settings = append(settings[:len(settings):len(settings)], [2]string{"NET_DEVICES", "lo"})
 	}
 	for _, kv := range settings {
-		if _, set := os.LookupEnv("UCX_" + kv[0]); set {
+		if _, set := procenv.Lookup("UCX_" + kv[0]); set {
 			continue
 		}
 		name, value := C.CString(kv[0]), C.CString(kv[1])
