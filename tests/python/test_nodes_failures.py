@@ -10,12 +10,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
 
 import pytest
+import jobs
 from ports import free_port
 
 pytest.importorskip("torch")
@@ -62,8 +62,7 @@ def run_job(how: str, world: int = 4, local: int = 2, victim: int = VICTIM, scri
                    MASTER_PORT=str(port), P2PCOMM_TIMEOUT_MS=str(timeout_ms), P2PCOMM_JOB_TOKEN="%x" % port,
                    P2PCOMM_LOCAL_SIZE=str(local), CONCLUDED_DIR=concluded)
         code = textwrap.dedent(script.format(victim=victim, how=how, timeout_s=timeout_ms / 1000))
-        procs.append(subprocess.Popen([sys.executable, "-c", code],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(jobs.start(code, env))
     outs = {}
     try:
         for r, p in enumerate(procs):

@@ -3,11 +3,11 @@ mismatch at rendezvous, use from a forked child. CPU backend, TCP bootstrap."""
 
 import os
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
+import jobs
 from ports import free_port
 
 torch = pytest.importorskip("torch")
@@ -22,8 +22,7 @@ def launch(script: str, world: int, env_per_rank=None, timeout=60):
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), P2PCOMM_TIMEOUT_MS="4000",
                    P2PCOMM_JOB_TOKEN="%x" % port)
         env.update((env_per_rank or {}).get(r, {}))
-        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(jobs.start(textwrap.dedent(script), env))
     outs = []
     for p in procs:
         try:
@@ -143,8 +142,15 @@ def test_peer_killed_mid_put_makes_survivors_raise_naming_it():
         assert float(out.split("RAISED", 1)[1].split()[0]) < 6.0, out  # within P2PCOMM_TIMEOUT_MS (4 s)
 
 
-def test_ucx_absent_is_unsupported_on_every_rank():
+@pytest.mark.parametrize("where", ["environment", "os.environ"])
+def test_ucx_absent_is_unsupported_on_every_rank(where):
+    """P2PCOMM_UCX_LIB names no library: in the environment the process starts with, or set by the script in
+    os.environ before the first communicator (the library reads the environment as it is then, not as the
+    process started)."""
     script = """
+        import os
+        if "@SET@":
+            os.environ["P2PCOMM_UCX_LIB"] = "/nonexistent/libucp.so.0"
         import torch, p2pcomm
         comm = p2pcomm.Communicator(device="cpu", bootstrap="tcp")
         try:
@@ -153,10 +159,12 @@ def test_ucx_absent_is_unsupported_on_every_rank():
         except p2pcomm.UnsupportedError as e:
             print("UNSUPPORTED", e)
         print("STILL", comm.all_reduce(torch.ones(2)).tolist())
-    """
-    env = {"P2PCOMM_LOCAL_SIZE": "2", "P2PCOMM_UCX_LIB": "/nonexistent/libucp.so.0"}
+    """.replace("@SET@", "yes" if where == "os.environ" else "")
+    env = {"P2PCOMM_LOCAL_SIZE": "2"}
+    if where == "environment":
+        env["P2PCOMM_UCX_LIB"] = "/nonexistent/libucp.so.0"
     outs = launch(script, 2, env_per_rank={0: env, 1: env}, timeout=60)
     for rc, out in outs:
         assert rc == 0, out
-        assert "UNSUPPORTED" in out and "libucx" in out, out
+        assert "UNSUPPORTED" in out and "libucx" in out and "/nonexistent/libucp.so.0" in out, out
         assert "STILL [2.0, 2.0]" in out, out

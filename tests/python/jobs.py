@@ -1,0 +1,93 @@
+"""Python snippets run as the processes of a local job, each as `python -c CODE` would run it.
+
+Each process is forked from a server that imported torch once (multiprocessing's forkserver), so a test
+that starts a dozen ranks does not pay a dozen imports of torch; on a machine of a few cores that import is
+most of such a test's CPU time. Nothing that loads p2pcomm's library or touches a GPU runs before the fork:
+each process starts Go and CUDA of its own, with the environment it was given.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(["torch"])
+    return _context
+
+
+def _main(code: str, env: dict, out_path: str) -> None:
+    """The process: stdout and stderr into out_path, env as its whole environment, then code."""
+    fd = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    rc = 0
+    try:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            rc = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            rc = 1
+    except BaseException:  # noqa: BLE001 - reported as python would, then the exit code says it
+        traceback.print_exc()
+        rc = 1
+    atexit._run_exitfuncs()  # as at the end of `python -c`; multiprocessing's children skip them
+    os._exit(rc)
+
+
+class Process:
+    """One process of a job, with the parts of subprocess.Popen the tests use."""
+
+    def __init__(self, code: str, env: dict):
+        fd, self._out = tempfile.mkstemp(prefix="p2pcomm-job-", suffix=".log")
+        os.close(fd)
+        self._proc = _forkserver().Process(target=_main, args=(code, dict(env), self._out), daemon=False)
+        self._proc.start()
+        self.pid = self._proc.pid
+        self._output = None
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode
+
+    def poll(self):
+        return self._proc.exitcode
+
+    def kill(self):
+        if self._proc.exitcode is None:
+            self._proc.kill()
+
+    def communicate(self, timeout=None):
+        """(output, None) once the process has ended; subprocess.TimeoutExpired if it runs past timeout."""
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired("python -c", timeout)
+        if self._output is None:
+            with open(self._out, errors="backslashreplace") as f:
+                self._output = f.read()
+            os.unlink(self._out)
+        return self._output, None
+
+
+def start(code: str, env: dict) -> Process:
+    """Starts code (a script, as for `python -c`) in a process whose environment is exactly env."""
+    return Process(code, env)
