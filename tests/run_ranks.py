@@ -12,13 +12,23 @@ rank fails, the others get a grace period to fail on their own (they raise
 naming it) before they are ended; the whole job is bounded by --timeout.
 Nothing is silent for long: after 30 s without output from rank 0 a line
 says which ranks are still running.
+
+When ARGS are `-m MODULE ...` or `SCRIPT.py ...`, the ranks are forked from
+this process after it has imported --preload (torch and pytest by default),
+so each rank starts in a fraction of a second instead of importing them again:
+on a few cores those imports are a good part of a short job's CPU time.
+Nothing that touches a GPU or loads p2pcomm's library runs before the fork.
+--no-fork starts every rank as a fresh interpreter instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import os
 import pathlib
+import runpy
 import signal
 import subprocess
 import sys
@@ -30,6 +40,79 @@ from ports import free_port  # noqa: E402
 
 QUIET_S = 30  # longest stretch without a line on the console
 GRACE_S = 60  # how long the others may take to fail once one rank failed
+PRELOAD = "torch,pytest"  # torch.compile's modules too would cost more here than they save in the ranks
+
+
+class Forked:
+    """A rank forked from this process, polled like a subprocess.Popen."""
+
+    def __init__(self, pid: int, stdout=None):
+        self.pid, self.stdout, self.returncode = pid, stdout, None
+
+    def poll(self):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self):
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+
+def cuda_loaded() -> bool:
+    """True when the CUDA driver library is mapped into this process."""
+    with open("/proc/self/maps") as maps:
+        return any("libcuda.so" in line for line in maps)
+
+
+def forkable(args) -> bool:
+    """True for `-m MODULE ...` and `SCRIPT.py ...`: what a forked rank can run as python would."""
+    return (len(args) >= 2 and args[0] == "-m") or (bool(args) and args[0].endswith(".py"))
+
+
+def fork_rank(args, env: dict, out_fd: int) -> Forked:
+    """Forks a rank that runs args with env, its stdout and stderr on out_fd, in a session of its own."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return Forked(pid)
+    # The rank: never returns into the launcher's loop. It ends as `python ARGS` would, less the teardown of
+    # every module (a second or two with torch.compile's loaded, for nothing): atexit handlers, then exit.
+    code = 0
+    try:
+        os.setsid()
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.environ.clear()
+        os.environ.update(env)
+        for stream in ("stdout", "stderr"):  # unbuffered, as PYTHONUNBUFFERED=1 would make them
+            setattr(sys, stream, io.TextIOWrapper(io.FileIO(1 if stream == "stdout" else 2, "w", closefd=False),
+                                                  write_through=True, errors="backslashreplace"))
+        if args[0] == "-m":
+            sys.argv = [args[1], *args[2:]]
+            sys.path[0] = os.getcwd()
+            del sys.path[1]  # tests/python, which this launcher added for itself
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = str(pathlib.Path(args[0]).resolve().parent)
+            del sys.path[1]
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as python would
+        import traceback
+        traceback.print_exc()
+        code = 1
+    import atexit
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 def main(argv=None) -> int:
@@ -38,6 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     p.add_argument("--log-dir", default="build/logs", help="where rank<r>.log files go (default build/logs)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is ended (default 1800)")
+    p.add_argument("--preload", default=PRELOAD,
+                   help=f"modules imported once before the ranks are forked (default {PRELOAD})")
+    p.add_argument("--no-fork", action="store_true", help="start every rank as a fresh interpreter")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of python for every rank, after --")
     a = p.parse_args(argv)
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
@@ -46,14 +132,31 @@ def main(argv=None) -> int:
     logs = pathlib.Path(a.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     port = os.environ.get("MASTER_PORT") or str(free_port())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported here, for forked ranks
+    fork = not a.no_fork and forkable(args)
+    if fork:
+        for name in filter(None, a.preload.split(",")):
+            importlib.import_module(name)
+        if cuda_loaded():
+            print("run_ranks: the CUDA driver was loaded while importing --preload; ranks start as fresh "
+                  "interpreters (a forked child cannot use CUDA that its parent set up)", flush=True)
+            fork = False
     procs, files = [], []
     for r in range(a.nproc):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(a.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PYTHONUNBUFFERED="1")
-        env.setdefault("OMP_NUM_THREADS", "1")
         f = open(logs / f"rank{r}.log", "wb")
         files.append(f)
+        if fork:
+            if r == 0:
+                read_end, write_end = os.pipe()
+                procs.append(fork_rank(args, env, write_end))
+                os.close(write_end)
+                procs[0].stdout = os.fdopen(read_end, "rb", buffering=0)
+            else:
+                procs.append(fork_rank(args, env, f.fileno()))
+            continue
         procs.append(subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE if r == 0 else f,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     last = [time.monotonic()]
@@ -110,4 +213,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # without the teardown of the modules imported for the ranks (seconds, for nothing)
