@@ -5,6 +5,7 @@ GPU variants run only with P2PCOMM_TEST_GPU=1 on a machine with GPUs
 (`make gpu-test`); elsewhere they skip and say why.
 """
 
+import hashlib
 import os
 
 import pytest
@@ -14,6 +15,10 @@ import torch.distributed as dist
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+# Inductor, before its first CPU build in a process, proves each vector ISA that the CPU reports by
+# building a probe and loading it in a fresh interpreter that imports torch: seconds per ISA, in every
+# rank. The tests take the CPU's word for it (TORCHINDUCTOR_VEC_ISA_OK=0 or 1 decides otherwise).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import p2pcomm  # noqa: E402
 from p2pcomm.communicator import gpus_shared, local_cuda_index  # noqa: E402
@@ -70,8 +75,12 @@ def comms(group):
 
 
 def same_on_all_ranks(t: torch.Tensor) -> bool:
-    """True when every rank holds bit-identical bytes."""
+    """True when every rank holds bit-identical bytes: ranks compare a 256-bit BLAKE2 digest of them (the bytes
+    themselves would cross gloo W times per check)."""
     mine = t.detach().cpu().contiguous().view(torch.uint8).flatten()
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, mine)
+    digest = hashlib.blake2b(mine.numpy(), digest_size=32)
+    digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
+    d = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+    parts = [torch.empty_like(d) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, d)
     return all(torch.equal(p, parts[0]) for p in parts)

@@ -27,22 +27,30 @@ def rank_input(seed: int, rank: int, n: int, dtype: torch.dtype, op: str) -> tor
     return torch.randint(-hi, hi + 1, (n,), generator=g, dtype=dtype)
 
 
+def widen(inputs, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's input, one row each, in float64 (floats) or int64 (integers)."""
+    return torch.stack([x.to(torch.float64 if dtype.is_floating_point else torch.int64) for x in inputs])
+
+
+def reduce_rows(wide: torch.Tensor, op: str, dtype: torch.dtype) -> torch.Tensor:
+    """The reduction of widen()'s rows, exact for integers."""
+    if op == "sum":
+        return wide.sum(0)
+    if op == "prod":
+        return wide.prod(0)
+    if op == "min":
+        return wide.amin(0)
+    if op == "max":
+        return wide.amax(0)
+    total = wide.sum(0)
+    if dtype.is_floating_point:
+        return total / wide.shape[0]
+    return torch.div(total, wide.shape[0], rounding_mode="floor")
+
+
 def reference(inputs, op: str, dtype: torch.dtype) -> torch.Tensor:
     """Reduce in float64 (floats) or exactly (integers), in rank order."""
-    wide = torch.float64 if dtype.is_floating_point else torch.int64
-    stack = torch.stack([x.to(wide) for x in inputs])
-    if op == "sum":
-        return stack.sum(0)
-    if op == "prod":
-        return stack.prod(0)
-    if op == "min":
-        return stack.amin(0)
-    if op == "max":
-        return stack.amax(0)
-    total = stack.sum(0)
-    if dtype.is_floating_point:
-        return total / len(inputs)
-    return torch.div(total, len(inputs), rounding_mode="floor")
+    return reduce_rows(widen(inputs, dtype), op, dtype)
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, op: str, scale=None):
@@ -78,13 +86,17 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 def test_every_op_matches_torch(comms, device, n, dtype):
     comm = comms(device)
     w, r = comm.world_size, comm.rank
-    for i, op in enumerate(OPS):
-        seed = zlib.crc32(f"{n}{dtype}{op}".encode()) % 100_000
-        inputs = [rank_input(seed, q, n, dtype, op) for q in range(w)]
-        want = reference(inputs, op, dtype)
-        scale = torch.stack([x.double().abs() for x in inputs]).sum(0) if op in ("sum", "avg") else None
-        if op == "avg" and scale is not None:
-            scale /= w
+    drawn = {}  # every rank's inputs: one draw for the products (kept in range), one for the other ops
+    for op in OPS:
+        kind = "prod" if op == "prod" else "other"
+        if kind not in drawn:
+            seed = zlib.crc32(f"{n}{dtype}{kind}".encode()) % 100_000
+            inputs = [rank_input(seed, q, n, dtype, op) for q in range(w)]
+            wide = widen(inputs, dtype)
+            drawn[kind] = inputs, wide, wide.abs().sum(0) if dtype.is_floating_point else None
+        inputs, wide, abs_sum = drawn[kind]
+        want = reduce_rows(wide, op, dtype)
+        scale = {"sum": abs_sum, "avg": None if abs_sum is None else abs_sum / w}.get(op)
         mine = inputs[r].to(device)
         # Out of place on a plain tensor: staged.
         out = comm.all_reduce(mine, op=op)

@@ -22,7 +22,7 @@ class Inputs:
 
 def make_inputs(seed, rank, T, H, E, K, dtype, routing="random", minus_one=0.0) -> Inputs:
     g = torch.Generator().manual_seed(seed * 1009 + rank)
-    x = torch.randn(T, H, generator=g, dtype=torch.float64).to(dtype)
+    x = torch.randn(T, H, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32).to(dtype)
     if routing == "random":  # distinct experts per token, like a real top-k
         idx = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K] if T else torch.empty(0, K, dtype=torch.long)
     elif routing == "duplicates":  # any expert, repeats allowed
@@ -39,18 +39,36 @@ def make_inputs(seed, rank, T, H, E, K, dtype, routing="random", minus_one=0.0) 
     return Inputs(x, idx, w)
 
 
-def reference_dispatch(inputs, rank, W, E, K):
-    """Rows received by `rank`: (local expert, src, token, k) in the documented order."""
+@dataclasses.dataclass
+class Rows:
+    """The rows a rank receives, in the documented order: (local expert, source rank, token, k) ascending."""
+    local_expert: torch.Tensor  # [R] int64
+    src: torch.Tensor  # [R] int64
+    token: torch.Tensor  # [R] int64
+    k: torch.Tensor  # [R] int64
+
+    def __len__(self) -> int:
+        return self.src.numel()
+
+    def gather(self, per_source) -> torch.Tensor:
+        """Row i is per_source[src[i]][token[i]]: the sources' tensors (first dimension T) in the rows' order."""
+        starts = torch.tensor([0] + [t.shape[0] for t in per_source]).cumsum(0)[:-1]
+        return torch.cat(list(per_source))[starts[self.src] + self.token]
+
+
+def reference_dispatch(inputs, rank, W, E, K) -> Rows:
+    """Rows received by `rank`: every (source, token, k) whose expert lives on `rank`, sorted by
+    (local expert, source, token, k)."""
     L = E // W
-    keys = []
+    cols = []
     for s, inp in enumerate(inputs):
-        for t in range(inp.idx.shape[0]):
-            for k in range(K):
-                e = int(inp.idx[t, k])
-                if e >= 0 and e // L == rank:
-                    keys.append((e % L, s, t, k))
-    keys.sort()
-    return keys
+        t, k = torch.nonzero((inp.idx >= 0) & (torch.div(inp.idx, L, rounding_mode="floor") == rank), as_tuple=True)
+        cols.append(torch.stack([inp.idx[t, k] % L, torch.full_like(t, s), t, k]))
+    keys = torch.cat(cols, dim=1) if cols else torch.empty(4, 0, dtype=torch.long)
+    order = torch.arange(keys.shape[1])
+    for field in (3, 2, 1, 0):  # stable sorts from the last key to the first: lexicographic order
+        order = order[torch.sort(keys[field, order], stable=True).indices]
+    return Rows(*keys[:, order])
 
 
 def expert_fn(x: torch.Tensor, local_expert: torch.Tensor, src_rank: torch.Tensor) -> torch.Tensor:
@@ -61,50 +79,45 @@ def expert_fn(x: torch.Tensor, local_expert: torch.Tensor, src_rank: torch.Tenso
 
 
 def reference_combine(inputs, rank, W, E, K, dtype):
+    """The float64 weighted sum over k of the experts' outputs for `rank`'s tokens, and the sum of the
+    terms' magnitudes (the scale of the rounding bound)."""
     L = E // W
     inp = inputs[rank]
     T, H = inp.x.shape
     y = torch.zeros(T, H, dtype=torch.float64)
     scale = torch.zeros(T, H, dtype=torch.float64)
-    for t in range(T):
-        for k in range(K):
-            e = int(inp.idx[t, k])
-            if e < 0:
-                continue
-            out = expert_fn(inp.x[t:t + 1], torch.tensor([e % L]), torch.tensor([rank])).double()[0]
-            y[t] += float(inp.w[t, k]) * out
-            scale[t] += (float(inp.w[t, k]) * out).abs()
+    src = torch.full((T,), rank)
+    for k in range(K):
+        e = inp.idx[:, k]
+        out = expert_fn(inp.x, e.remainder(L), src).double()
+        term = torch.where((e >= 0).unsqueeze(1), inp.w[:, k].double().unsqueeze(1) * out, 0.0)
+        y += term
+        scale += term.abs()
     return y, scale
 
 
 def check_dispatch(recv, inputs, rank, W, E, K, dtype, capturable=False):
-    keys = reference_dispatch(inputs, rank, W, E, K)
+    rows = reference_dispatch(inputs, rank, W, E, K)
     L = E // W
-    R = len(keys)
+    R = len(rows)
     assert recv.num_rows.dtype == torch.int32 and recv.num_rows.shape == (1,)
     assert int(recv.num_rows.item()) == R
     if capturable:
         assert recv.x.shape[0] >= R and recv.capturable
     else:
         assert recv.x.shape[0] == R
-    counts = torch.zeros(L, dtype=torch.int32)
-    for le, *_ in keys:
-        counts[le] += 1
     assert recv.expert_counts.dtype == torch.int32
-    assert torch.equal(recv.expert_counts.cpu(), counts)
+    assert torch.equal(recv.expert_counts.cpu(), torch.bincount(rows.local_expert, minlength=L).to(torch.int32))
     if R == 0:
         return
-    le = torch.tensor([k[0] for k in keys], dtype=torch.int32)
-    src = torch.tensor([k[1] for k in keys], dtype=torch.int32)
-    tok = torch.tensor([k[2] for k in keys], dtype=torch.int32)
-    want_x = torch.stack([inputs[s].x[t] for _, s, t, _ in keys])
-    want_w = torch.tensor([float(inputs[s].w[t, k]) for (_, s, t, k) in keys], dtype=torch.float32)
-    assert torch.equal(recv.local_expert[:R].cpu(), le)
-    assert torch.equal(recv.src_rank[:R].cpu(), src)
-    assert torch.equal(recv.src_token[:R].cpu().to(torch.int32), tok)
+    assert torch.equal(recv.local_expert[:R].cpu(), rows.local_expert.to(torch.int32))
+    assert torch.equal(recv.src_rank[:R].cpu(), rows.src.to(torch.int32))
+    assert torch.equal(recv.src_token[:R].cpu().to(torch.int32), rows.token.to(torch.int32))
+    want_w = rows.gather([inp.w for inp in inputs])[torch.arange(R), rows.k]
     assert torch.equal(recv.weight[:R].cpu(), want_w), "weights differ"
     got = recv.x[:R].cpu()
     assert got.dtype == dtype
+    want_x = rows.gather([inp.x for inp in inputs])
     assert torch.equal(got.view(torch.uint8), want_x.contiguous().view(torch.uint8)), "token rows differ"
 
 

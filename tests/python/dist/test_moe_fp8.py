@@ -40,24 +40,21 @@ def fp8_inputs(seed, W, sizes, H, E, K, dtype, routing="random", minus_one=0.0):
 
 def check_fp8_rows(recv, quant, deq, rank, W, E, K, capturable=False):
     """Metadata as in bf16 dispatch; every received row's float8 bytes and scale bits its source's."""
-    keys = reference_dispatch(deq, rank, W, E, K)
-    R = len(keys)
+    rows = reference_dispatch(deq, rank, W, E, K)
+    R = len(rows)
     assert int(recv.num_rows.item()) == R
     assert recv.x.dtype == FP8 and recv.scales.dtype == torch.float32
     assert recv.x.shape[0] == recv.scales.shape[0] and recv.scales.shape[1] == recv.x.shape[1] // BLOCK
     assert recv.x.shape[0] == R or (capturable and recv.x.shape[0] >= R)
     L = E // W
-    counts = torch.zeros(L, dtype=torch.int32)
-    for le, *_ in keys:
-        counts[le] += 1
-    assert torch.equal(recv.expert_counts.cpu(), counts)
+    assert torch.equal(recv.expert_counts.cpu(), torch.bincount(rows.local_expert, minlength=L).to(torch.int32))
     if R == 0:
         return
-    assert torch.equal(recv.local_expert[:R].cpu(), torch.tensor([k[0] for k in keys], dtype=torch.int32))
-    assert torch.equal(recv.src_rank[:R].cpu(), torch.tensor([k[1] for k in keys], dtype=torch.int32))
-    assert torch.equal(recv.src_token[:R].cpu(), torch.tensor([k[2] for k in keys], dtype=torch.int32))
-    want_x = torch.stack([quant[s][0][t] for _, s, t, _ in keys])
-    want_s = torch.stack([quant[s][1][t] for _, s, t, _ in keys])
+    assert torch.equal(recv.local_expert[:R].cpu(), rows.local_expert.to(torch.int32))
+    assert torch.equal(recv.src_rank[:R].cpu(), rows.src.to(torch.int32))
+    assert torch.equal(recv.src_token[:R].cpu(), rows.token.to(torch.int32))
+    want_x = rows.gather([x8 for x8, _ in quant])
+    want_s = rows.gather([sc for _, sc in quant])
     assert torch.equal(recv.x[:R].cpu().view(torch.uint8), want_x.view(torch.uint8)), "fp8 rows differ"
     assert torch.equal(recv.scales[:R].cpu().view(torch.int32), want_s.view(torch.int32)), "scales differ"
 
