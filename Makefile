@@ -98,27 +98,22 @@ test-dist: lib $(PY_ENV)
 	$(call RANKS,3) -m pytest -q -x tests/python/dist/test_moe.py tests/python/dist/test_moe_nodes.py
 	$(call RANKS,8) -m pytest -q -x tests/python/dist/test_moe.py
 
-# The Python tests spend much of their time waiting (for subprocesses to
-# start, for peers' timeouts), so they run beside the Go race tests; their
-# output follows the Go tests'.
-# A Go package's tests print only when they end (the slowest take a minute),
-# so a line every 25 s says that they still run and where the python tests are.
-PY_TEST_LOG := build/logs/test-python.log
-HEARTBEAT_S := 25
+# Two streams side by side, so that both cores stay busy: the distributed
+# suites, whose ranks spend much of their time waiting on each other, print as
+# they go; the python tests that need no ranks and the Go tests (race
+# detector, fuzzing, MPI) go to build/logs/side.log, which follows.
+SIDE_LOG := build/logs/side.log
 test-go-and-python: lib $(PY_ENV)
-	@mkdir -p build/logs; : > $(PY_TEST_LOG); start=$$(date +%s); \
-	$(MAKE) --no-print-directory test-python > $(PY_TEST_LOG) 2>&1 & py=$$!; \
-	echo "python tests run beside the Go tests: $(PY_TEST_LOG)"; \
-	{ n=0; while sleep 1; do \
-		n=$$((n + 1)); test $$((n % $(HEARTBEAT_S))) -eq 0 || continue; \
-		echo "  ... $$(( $$(date +%s) - start )) s: Go tests running; python tests: $$(tail -n 1 $(PY_TEST_LOG) | cut -c 1-60)"; \
-	done; } & beat=$$!; \
-	$(MAKE) --no-print-directory test-go-race; gorc=$$?; \
-	kill $$beat; wait $$py; pyrc=$$?; cat $(PY_TEST_LOG); \
-	test $$gorc -eq 0 && test $$pyrc -eq 0 || { echo "failed: Go tests $$gorc, python tests $$pyrc"; exit 1; }
+	@mkdir -p build/logs; : > $(SIDE_LOG); \
+	$(MAKE) --no-print-directory test-python test-go-race fuzz test-mpi > $(SIDE_LOG) 2>&1 & side=$$!; \
+	echo "the python tests that need no ranks and the Go tests run beside these: $(SIDE_LOG)"; \
+	$(MAKE) --no-print-directory test-dist; distrc=$$?; \
+	echo "---- $(SIDE_LOG) ----"; \
+	tail -n +1 -f $(SIDE_LOG) --pid=$$side; wait $$side; siderc=$$?; \
+	test $$distrc -eq 0 && test $$siderc -eq 0 || { echo "failed: distributed suites $$distrc, the others $$siderc"; exit 1; }
 
 test: lib $(PY_ENV)
-	$(call BESIDE_KERNELS,$(MAKE) --no-print-directory vet test-go-and-python fuzz test-mpi test-dist)
+	$(call BESIDE_KERNELS,$(MAKE) --no-print-directory vet test-go-and-python)
 
 gpu-test: lib $(PY_ENV)
 	@test "$(NPROC_GPU)" -ge 2 || { echo "gpu-test needs at least 2 GPUs (found $(NPROC_GPU))"; exit 1; }
