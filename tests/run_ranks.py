@@ -94,13 +94,13 @@ def fork_rank(args, env: dict, out_fd: int) -> Forked:
                                                   write_through=True, errors="backslashreplace"))
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
-            sys.path[0] = os.getcwd()
-            del sys.path[1]  # tests/python, which this launcher added for itself
+            # sys.path starts with this launcher's two (tests/python, then its own folder); python ARGS
+            # would start with the working directory (-m) or the script's folder instead.
+            sys.path[0:2] = [os.getcwd()]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(args)
-            sys.path[0] = str(pathlib.Path(args[0]).resolve().parent)
-            del sys.path[1]
+            sys.path[0:2] = [str(pathlib.Path(args[0]).resolve().parent)]
             runpy.run_path(args[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
