@@ -103,13 +103,19 @@ test-dist: lib $(PY_ENV)
 # they go; the python tests that need no ranks and the Go tests (race
 # detector, fuzzing, MPI) go to build/logs/side.log, which follows.
 SIDE_LOG := build/logs/side.log
+QUIET_S := 25
 test-go-and-python: lib $(PY_ENV)
 	@mkdir -p build/logs; : > $(SIDE_LOG); \
 	$(MAKE) --no-print-directory test-python test-go-race fuzz test-mpi > $(SIDE_LOG) 2>&1 & side=$$!; \
 	echo "the python tests that need no ranks and the Go tests run beside these: $(SIDE_LOG)"; \
 	$(MAKE) --no-print-directory test-dist; distrc=$$?; \
 	echo "---- $(SIDE_LOG) ----"; \
-	tail -n +1 -f $(SIDE_LOG) --pid=$$side; wait $$side; siderc=$$?; \
+	tail -n +1 -f $(SIDE_LOG) --pid=$$side & tailer=$$!; \
+	last=$$(date +%s); while kill -0 $$side 2>/dev/null; do sleep 1; \
+		mod=$$(stat -c %Y $(SIDE_LOG)); test $$mod -gt $$last && last=$$mod; \
+		test $$(( $$(date +%s) - last )) -ge $(QUIET_S) || continue; \
+		echo "  ... still running, nothing new for $(QUIET_S) s (a Go package prints when it ends)"; last=$$(date +%s); \
+	done; wait $$tailer; wait $$side; siderc=$$?; \
 	test $$distrc -eq 0 && test $$siderc -eq 0 || { echo "failed: distributed suites $$distrc, the others $$siderc"; exit 1; }
 
 test: lib $(PY_ENV)
