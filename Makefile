@@ -59,7 +59,17 @@ vet:
 # the other tests, each build reported as it ends.
 KERNEL_TEST_LOG := build/logs/kernels.log
 KERNEL_TEST = $(GO) test -count=1 -timeout 30m -v ./native/kernels > $(KERNEL_TEST_LOG) 2>&1
-KERNEL_REPORT = tail -n +1 -f $(KERNEL_TEST_LOG) --pid=$$kernels | grep --line-buffered -vE '^(=== (RUN|PAUSE|CONT|NAME)|\s*--- PASS|PASS$$)'
+# FOLLOW log,pid,filter,what: prints log (through filter) as it grows until
+# process pid ends, and a line saying so whenever it has been quiet for
+# QUIET_S seconds (Go prints a package, or a kernel build, only when it ends).
+QUIET_S := 25
+FOLLOW = { tail -n +1 -f $(1) --pid=$(2) | $(3); } & tailer=$$!; \
+	last=$$(date +%s); while kill -0 $(2) 2>/dev/null; do sleep 1; \
+		mod=$$(stat -c %Y $(1)); test $$mod -gt $$last && last=$$mod; \
+		test $$(( $$(date +%s) - last )) -ge $(QUIET_S) || continue; \
+		echo "  ... $(4) still running, nothing new for $(QUIET_S) s"; last=$$(date +%s); \
+	done; wait $$tailer
+KERNEL_REPORT = $(call FOLLOW,$(KERNEL_TEST_LOG),$$kernels,grep --line-buffered -vE '^(=== (RUN|PAUSE|CONT|NAME)|\s*--- PASS|PASS$$)',the kernel builds are)
 # BESIDE_KERNELS cmd: runs cmd while the kernel builds run, then their report.
 BESIDE_KERNELS = @mkdir -p build/logs; set -o pipefail; \
 	$(KERNEL_TEST) & kernels=$$!; \
@@ -103,19 +113,13 @@ test-dist: lib $(PY_ENV)
 # they go; the python tests that need no ranks and the Go tests (race
 # detector, fuzzing, MPI) go to build/logs/side.log, which follows.
 SIDE_LOG := build/logs/side.log
-QUIET_S := 25
 test-go-and-python: lib $(PY_ENV)
 	@mkdir -p build/logs; : > $(SIDE_LOG); \
 	$(MAKE) --no-print-directory test-python test-go-race fuzz test-mpi > $(SIDE_LOG) 2>&1 & side=$$!; \
 	echo "the python tests that need no ranks and the Go tests run beside these: $(SIDE_LOG)"; \
 	$(MAKE) --no-print-directory test-dist; distrc=$$?; \
 	echo "---- $(SIDE_LOG) ----"; \
-	tail -n +1 -f $(SIDE_LOG) --pid=$$side & tailer=$$!; \
-	last=$$(date +%s); while kill -0 $$side 2>/dev/null; do sleep 1; \
-		mod=$$(stat -c %Y $(SIDE_LOG)); test $$mod -gt $$last && last=$$mod; \
-		test $$(( $$(date +%s) - last )) -ge $(QUIET_S) || continue; \
-		echo "  ... still running, nothing new for $(QUIET_S) s (a Go package prints when it ends)"; last=$$(date +%s); \
-	done; wait $$tailer; wait $$side; siderc=$$?; \
+	$(call FOLLOW,$(SIDE_LOG),$$side,cat,the Go tests are); wait $$side; siderc=$$?; \
 	test $$distrc -eq 0 && test $$siderc -eq 0 || { echo "failed: distributed suites $$distrc, the others $$siderc"; exit 1; }
 
 test: lib $(PY_ENV)

@@ -221,7 +221,10 @@ func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, vic
 	if err2 := tr.Flush(victim); status.CodeOf(err2) != status.Timeout {
 		return fmt.Errorf("flush after the failure: %v, want code %v", err2, status.Timeout)
 	}
-	// Survivors still reach each other: one put, one signal each way.
+	// Survivors still reach each other: one put, one signal each way. One
+	// that saw the failure at once (its endpoint reset) waits for one that
+	// saw it only at the timeout.
+	j.timeout = 2*timeout + 2*time.Second
 	for p := range j.size {
 		if p == j.rank || p == victim {
 			continue
