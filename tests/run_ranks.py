@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import os
 import pathlib
 import runpy
@@ -36,6 +35,7 @@ import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "python"))
+from jobs import run_as_python  # noqa: E402
 from ports import free_port  # noqa: E402
 
 QUIET_S = 30  # longest stretch without a line on the console
@@ -80,39 +80,22 @@ def fork_rank(args, env: dict, out_fd: int) -> Forked:
     pid = os.fork()
     if pid:
         return Forked(pid)
-    # The rank: never returns into the launcher's loop. It ends as `python ARGS` would, less the teardown of
-    # every module (a second or two with torch.compile's loaded, for nothing): atexit handlers, then exit.
-    code = 0
-    try:
-        os.setsid()
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        os.environ.clear()
-        os.environ.update(env)
-        for stream in ("stdout", "stderr"):  # unbuffered, as PYTHONUNBUFFERED=1 would make them
-            setattr(sys, stream, io.TextIOWrapper(io.FileIO(1 if stream == "stdout" else 2, "w", closefd=False),
-                                                  write_through=True, errors="backslashreplace"))
+    # The rank never returns into the launcher's loop.
+    os.setsid()
+
+    def run():
+        # sys.path starts with this launcher's two (tests/python, then its own folder); python ARGS would
+        # start with the working directory (-m) or the script's folder instead.
         if args[0] == "-m":
             sys.argv = [args[1], *args[2:]]
-            # sys.path starts with this launcher's two (tests/python, then its own folder); python ARGS
-            # would start with the working directory (-m) or the script's folder instead.
             sys.path[0:2] = [os.getcwd()]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(args)
             sys.path[0:2] = [str(pathlib.Path(args[0]).resolve().parent)]
             runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - reported as python would
-        import traceback
-        traceback.print_exc()
-        code = 1
-    import atexit
-    atexit._run_exitfuncs()
-    os._exit(code)
+
+    run_as_python(out_fd, env, run)
 
 
 def main(argv=None) -> int:

@@ -74,13 +74,13 @@ def comms(group):
         c.close()
 
 
-def same_on_all_ranks(t: torch.Tensor) -> bool:
-    """True when every rank holds bit-identical bytes: ranks compare a 256-bit BLAKE2 digest of them (the bytes
-    themselves would cross gloo W times per check)."""
+def same_on_all_ranks(t: torch.Tensor, group=None) -> bool:
+    """True when every rank (of group) holds bit-identical bytes: ranks compare a 256-bit BLAKE2 digest of them
+    (the bytes themselves would cross gloo W times per check)."""
     mine = t.detach().cpu().contiguous().view(torch.uint8).flatten()
     digest = hashlib.blake2b(mine.numpy(), digest_size=32)
     digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
     d = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
-    parts = [torch.empty_like(d) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, d)
+    parts = [torch.empty_like(d) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, d, group=group)
     return all(torch.equal(p, parts[0]) for p in parts)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import p2pcomm
-from conftest import DEVICES, GPU_ONLY
+from conftest import DEVICES, GPU_ONLY, same_on_all_ranks
 from p2pcomm.communicator import local_cuda_index
 from test_allreduce import DTYPES, OPS, SIZES, assert_matches, poison, rank_input, reference
 
@@ -51,12 +51,8 @@ class Nodes:
             assert self.comm.nodes == [[ranks.index(r) for r in node] for node in want]
 
     def same_bits(self, t: torch.Tensor) -> bool:
-        """True when every member holds the same bytes (a checksum of each is compared)."""
-        data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        mine = (zlib.crc32(data), len(data))
-        got = [None] * len(self.ranks)
-        dist.all_gather_object(got, mine, group=self.group)
-        return all(g == got[0] for g in got)
+        """True when every member holds the same bytes."""
+        return same_on_all_ranks(t, self.group)
 
     def settle(self):
         """GPU errors are seen asynchronously: wait for the stream, then ask."""
