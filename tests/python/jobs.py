@@ -29,12 +29,13 @@ def _forkserver():
     return _context
 
 
-def run_as_python(out_fd: int, env: dict, run) -> NoReturn:
-    """In a forked child: stdout and stderr on out_fd (unbuffered, as PYTHONUNBUFFERED=1 makes them), env as
-    the whole environment, then run(); exits with the code `python ...` would, after the atexit handlers but
-    without tearing down every module (seconds with torch's loaded, for nothing)."""
+def run_as_python(out_fd: int, env: dict, run, err_fd: int | None = None) -> NoReturn:
+    """In a forked child: stdout on out_fd and stderr on err_fd, else on out_fd too (unbuffered, as
+    PYTHONUNBUFFERED=1 makes them), env as the whole environment, then run(); exits with the code `python ...`
+    would, after the atexit handlers but without tearing down every module (seconds with torch's loaded, for
+    nothing)."""
     os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
+    os.dup2(out_fd if err_fd is None else err_fd, 2)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, errors="backslashreplace")
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace")
     os.environ.clear()
@@ -55,19 +56,28 @@ def run_as_python(out_fd: int, env: dict, run) -> NoReturn:
     os._exit(rc)
 
 
-def _main(code: str, env: dict, out_path: str) -> None:
-    """The process: stdout and stderr into out_path, env as its whole environment, then code."""
+def _main(code: str, env: dict, out_path: str, err_path: str | None) -> None:
+    """The process: stdout into out_path, stderr into err_path (else out_path too), env as its whole
+    environment, then code."""
     fd = os.open(out_path, os.O_WRONLY | os.O_APPEND)
-    run_as_python(fd, env, lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}))
+    err = None if err_path is None else os.open(err_path, os.O_WRONLY | os.O_APPEND)
+    run_as_python(fd, env, lambda: exec(compile(code, "<string>", "exec"), {"__name__": "__main__"}), err)
+
+
+def _temp_log() -> str:
+    fd, path = tempfile.mkstemp(prefix="p2pcomm-job-", suffix=".log")
+    os.close(fd)
+    return path
 
 
 class Process:
-    """One process of a job, with the parts of subprocess.Popen the tests use."""
+    """One process of a job, with the parts of subprocess.Popen the tests use; with separate_stderr, communicate
+    gives stdout and stderr apart, else both as one."""
 
-    def __init__(self, code: str, env: dict):
-        fd, self._out = tempfile.mkstemp(prefix="p2pcomm-job-", suffix=".log")
-        os.close(fd)
-        self._proc = _forkserver().Process(target=_main, args=(code, dict(env), self._out), daemon=False)
+    def __init__(self, code: str, env: dict, separate_stderr: bool = False):
+        self._out = _temp_log()
+        self._err = _temp_log() if separate_stderr else None
+        self._proc = _forkserver().Process(target=_main, args=(code, dict(env), self._out, self._err), daemon=False)
         self._proc.start()
         self.pid = self._proc.pid
         self._output = None
@@ -84,17 +94,36 @@ class Process:
             self._proc.kill()
 
     def communicate(self, timeout=None):
-        """(output, None) once the process has ended; subprocess.TimeoutExpired if it runs past timeout."""
+        """(stdout, stderr or None) once the process has ended; subprocess.TimeoutExpired if it runs past
+        timeout."""
         self._proc.join(timeout)
         if self._proc.exitcode is None:
             raise subprocess.TimeoutExpired("python -c", timeout)
         if self._output is None:
-            with open(self._out, errors="backslashreplace") as f:
-                self._output = f.read()
-            os.unlink(self._out)
-        return self._output, None
+            self._output = tuple(None if path is None else _take(path) for path in (self._out, self._err))
+        return self._output
 
 
-def start(code: str, env: dict) -> Process:
+def _take(path: str) -> str:
+    with open(path, errors="backslashreplace") as f:
+        text = f.read()
+    os.unlink(path)
+    return text
+
+
+def start(code: str, env: dict, separate_stderr: bool = False) -> Process:
     """Starts code (a script, as for `python -c`) in a process whose environment is exactly env."""
-    return Process(code, env)
+    return Process(code, env, separate_stderr)
+
+
+def run(code: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Runs code as `python -c code` would, as subprocess.run(..., capture_output=True, text=True) reports it;
+    the process is killed if it runs past timeout."""
+    proc = start(code, env, separate_stderr=True)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(["python", "-c", code], proc.returncode, out, err)

@@ -2,13 +2,13 @@
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
 
 pytest.importorskip("torch")
+
+import jobs  # noqa: E402
 
 COMMANDS = [["p2pcomm.demo"], ["p2pcomm.bench"], ["p2pcomm.bench", "allreduce"], ["p2pcomm.bench", "moe"],
             ["p2pcomm.bench", "p2p"], ["p2pcomm.bench", "rmsnorm"], ["p2pcomm.bench", "nodes"], ["p2pcomm.tune"],
@@ -16,11 +16,11 @@ COMMANDS = [["p2pcomm.demo"], ["p2pcomm.bench"], ["p2pcomm.bench", "allreduce"],
 
 
 # Runs each command as `python -m MODULE ARGS --help` would (runpy, as __main__), in an empty folder of its
-# own, all in one process: each would import torch, which costs seconds of CPU per process.
+# own, all in one process forked with torch imported: each would import torch, which costs seconds of CPU.
 DRIVER = """
 import contextlib, io, json, os, runpy, sys
-root, got = sys.argv[1], {}
-for i, command in enumerate(json.loads(sys.argv[2])):
+root, got = ROOT, {}
+for i, command in enumerate(COMMANDS):
     cwd = os.path.join(root, str(i))
     os.mkdir(cwd)
     os.chdir(cwd)
@@ -39,10 +39,9 @@ print(json.dumps(got))
 @pytest.fixture(scope="module")
 def answers():
     """Every command's --help: name -> (return code, stdout, stderr, files left in its folder)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     with tempfile.TemporaryDirectory() as root:
-        proc = subprocess.run([sys.executable, "-c", DRIVER, root, json.dumps(COMMANDS)], env=env, text=True,
-                              capture_output=True, timeout=300)
+        code = f"ROOT, COMMANDS = {root!r}, {COMMANDS!r}\n" + DRIVER
+        proc = jobs.run(code, dict(os.environ), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 

@@ -5,17 +5,20 @@ CUDA wheels), no GPU."""
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch")
 
+import jobs  # noqa: E402
+
 
 def precompile(cache: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), P2PCOMM_CACHE_DIR=str(cache))
-    return subprocess.run([sys.executable, "-m", "p2pcomm.precompile", *args], env=env, text=True,
-                          capture_output=True, timeout=300)
+    """`python -m p2pcomm.precompile ARGS` with cache as the kernel cache (in a process forked with torch
+    imported: the command imports it too)."""
+    code = f"import runpy, sys; sys.argv = {['p2pcomm.precompile', *args]!r}; " \
+        "runpy.run_module('p2pcomm.precompile', run_name='__main__', alter_sys=True)"
+    return jobs.run(code, dict(os.environ, P2PCOMM_CACHE_DIR=str(cache)), timeout=300)
 
 
 def test_precompile_fills_the_kernel_cache(tmp_path):

@@ -2,8 +2,9 @@
 torch._dynamo (a second of each process): the mark must be the very one
 torch._dynamo.mark_static_address sets."""
 
-import subprocess
-import sys
+import os
+
+import jobs
 
 SCRIPT = """
 import sys, torch
@@ -22,5 +23,5 @@ assert again.__dict__ == theirs.__dict__
 
 
 def test_static_mark_is_torchs_without_importing_dynamo():
-    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    run = jobs.run(SCRIPT, dict(os.environ), timeout=120)  # forked from a process that imported torch alone
     assert run.returncode == 0, run.stderr
