@@ -15,7 +15,7 @@ import torch.distributed as dist
 import p2pcomm
 from conftest import DEVICES, GPU_ONLY, same_on_all_ranks
 from p2pcomm.communicator import local_cuda_index
-from test_allreduce import DTYPES, OPS, SIZES, assert_matches, poison, rank_input, reference
+from test_allreduce import DTYPES, OPS, SIZES, Expected, assert_matches, poison, rank_input, reference
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libucx") is None and not os.environ.get("P2PCOMM_UCX_LIB"),
                                 reason="UCX not installed (pip install libucx-cu13)")
@@ -79,16 +79,7 @@ def layouts_on(group):
 
 def bad_elements(got: torch.Tensor, want: torch.Tensor, dtype, op: str, scale=None) -> torch.Tensor:
     """Indices where got misses the reference by assert_matches's own criterion."""
-    got = got.cpu()
-    if not dtype.is_floating_point:
-        return (got.to(torch.int64) != want).nonzero().flatten()
-    g, w = got.to(torch.float64), want.to(torch.float64)
-    if op in ("min", "max"):
-        w = want.to(dtype).to(torch.float64)
-        return (~((g == w) | (g.isnan() & w.isnan()))).nonzero().flatten()
-    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-    bound = tol * ((w.abs() if scale is None else scale) + 1e-3)
-    return (~((g - w).abs() <= bound)).nonzero().flatten()
+    return Expected(want, dtype, op, scale).misses(got).nonzero().flatten()
 
 
 def gpu_place(i: int, n: int, dtype, local_size: int, nodes: int) -> str:
