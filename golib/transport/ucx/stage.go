@@ -17,6 +17,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/trace"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
 
@@ -179,6 +180,7 @@ type staging struct {
 	chunk      uint64
 	slots      int
 	copies     uint64         // copies queued on copier
+	traced     uint64         // the completed count last traced
 	landBase   uintptr        // every sender's landing ring, pinned
 	landing    *C.p2p_landing // the active message handler's bounds (C memory)
 	creditBase []byte         // one credit word per peer, written by peers
@@ -666,6 +668,10 @@ func (t *Transport) serviceRings(hold bool) (bool, error) {
 	if err != nil {
 		return false, status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
 	}
+	if trace.On() && done != s.traced {
+		s.traced = done
+		trace.Mark("staged copies completed")
+	}
 	for r := range s.peers {
 		st := &s.peers[r]
 		k := 0
@@ -766,6 +772,9 @@ func (t *Transport) takeIn(r int, st *stager) error {
 		in.ticket = s.copies
 		st.landed = append(st.landed, in)
 		st.next++
+		if trace.On() {
+			trace.Mark("staged entry taken in") // its copies and stores queued, submitted below
+		}
 	}
 }
 
