@@ -26,3 +26,21 @@ func TestLookupSeesTheVariablesOfNow(t *testing.T) {
 		t.Fatalf("Lookup(%s) after unset = %q, %v; want \"\", false", key, got, ok)
 	}
 }
+
+func TestDefaultHoldsOnlyWhileFnRunsAndKeepsWhatIsSet(t *testing.T) {
+	key := "P2PCOMM_PROCENV_TEST_" + strconv.FormatUint(rand.Uint64(), 36)
+	var seen string
+	if err := Default(key, "default", func() { seen = Get(key) }); err != nil || seen != "default" {
+		t.Fatalf("inside Default: %q, %v; want \"default\"", seen, err)
+	}
+	if v, ok := Lookup(key); ok {
+		t.Fatalf("after Default: %s=%q is still set", key, v)
+	}
+	t.Setenv(key, "mine")
+	if err := Default(key, "default", func() { seen = Get(key) }); err != nil || seen != "mine" {
+		t.Fatalf("inside Default with the variable set: %q, %v; want \"mine\"", seen, err)
+	}
+	if v := Get(key); v != "mine" {
+		t.Fatalf("after Default with the variable set: %q, want \"mine\"", v)
+	}
+}

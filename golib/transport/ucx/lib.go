@@ -132,6 +132,14 @@ func load(dirs []string) (*library, error) {
 	return lib, nil
 }
 
+// HookModeEnv is read by UCX's memory hooks (UCM) as the library loads. By
+// default they patch libc's mmap, munmap, brk and their kin in place, for
+// the registration and memory-type caches that this transport turns off
+// (defaults); that patching costs about 0.4 s of CPU per process. Loading
+// sets it to none unless the user set it, and restores the environment
+// after.
+const HookModeEnv = "UCX_MEM_MMAP_HOOK_MODE"
+
 // openLibrary finds libucp.so.0: the path in P2PCOMM_UCX_LIB alone when it
 // is set, else the dynamic loader's search, then each of dirs, then the lib
 // folder of the libucx wheel that python3 would import. The error is
@@ -139,7 +147,11 @@ func load(dirs []string) (*library, error) {
 func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func() (string, error)) (*library, error) {
 	var tried []string
 	try := func(path string) *library {
-		h, err := dl.Open(path, dl.Now|dl.Local)
+		var h *dl.Library
+		var err error
+		if serr := procenv.Default(HookModeEnv, "none", func() { h, err = dl.Open(path, dl.Now|dl.Local) }); serr != nil {
+			err = fmt.Errorf("set %s for loading %s: %w", HookModeEnv, path, serr)
+		}
 		if err != nil {
 			tried = append(tried, err.Error())
 			return nil

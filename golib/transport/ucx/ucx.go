@@ -207,9 +207,9 @@ func Open(bs bootstrap.Bootstrap, opts Options) (*Transport, error) {
 
 // defaults are UCP settings applied unless the user set the UCX_ variable.
 // Buffers here are registered explicitly with their memory type, so UCX
-// needs no registration or memory-type cache, and without those it installs
-// no malloc/mmap hooks into a process that also runs the Go runtime and
-// torch's allocators. Fences here only order a staging entry's sequence word
+// needs no registration or memory-type cache, nor the memory hooks that
+// would feed them (HookModeEnv) in a process that also runs the Go runtime
+// and torch's allocators. Fences here only order a staging entry's sequence word
 // after its data on one endpoint: a weak fence orders without waiting, where
 // the strong one UCX picks for tcp flushes the endpoint, a round trip per
 // entry.

@@ -147,6 +147,9 @@ func TestParseErrorMode(t *testing.T) {
 // ---- the ranks ----
 
 func child(role string) int {
+	if role == "hooks" {
+		return childHooks()
+	}
 	cfg, err := bootstrap.TCPConfigFromEnv(os.LookupEnv)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "config:", err)
