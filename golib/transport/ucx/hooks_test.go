@@ -17,17 +17,29 @@ var libcMemoryCalls = []string{"mmap", "munmap", "mremap", "madvise", "brk", "sb
 
 // TestLoadingPatchesNoLibcCall: a process that loads UCX keeps libc's
 // memory calls as they were and its environment as it was; where the user
-// asks for UCX's hooks (HookModeEnv=bistro), UCX patches them, which shows
-// that the check sees a patch.
+// asks for UCX's hooks (HookModeEnv=bistro), or for the registration cache
+// they feed, UCX patches them, which also shows that the check sees a
+// patch. With the cache asked for, the transport still works.
 func TestLoadingPatchesNoLibcCall(t *testing.T) {
 	needUCX(t)
-	for _, mode := range []string{"", "bistro"} {
-		t.Run("mode="+mode, func(t *testing.T) {
+	for _, key := range []string{HookModeEnv, "UCX_RCACHE_ENABLE", "UCX_MEMTYPE_CACHE"} {
+		t.Setenv(key, "") // restored after the test
+		os.Unsetenv(key)
+	}
+	for _, setting := range []string{"", HookModeEnv + "=bistro", "UCX_RCACHE_ENABLE=y"} {
+		name := setting
+		if name == "" {
+			name = "defaults"
+		}
+		t.Run(name, func(t *testing.T) {
 			var env []string
-			if mode != "" {
-				env = append(env, HookModeEnv+"="+mode)
+			if setting != "" {
+				env = append(env, setting)
 			}
 			expectOK(t, runJob(t, "hooks", 1, 30*time.Second, env...))
+			if setting == "UCX_RCACHE_ENABLE=y" {
+				expectOK(t, runJob(t, "exchange", 2, 40*time.Second, env...))
+			}
 		})
 	}
 }
@@ -53,6 +65,7 @@ func childHooks() int {
 		return code
 	}
 	mode, asked := procenv.Lookup(HookModeEnv)
+	wanted := hooksWanted()
 	before := snap()
 	if _, err := load(nil); err != nil {
 		return fail("load UCX: %v", err)
@@ -66,10 +79,10 @@ func childHooks() int {
 	if now, set := procenv.Lookup(HookModeEnv); now != mode || set != asked {
 		return fail("%s is %q (set %v) after loading, was %q (set %v)", HookModeEnv, now, set, mode, asked)
 	}
-	if mode == "bistro" && len(patched) == 0 {
-		return fail("%s=bistro: UCX patched none of %v", HookModeEnv, libcMemoryCalls)
+	if wanted && len(patched) == 0 {
+		return fail("hooks asked for (%s=%q): UCX patched none of %v", HookModeEnv, mode, libcMemoryCalls)
 	}
-	if mode != "bistro" && len(patched) > 0 {
+	if !wanted && len(patched) > 0 {
 		return fail("loading UCX patched libc's %v", patched)
 	}
 	fmt.Printf("patched %v\nDONE\n", patched)

@@ -136,9 +136,20 @@ func load(dirs []string) (*library, error) {
 // default they patch libc's mmap, munmap, brk and their kin in place, for
 // the registration and memory-type caches that this transport turns off
 // (defaults); that patching costs about 0.4 s of CPU per process. Loading
-// sets it to none unless the user set it, and restores the environment
-// after.
+// sets it to none, and restores the environment after, unless the user set
+// it or set either cache (UCP refuses a registration cache without hooks).
 const HookModeEnv = "UCX_MEM_MMAP_HOOK_MODE"
+
+// hooksWanted reports whether the user's UCX settings leave the memory
+// hooks to UCX.
+func hooksWanted() bool {
+	for _, key := range []string{HookModeEnv, "UCX_RCACHE_ENABLE", "UCX_MEMTYPE_CACHE"} {
+		if _, set := procenv.Lookup(key); set {
+			return true
+		}
+	}
+	return false
+}
 
 // openLibrary finds libucp.so.0: the path in P2PCOMM_UCX_LIB alone when it
 // is set, else the dynamic loader's search, then each of dirs, then the lib
@@ -149,7 +160,10 @@ func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func()
 	try := func(path string) *library {
 		var h *dl.Library
 		var err error
-		if serr := procenv.Default(HookModeEnv, "none", func() { h, err = dl.Open(path, dl.Now|dl.Local) }); serr != nil {
+		open := func() { h, err = dl.Open(path, dl.Now|dl.Local) }
+		if hooksWanted() {
+			open()
+		} else if serr := procenv.Default(HookModeEnv, "none", open); serr != nil {
 			err = fmt.Errorf("set %s for loading %s: %w", HookModeEnv, path, serr)
 		}
 		if err != nil {

@@ -80,7 +80,7 @@ class Expected:
 
     def check(self, got: torch.Tensor) -> None:
         got = got.cpu()
-        assert got.dtype == self.dtype
+        assert got.dtype == self.dtype and got.shape == self.want.shape, (got.dtype, tuple(got.shape))
         if self.passed is not None and torch.equal(got, self.passed):
             return
         bad = self.misses(got).sum().item()
