@@ -157,11 +157,12 @@ func hooksWanted() bool {
 // status.Unsupported and lists every place tried with dlerror's text.
 func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func() (string, error)) (*library, error) {
 	var tried []string
+	hooks := hooksWanted()
 	try := func(path string) *library {
 		var h *dl.Library
 		var err error
 		open := func() { h, err = dl.Open(path, dl.Now|dl.Local) }
-		if hooksWanted() {
+		if hooks {
 			open()
 		} else if serr := procenv.Default(HookModeEnv, "none", open); serr != nil {
 			err = fmt.Errorf("set %s for loading %s: %w", HookModeEnv, path, serr)

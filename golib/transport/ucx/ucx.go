@@ -209,10 +209,10 @@ func Open(bs bootstrap.Bootstrap, opts Options) (*Transport, error) {
 // Buffers here are registered explicitly with their memory type, so UCX
 // needs no registration or memory-type cache, nor the memory hooks that
 // would feed them (HookModeEnv) in a process that also runs the Go runtime
-// and torch's allocators. Fences here only order a staging entry's sequence word
-// after its data on one endpoint: a weak fence orders without waiting, where
-// the strong one UCX picks for tcp flushes the endpoint, a round trip per
-// entry.
+// and torch's allocators. Fences here only order a staging entry's sequence
+// word after its data on one endpoint: a weak fence orders without waiting,
+// where the strong one UCX picks for tcp flushes the endpoint, a round trip
+// per entry.
 var defaults = [][2]string{
 	{"RCACHE_ENABLE", "n"},
 	{"MEMTYPE_CACHE", "n"},
