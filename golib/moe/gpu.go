@@ -3,9 +3,9 @@ package moe
 import (
 	"errors"
 	"fmt"
+	"time"
 	"unsafe"
 
-	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
@@ -36,9 +36,10 @@ type gpuEngine struct {
 	xp expandParams
 	cp combineParams
 	pp postParams
+	np countsParams
 	sy syncParams // what every MoeSync shares
 
-	eagerCalls int // eager calls so far: the parity of the next one's status row
+	eagerCalls int // eager calls so far: the next one's status row parity and tag
 	trace      trace
 }
 
@@ -153,7 +154,10 @@ func (g *gpuEngine) setup(p *plan) (err error) {
 	g.cp = combineParams{PeerComb: peerComb, Meta: uint64(g.meta), Hdr: uint64(g.hdr), CombRows: uint64(g.combRows),
 		SendSlot: uint64(g.sendSlot), MaxTokens: int32(Tm), Hidden: int32(p.hidden), TopK: int32(K), Rank: rank,
 		World: world, NumLocal: int32(L)}
-	g.pp = postParams{NumExperts: int32(E), IDCode: checkInvalidArg, Rank: rank, World: world}
+	g.pp = postParams{NumExperts: int32(E), IDCode: checkInvalidArg, Rank: rank, World: world, Signal: uint64(signal),
+		Err: uint64(errWord), TimeoutNs: timeoutNs}
+	g.np = countsParams{Checks: uint64(g.checks), Host: uint64(uintptr(g.host)), Words: int32(g.checksBytes / 4),
+		Rank: rank, World: world}
 	return nil
 }
 
@@ -187,27 +191,27 @@ func (g *gpuEngine) stage(a *DispatchArgs, T int, stream uintptr) error {
 // xsScales is where in xs the staged rows' scales start (fp8).
 func (g *gpuEngine) xsScales() int64 { return int64(g.p.maxTokens) * g.p.dispatchRowBytes() }
 
-// postChecks posts this rank's check of an eager call (code, or on the
-// device whether every expert id in idx is in [-1, E)) into every rank's
-// status row of the call's parity, then runs the start barrier. Two rows,
-// by call parity, because ranks read theirs after the barrier: a peer that
-// has read its own may post the next call's check at once, but not the
-// one after (that needs this rank at the next start barrier).
-// It returns this rank's status row of the call, where every rank's check
-// is once the barrier has run.
-func (g *gpuEngine) postChecks(code int32, idx uintptr, numIDs, idxBytes int, stream uintptr, call collective.Call) (uintptr, error) {
+// postChecks runs an eager call's start barrier, moe_post_status: it posts
+// this rank's check (code, or on the device whether every expert id in idx
+// is in [-1, E)) into every rank's status row of the call's parity, tagged
+// with the call, and waits for every rank's. Two rows, by call parity,
+// because ranks read theirs after the barrier: a peer that has passed it
+// may post the next call's check at once, but not the one after (that needs
+// this rank at the next start barrier). With host, every rank's code also
+// goes there (pinned memory, [W] int32). It returns this rank's status row
+// of the call.
+func (g *gpuEngine) postChecks(code int32, idx uintptr, numIDs, idxBytes int, stream uintptr, kind int32,
+	host uintptr) (uintptr, error) {
 	par := g.eagerCalls & 1
-	g.eagerCalls++
 	pp := &g.pp
-	pp.PeerStatus, pp.Code = g.peerStatus[par], code
+	pp.PeerStatus, pp.Code, pp.Kind, pp.HostStatus = g.peerStatus[par], code, kind, uint64(host)
+	pp.Tag = int32(g.eagerCalls%statusTagMax + 1) // never 0, the zeroed rows' tag
+	g.eagerCalls++
 	pp.TopkIdx, pp.NumIDs, pp.IdxBytes = 0, 0, 4
 	if code == 0 && idx != 0 && numIDs > 0 {
 		pp.TopkIdx, pp.NumIDs, pp.IdxBytes = uint64(idx), int32(numIDs), int32(idxBytes)
 	}
 	if err := g.launch(kPostStatus, 1, threads, 0, stream, paramBytes(pp)); err != nil {
-		return 0, err
-	}
-	if err := g.dev.StreamBarrier(stream, call); err != nil {
 		return 0, err
 	}
 	return g.checks + uintptr(par*g.p.world*4), nil
@@ -229,7 +233,7 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 		if a.Check == 0 {
 			idx = a.TopkIdx
 		}
-		if status, err = g.postChecks(a.Check, idx, T*p.topK, a.IdxBytes, a.Stream, collective.CallMoeDispatch); err != nil {
+		if status, err = g.postChecks(a.Check, idx, T*p.topK, a.IdxBytes, a.Stream, kindDispatch, 0); err != nil {
 			return 0, err
 		}
 	}
@@ -247,7 +251,7 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 			return 0, err
 		}
 	} else if d.staged {
-		// Eager: after the start barrier kernel, so no peer reads the
+		// Eager: after the start barrier (moe_post_status), so no peer reads the
 		// previous rows any more (capturable calls always overlap).
 		if err := g.stage(a, T, a.Stream); err != nil {
 			return 0, err
@@ -269,12 +273,24 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	if a.Capturable {
 		return p.maxRecvRows, g.expand(a.Out, a.Stream, d.expandMode)
 	}
-	// The middle barrier: every source's metadata, hdr and staged rows are
-	// in place. Then the one host sync: every rank's checks and counts.
-	if err := g.dev.StreamBarrier(a.Stream, collective.CallMoeDispatch); err != nil {
+	// The middle barrier, after which every source's metadata, hdr and
+	// staged rows are in place, copies every rank's checks and the counts
+	// into host; then the one host sync.
+	np := &g.np
+	np.Sync = g.sync(kindDispatch, syncWait)
+	if err := g.launch(kCounts, 1, threads, 0, a.Stream, paramBytes(np)); err != nil {
 		return 0, err
 	}
-	if err := g.readChecks(a.Stream); err != nil {
+	g.hostCopy = a.Stream
+	start := time.Now()
+	if err := g.dev.StreamSynchronize(a.Stream); err != nil {
+		return 0, err
+	}
+	g.trace.waited(time.Since(start))
+	g.hostCopy = 0
+	// A wait that gave up left the host's words stale: report it (naming
+	// the peer) rather than size a result by them.
+	if err := g.dev.Check(); err != nil {
 		return 0, err
 	}
 	words := unsafe.Slice((*int32)(g.host), g.checksBytes/4)
@@ -322,20 +338,6 @@ func (g *gpuEngine) stageOnSide(a *DispatchArgs, T int) error {
 	return g.dev.StreamWaitEvent(a.Stream, g.join)
 }
 
-// readChecks copies every rank's checks and counts into host memory and
-// waits for them (and so for everything queued on stream before).
-func (g *gpuEngine) readChecks(stream uintptr) error {
-	if err := g.dev.MemcpyAsync(uintptr(g.host), g.checks, g.checksBytes, stream); err != nil {
-		return err
-	}
-	g.hostCopy = stream
-	if err := g.dev.StreamSynchronize(stream); err != nil {
-		return err
-	}
-	g.hostCopy = 0
-	return nil
-}
-
 // expand runs moe_dispatch_expand into out (rows for out.Rows).
 func (g *gpuEngine) expand(out Rows, stream uintptr, mode int32) error {
 	xp := &g.xp
@@ -356,12 +358,9 @@ func (g *gpuEngine) combine(a *CombineArgs, checks []int32) error {
 	var status uintptr
 	if !a.Capturable {
 		var err error
-		if status, err = g.postChecks(a.Check, 0, 0, 4, a.Stream, collective.CallMoeCombine); err != nil {
-			return err
-		}
-		// Final once the start barrier has run: read back without waiting
-		// for this call's own kernels.
-		if err := g.dev.MemcpyAsync(uintptr(g.host), status, uint64(p.world*4), a.Stream); err != nil {
+		// The codes go to host as soon as every rank's is in: the host
+		// waits for that, not for this call's kernels.
+		if status, err = g.postChecks(a.Check, 0, 0, 4, a.Stream, kindCombine, uintptr(g.host)); err != nil {
 			return err
 		}
 		g.hostCopy = a.Stream
@@ -391,10 +390,15 @@ func (g *gpuEngine) combine(a *CombineArgs, checks []int32) error {
 		}
 	}
 	if !a.Capturable {
+		start := time.Now()
 		if err := g.dev.EventSynchronize(g.ready); err != nil {
 			return err
 		}
+		g.trace.waited(time.Since(start))
 		g.hostCopy = 0
+		if err := g.dev.Check(); err != nil {
+			return err
+		}
 		copy(checks, unsafe.Slice((*int32)(g.host), p.world))
 	}
 	return nil

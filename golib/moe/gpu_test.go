@@ -77,7 +77,21 @@ func (f *fakeGPU) LaunchFunction(fn cuda.Function, grid, block, shared uint32, s
 		f.step("%s grid %d block %d shared %d on %s", name, grid, block, shared, f.stream(stream))
 	}
 	f.params = append(f.params, append([]byte(nil), params...))
+	// The kernels that write into pinned host memory: what they would find.
+	switch name {
+	case "moe_dispatch_counts":
+		f.fillHost(uintptr(decode[countsParams](params).Host))
+	case "moe_post_status":
+		f.fillHost(uintptr(decode[postParams](params).HostStatus))
+	}
 	return nil
+}
+
+// fillHost copies hostFill to host memory at p (0: none).
+func (f *fakeGPU) fillHost(p uintptr) {
+	if p != 0 && len(f.host) > 0 && p == uintptr(unsafe.Pointer(&f.host[0])) {
+		copy(unsafe.Slice((*int32)(unsafe.Pointer(&f.host[0])), len(f.host)/4), f.hostFill)
+	}
 }
 
 func (f *fakeGPU) stream(s uintptr) string {
@@ -196,17 +210,14 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 	}{
 		{"small batch: copy on the caller's stream, no count kernel", 128, []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"barrier(an MoE dispatch) on main",
 			"copy 1835008 bytes on main",
 			"moe_dispatch_send grid 24 block 512 shared 4160 on main",
-			"barrier(an MoE dispatch) on main",
-			"copy 88 bytes to host on main",
+			"moe_dispatch_counts grid 1 block 512 shared 0 on main",
 			"wait for main",
 			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
 		}},
 		{"large batch: copy on the side stream, count kernel", 4096, []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"barrier(an MoE dispatch) on main",
 			"record on main",
 			"side waits",
 			"moe_dispatch_count grid 24 block 512 shared 72 on main",
@@ -214,8 +225,7 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 			"copy 58720256 bytes on side",
 			"record on side",
 			"main waits",
-			"barrier(an MoE dispatch) on main",
-			"copy 88 bytes to host on main",
+			"moe_dispatch_counts grid 1 block 512 shared 0 on main",
 			"wait for main",
 			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
 		}},
@@ -243,16 +253,24 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 					}
 					post := decode[postParams](g.params[0])
 					if post.Code != 0 || post.TopkIdx != 0xa000 || int(post.NumIDs) != tt.T*8 || post.IdxBytes != 8 ||
-						post.IDCode != checkInvalidArg || post.PeerStatus[1]-post.PeerStatus[0] != 1<<40 {
+						post.IDCode != checkInvalidArg || post.PeerStatus[1]-post.PeerStatus[0] != 1<<40 ||
+						post.Tag != int32(call+1) || post.Kind != kindDispatch || post.HostStatus != 0 ||
+						post.Signal != 0x7000 || post.Err != 0x8000 || post.TimeoutNs != 60e9 {
 						return fmt.Errorf("post %+v", post)
 					}
-					send := decode[dispatchParams](g.params[len(g.params)-2])
+					counts := decode[countsParams](g.params[len(g.params)-2])
+					if counts.Sync.Mode != syncWait|blocks<<syncGridShift || counts.Sync.Kind != kindDispatch ||
+						counts.Checks != uint64(ep.gpu.checks) || counts.Host != uint64(uintptr(unsafe.Pointer(&g.host[0]))) ||
+						counts.Words != 22 || counts.World != 2 || int(counts.Rank) != r {
+						return fmt.Errorf("counts %+v", counts)
+					}
+					send := decode[dispatchParams](g.params[len(g.params)-3])
 					// Alternate calls post into alternate status rows.
 					if wantStatus := uint64(ep.gpu.checks) + uint64(call*2*4); send.Status != wantStatus ||
 						post.PeerStatus[r]-uint64(r)<<40 != wantStatus {
 						return fmt.Errorf("call %d: status row %#x, peer table %#x, want %#x", call, send.Status, post.PeerStatus, wantStatus)
 					}
-					if send.Sync.Mode != blocks<<syncGridShift || send.Sync.Kind != kindDispatch || int(send.NumTokens) != tt.T ||
+					if send.Sync.Mode != syncArrive|blocks<<syncGridShift || send.Sync.Kind != kindDispatch || int(send.NumTokens) != tt.T ||
 						send.Counted != b2i(tt.T == 4096) || send.IDsShared != b2i(tt.T == 128) {
 						return fmt.Errorf("send %+v", send)
 					}
@@ -382,16 +400,14 @@ func TestGPURejectedDispatchSteps(t *testing.T) {
 		}
 		steps := []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"barrier(an MoE dispatch) on main",
 			"copy 917504 bytes on main",
 			"moe_dispatch_send grid 24 block 512 shared 2112 on main",
-			"barrier(an MoE dispatch) on main",
-			"copy 88 bytes to host on main",
+			"moe_dispatch_counts grid 1 block 512 shared 0 on main",
 			"wait for main",
 		}
 		if r == 1 {
-			steps = append(steps[:2], "moe_dispatch_send grid 24 block 512 shared 64 on main")
-			steps = append(steps, "barrier(an MoE dispatch) on main", "copy 88 bytes to host on main", "wait for main")
+			steps = append(steps[:1], "moe_dispatch_send grid 24 block 512 shared 64 on main")
+			steps = append(steps, "moe_dispatch_counts grid 1 block 512 shared 0 on main", "wait for main")
 			post := decode[postParams](g.params[0])
 			send := decode[dispatchParams](g.params[1])
 			if post.Code != 2 || post.TopkIdx != 0 || send.NumTokens != 0 || send.TopkIdx != 0 || send.IDsShared != 0 {
@@ -414,8 +430,6 @@ func TestGPUCombineSteps(t *testing.T) {
 	}{
 		{"eager, small batch", 2, nil, 128, false, []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"barrier(an MoE combine) on main",
-			"copy 8 bytes to host on main",
 			"record on main",
 			"moe_combine_send grid 24 block 512 shared 0 on main",
 			"moe_combine_reduce grid 24 block 512 shared 0 on main",
@@ -468,6 +482,10 @@ func TestGPUCombineSteps(t *testing.T) {
 				i := 0
 				if !tt.capturable {
 					i = 1
+					post := decode[postParams](g.params[0])
+					if post.Kind != kindCombine || post.HostStatus != uint64(uintptr(unsafe.Pointer(&g.host[0]))) || post.Tag != 1 {
+						return fmt.Errorf("post %+v", post)
+					}
 				}
 				send := decode[combineParams](g.params[i])
 				mode := int32(syncArrive | 24<<syncGridShift)
@@ -539,7 +557,7 @@ func TestGPUTuningOverrides(t *testing.T) {
 			return err
 		}
 		got := strings.Join(g.steps, "\n")
-		if !strings.Contains(got, "moe_dispatch_count") || !strings.Contains(got, "on side") {
+		if !strings.Contains(got, "moe_dispatch_count grid") || !strings.Contains(got, "on side") {
 			return fmt.Errorf("one token with both thresholds at 0: %s", got)
 		}
 		return nil
@@ -551,7 +569,7 @@ func TestGPUTuningOverrides(t *testing.T) {
 			return err
 		}
 		got := strings.Join(g.steps, "\n")
-		if strings.Contains(got, "moe_dispatch_count") || strings.Contains(got, "on side") {
+		if strings.Contains(got, "moe_dispatch_count grid") || strings.Contains(got, "on side") {
 			return fmt.Errorf("4096 tokens with both thresholds out of reach: %s", got)
 		}
 		return nil

@@ -35,7 +35,8 @@ func source(t *testing.T, name string) string {
 // mirrors are the Go structs the kernels take, by their CUDA names.
 var mirrors = map[string]any{
 	"MoeSync": syncParams{}, "MoeDispatchParams": dispatchParams{}, "MoeExpandParams": expandParams{},
-	"MoeCombineParams": combineParams{}, "MoePostParams": postParams{}, "MoeStagedParams": stagedParams{},
+	"MoeCombineParams": combineParams{}, "MoePostParams": postParams{}, "MoeCountsParams": countsParams{},
+	"MoeStagedParams": stagedParams{},
 }
 
 type field struct{ offset, size int }
@@ -97,7 +98,8 @@ func TestMirrorsMatchTheTables(t *testing.T) {
 		names = append(names, n)
 	}
 	sort.Strings(names)
-	if want := []string{"MoeCombineParams", "MoeDispatchParams", "MoeExpandParams", "MoePostParams", "MoeStagedParams", "MoeSync"}; !reflect.DeepEqual(names, want) {
+	if want := []string{"MoeCombineParams", "MoeCountsParams", "MoeDispatchParams", "MoeExpandParams", "MoePostParams",
+		"MoeStagedParams", "MoeSync"}; !reflect.DeepEqual(names, want) {
 		t.Fatalf("tables of %v, want %v", names, want)
 	}
 	for name, tab := range tabs {
@@ -134,7 +136,7 @@ var constants = map[string]int{
 	"kSyncStaged": syncStaged, "kSyncPostStaged": syncPostStaged, "kSyncGridShift": syncGridShift,
 	"kMoeKinds": syncKinds, "kMoeDispatch": kindDispatch, "kMoeSyncBlocks": maxSyncBlocks, "kMoeMaxTopK": maxTopK,
 	"kMoeFlagWords": syncFlagWords, "kMaxRanks": maxRanks, "kThreads": threads, "kCombWide": combWide,
-	"sizeof(MoeSyncState)": syncStateBytes,
+	"sizeof(MoeSyncState)": syncStateBytes, "kStatusTagShift": statusTagShift, "kStatusTagMax": statusTagMax,
 }
 
 // TestLayoutsCompile compiles static_asserts of every mirror's size, every

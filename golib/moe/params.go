@@ -32,6 +32,10 @@ const (
 	kindDispatch    = 0
 	kindCombine     = 1
 	checkInvalidArg = 1 // the code moe_post_status posts for an expert id outside [-1, E) (status.InvalidArgument)
+	// Status words: code | tag << statusTagShift (kStatusTagShift), tags
+	// in [1, statusTagMax].
+	statusTagShift = 8
+	statusTagMax   = 1<<(32-statusTagShift) - 1
 )
 
 // syncParams mirrors MoeSync.
@@ -123,7 +127,24 @@ type postParams struct {
 	IDCode     int32            `c:"id_code"`
 	Rank       int32            `c:"rank"`
 	World      int32            `c:"world"`
+	Tag        int32            `c:"tag"`
+	Signal     uint64           `c:"signal"`
+	Err        uint64           `c:"err"`
+	TimeoutNs  uint64           `c:"timeout_ns"`
+	HostStatus uint64           `c:"host_status"`
+	Kind       int32            `c:"kind"`
 	Pad        int32            `c:"pad"`
+}
+
+// countsParams mirrors MoeCountsParams.
+type countsParams struct {
+	Sync   syncParams `c:"sync"`
+	Checks uint64     `c:"checks"`
+	Host   uint64     `c:"host"`
+	Words  int32      `c:"words"`
+	Rank   int32      `c:"rank"`
+	World  int32      `c:"world"`
+	Pad    int32      `c:"pad"`
 }
 
 // stagedParams mirrors MoeStagedParams.
@@ -139,6 +160,6 @@ type stagedParams struct {
 
 // paramBytes is the bytes of a parameter struct, for a launch (the driver
 // copies them before the launch returns). The structs hold no Go pointers.
-func paramBytes[T dispatchParams | expandParams | combineParams | postParams | stagedParams](p *T) []byte {
+func paramBytes[T dispatchParams | expandParams | combineParams | postParams | countsParams | stagedParams](p *T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(p)), unsafe.Sizeof(*p))
 }

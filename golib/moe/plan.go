@@ -126,14 +126,16 @@ type dispatchLaunch struct {
 // dispatch plans a dispatch of T tokens (0 when this rank rejected its
 // arguments: it then only takes part in the barriers); inBuffer says x is
 // xs itself. Capturable calls put both barriers inside the kernels; eager
-// ones have a start barrier kernel (it follows the argument checks) and a
-// middle one (the host reads the counts after it).
+// ones start with moe_post_status (the argument checks and the start
+// barrier) and end with moe_dispatch_counts (the middle barrier, which
+// hands the host the counts), each block of the send kernel posting its
+// middle flags in both.
 func (p *plan) dispatch(T int, inBuffer, capturable bool, rejected bool) dispatchLaunch {
 	var d dispatchLaunch
 	d.staged = T > 0 && (!inBuffer || p.fp8)
 	// Capturable: the send kernel's block 0 releases the copy (moe_stage_gate)
 	// once past its start barrier, before which peers may still read the
-	// previous rows. Eager: the start barrier kernel has run already.
+	// previous rows. Eager: moe_post_status, the start barrier, has run already.
 	d.overlap = d.staged && (capturable || int64(T)*p.dispatchRowBytes() >= p.eagerOverlapBytes)
 	d.counted = T > 0 && int64(T)*int64(p.topK) >= p.countMinPairs
 	d.idsShared = !rejected && !d.counted && 4*(int64(p.numExperts)+int64(T)*int64(p.topK)) <= sendSharedMax
@@ -149,6 +151,8 @@ func (p *plan) dispatch(T int, inBuffer, capturable bool, rejected bool) dispatc
 			d.sendMode |= syncPostStaged
 		}
 		d.expandMode = syncWait | syncStaged
+	} else {
+		d.sendMode = syncArrive
 	}
 	d.countShared = uint32(4 * (p.world + p.numExperts))
 	ids := 0
@@ -178,7 +182,7 @@ func (p *plan) combine(T int, capturable bool) combineLaunch {
 	c.selfLocal = p.selfLocal == "always" ||
 		(p.selfLocal == "auto" && p.transit == p.dtype && T >= SelfLocalMinTokens)
 	// The middle barrier is inside the kernels in both modes; eager calls
-	// have a start barrier kernel (after the argument checks).
+	// start with moe_post_status (the argument checks and the start barrier).
 	c.sendMode = syncArrive
 	if capturable {
 		c.sendMode |= syncStart

@@ -1,15 +1,20 @@
 package moe
 
+import "time"
+
 // Launch is one step of a call as the kernel path took it: a kernel
-// (Name, its geometry, the stream it ran on), or the copy of x into the
-// staging buffer (Name "stage"). Tests read them to see which path a call
-// took; nothing else depends on them.
+// (Name, its geometry, the stream it ran on), the copy of x into the
+// staging buffer (Name "stage"), or an eager call's one wait for the GPU
+// (Name "host sync", with how long the host waited). Tests read them to see
+// which path a call took, and tools/moe_host_cost.py how long the host
+// waited; nothing else depends on them.
 type Launch struct {
 	Name   string `json:"name"`
 	Grid   uint32 `json:"grid"`
 	Block  uint32 `json:"block"`
 	Shared uint32 `json:"shared"` // dynamic shared memory, bytes
 	Side   bool   `json:"side"`   // on the side stream (else the caller's)
+	WaitNs int64  `json:"wait_ns,omitempty"`
 }
 
 // traceLen bounds the steps kept between two reads: a few calls' worth.
@@ -23,6 +28,12 @@ type trace struct {
 
 func (t *trace) add(name string, grid, block, shared uint32, side bool) {
 	t.buf[t.n%traceLen] = Launch{Name: name, Grid: grid, Block: block, Shared: shared, Side: side}
+	t.n++
+}
+
+// waited records a host sync that took d.
+func (t *trace) waited(d time.Duration) {
+	t.buf[t.n%traceLen] = Launch{Name: "host sync", WaitNs: d.Nanoseconds()}
 	t.n++
 }
 

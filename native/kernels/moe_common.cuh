@@ -4,10 +4,10 @@
 // Each layer uses only what is above it.
 //
 // A call (dispatch or combine) is a start barrier, the kernel that writes
-// into peers, a middle barrier with a full system fence, and the kernel that
-// reads what peers wrote. The barriers are either stream barrier kernels
-// enqueued by the host (eager dispatch; the start of eager combine) or steps
-// inside those kernels (MoeSync: sync_enter, sync_go, sync_end, sync_wait),
+// into peers, a middle barrier, and the kernel that reads what peers wrote.
+// An eager call's start barrier is moe_post_status, which exchanges every
+// rank's check of its arguments; every other barrier is steps inside the
+// kernels (MoeSync: sync_enter, sync_go, sync_end, sync_wait). Each wait is
 // bounded like every wait of the library and reported through the
 // communicator's ErrorWord. Every grid is 1-D with kThreads threads per block
 // and any number of blocks (golib/moe passes the ep's agreed block count);
@@ -29,7 +29,8 @@
 //                             d's partial, pushed by d; C (the transit) is
 //                             float or T
 //   status  [2, W] i32        symmetric: per call parity, each rank's check of
-//                             its arguments in an eager call (moe_post_status)
+//                             its arguments in an eager call (moe_post_status;
+//                             status words: see status_code)
 //   send_slot [Tm, W] i32     local: slot of token t on rank d, -1: not sent
 //   pair_rank [Tm*K + G*(W+E)] i32  local scratch: pair ranks
 //                             (moe_dispatch_send), then per block b of G:
@@ -58,9 +59,11 @@ constexpr int kMoeWarps = kThreads / 32;
 // (expand, reduce) first waits for every peer's flags (kSyncWait). A
 // barrier kernel costs a launch, a fence and a round trip; here the start
 // barrier is at most one round trip by block 0 and the middle one mostly
-// overlaps the kernel boundary. Eager calls keep their start barrier kernel
-// (it also carries the argument checks) and use kSyncArrive / kSyncWait for
-// combine.
+// overlaps the kernel boundary. Eager calls have moe_post_status for a
+// start barrier (it carries the argument checks) and use kSyncArrive /
+// kSyncWait for the middle one: the eager dispatch's wait is
+// moe_dispatch_counts, which hands the host the counts it sizes the
+// result by.
 constexpr int kSyncStart = 1;        // send kernels: barrier with every peer before writing into them
 constexpr int kSyncArrive = 2;       // send kernels: every block posts its middle flags when done
 constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
@@ -314,8 +317,15 @@ static_assert(sizeof(MoeCombineParams::peer_comb) == 64 &&
 //   88     4    id_code         the code to post for an expert id outside [-1, E)
 //   92     4    rank
 //   96     4    world           W
-//   100    4    pad
-//   total  104, aligned to 8
+//   100    4    tag             this eager call's tag, in [1, kStatusTagMax]
+//   104    8    signal          this rank's communicator Signal (Waiter)
+//   112    8    err             the communicator's ErrorWord (Waiter)
+//   120    8    timeout_ns      u64; 0 = kDefaultTimeoutNs
+//   128    8    host_status     [W] i32 pinned host memory: every rank's code,
+//                               once all are in; nullptr: not copied
+//   136    4    kind            0 dispatch, 1 combine (names the call in errors)
+//   140    4    pad
+//   total  144, aligned to 8
 struct MoePostParams {
   int* peer_status[kMaxRanks];
   const void* topk_idx;
@@ -326,10 +336,40 @@ struct MoePostParams {
   int id_code;
   int rank;
   int world;
+  int tag;
+  Signal* signal;
+  ErrorWord* err;
+  u64 timeout_ns;
+  int* host_status;
+  int kind;
   int pad;
 };
-static_assert(sizeof(MoePostParams) == 104, "MoePostParams size");
-static_assert(sizeof(MoePostParams::peer_status) + sizeof(void*) + 8 * sizeof(int) == 104, "MoePostParams fields");
+static_assert(sizeof(MoePostParams) == 144, "MoePostParams size");
+static_assert(sizeof(MoePostParams::peer_status) + 4 * sizeof(void*) + sizeof(u64) + 10 * sizeof(int) == 144,
+              "MoePostParams fields");
+
+// MoeCountsParams is the argument of moe_dispatch_counts.
+//
+//   offset size field
+//   0      104  sync           MoeSync (kSyncWait: every peer's send blocks)
+//   104    8    checks         this rank's status [2, W] then hdr [W, L+1], i32
+//   112    8    host           as many i32 of pinned host memory
+//   120    4    words          2W + W(L+1)
+//   124    4    rank
+//   128    4    world          W
+//   132    4    pad
+//   total  136, aligned to 8
+struct MoeCountsParams {
+  MoeSync sync;
+  const int* checks;
+  int* host;
+  int words;
+  int rank;
+  int world;
+  int pad;
+};
+static_assert(sizeof(MoeCountsParams) == 136, "MoeCountsParams size");
+static_assert(sizeof(MoeSync) + 2 * sizeof(void*) + 4 * sizeof(int) == 136, "MoeCountsParams fields");
 
 // MoeStagedParams: moe_staged_expand and moe_staged_partials (moe_staged.cu),
 // an ep of GPU tensors whose ranks span nodes.
@@ -387,18 +427,27 @@ DINLINE u32 lanemask_lt() {
   return m;
 }
 
+// Status words (moe_post_status): a rank's check of its arguments in an
+// eager call, code | tag << kStatusTagShift. The tag tells this call's word
+// from the one two calls before in the same row; the code is 0 (passed) or
+// a status code below 1 << kStatusTagShift.
+constexpr int kStatusTagShift = 8;
+constexpr int kStatusTagMax = (1 << (32 - kStatusTagShift)) - 1;
+DINLINE int status_code(int word) { return word & ((1 << kStatusTagShift) - 1); }
+DINLINE int status_tag(int word) { return (int)((unsigned)word >> kStatusTagShift); }
+
 // any_rejected: whether a rank rejected its arguments in this eager call
-// (status: every rank's check, posted into this rank before the start
-// barrier; nullptr in capturable mode, which checks on the host only). The
+// (status: every rank's check, in this rank's row once moe_post_status has
+// returned; nullptr in capturable mode, which checks on the host only). The
 // kernels that write into peers then write nothing, so a rejected call moves
 // no data and the latest dispatch result stays valid; golib/moe reports the
-// checks to every rank after its one host sync. The barrier kernel before
-// this one ordered the peers' stores, and a kernel boundary leaves no stale
-// L1 line.
+// checks to every rank after its one host sync. moe_post_status ran before
+// this kernel and saw every word, and a kernel boundary leaves no stale L1
+// line.
 DINLINE bool any_rejected(const int* status, int world) {
   if (status == nullptr) return false;
   bool bad = false;
-  for (int q = 0; q < world; ++q) bad |= status[q] != 0;
+  for (int q = 0; q < world; ++q) bad |= status_code(status[q]) != 0;
   return bad;
 }
 

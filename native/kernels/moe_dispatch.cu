@@ -17,6 +17,7 @@
 constexpr int kMoeUnroll = 8;
 
 // p2pcomm:instantiate moe_post_status
+// p2pcomm:instantiate moe_dispatch_counts
 // p2pcomm:instantiate moe_stage_gate
 // p2pcomm:instantiate moe_stage_done
 // p2pcomm:instantiate moe_dispatch_count<bf16>
@@ -139,12 +140,28 @@ __global__ void moe_stage_done(const MoeDispatchParams p) {
 }
 // ---------------------------------------------------------------- eager argument checks
 
-// moe_post_status runs on one block before the start barrier of an eager
-// call: this rank's check (the host's code; else id_code if an expert id
-// is outside [-1, E), else 0) into slot [rank] of every rank's status row,
-// where the send kernels (any_rejected) and the host read it after the
-// barrier. One launch instead of a device check of the ids and a copy per
-// peer: eager calls of small batches are bound by host time.
+// Status words are stored with release and polled with acquire at system
+// scope: a peer that sees this rank's word for a call sees it after every
+// kernel this rank ran before (stream order), as a barrier's flag would.
+DINLINE void st_status(int* p, int v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+DINLINE int ld_status(const int* p) {
+  int v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// moe_post_status is an eager call's start barrier, on one block: this
+// rank's check (the host's code; else id_code if an expert id is outside
+// [-1, E), else 0), tagged with the call, into slot [rank] of every rank's
+// status row; then thread q waits for rank q's word of this call in this
+// rank's row. Once every word is in, every peer has finished what it ran
+// before (stream order), and the send kernels (any_rejected) and the host
+// read the checks. The words are the barrier's flags: one launch carries
+// the checks and the barrier, and no copy per peer, since eager calls of
+// small batches are bound by host time. With host_status the codes also go
+// to the host, which needs nothing else from this call before its sync.
 __global__ void __launch_bounds__(kThreads, 1) moe_post_status(const MoePostParams p) {
   int bad = 0;
   if (p.code == 0 && p.topk_idx != nullptr) {
@@ -154,9 +171,40 @@ __global__ void __launch_bounds__(kThreads, 1) moe_post_status(const MoePostPara
     }
   }
   bad = __syncthreads_or(bad);
-  if ((int)threadIdx.x < p.world && p.world <= kMaxRanks && p.rank >= 0 && p.rank < p.world) {
-    int* row = (int*)pick((void* const*)p.peer_status, (int)threadIdx.x);  // no copy of the table to the stack
-    row[p.rank] = p.code != 0 ? p.code : (bad ? p.id_code : 0);
+  Waiter w;
+  w.self = p.signal;
+  w.err = p.err;
+  w.timeout_ns = p.timeout_ns;
+  w.rank = p.rank;
+  const int t = (int)threadIdx.x;
+  if (p.world > kMaxRanks || p.rank < 0 || p.rank >= p.world || p.tag < 1 || p.tag > kStatusTagMax) {
+    if (t == 0) report_error(w, kErrBadParams, -1, -1, -1, 0, 0);
+    return;
+  }
+  if (t >= p.world) return;
+  const int code = p.code != 0 ? p.code : (bad ? p.id_code : 0);
+  int* const row = (int*)pick((void* const*)p.peer_status, t);  // no copy of the table to the stack
+  st_status(row + p.rank, code | p.tag << kStatusTagShift);
+  const int* const mine = (const int*)pick((void* const*)p.peer_status, p.rank) + t;
+  int word = 0;
+  u64 seen = 0;
+  const bool in = spin_until(
+      w, [&] { return (seen = (u64)status_tag(word = ld_status(mine))) == (u64)p.tag; }, seen, t, kPhaseMoeStart,
+      p.kind, (u64)p.tag);
+  if (in && p.host_status != nullptr) p.host_status[t] = status_code(word);
+}
+
+// moe_dispatch_counts ends an eager dispatch on one block: it waits for
+// every block of every peer's send kernel (the middle barrier, sync_wait)
+// and copies this rank's status rows, as codes, and hdr into pinned host
+// memory, where the host sizes the result after its one sync. One launch
+// instead of a barrier kernel and a copy into host, whose copy engine
+// starts late.
+__global__ void __launch_bounds__(kThreads, 1) moe_dispatch_counts(const MoeCountsParams p) {
+  if (!sync_wait(p.sync, p.rank, p.world)) return;
+  for (int i = (int)threadIdx.x; i < p.words; i += (int)blockDim.x) {
+    const int v = *(const volatile int*)(p.checks + i);
+    p.host[i] = i < 2 * p.world ? status_code(v) : v;
   }
 }
 
