@@ -49,7 +49,7 @@ import (
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 9
+const abiVersion = 10
 
 var loadPid = os.Getpid()
 

@@ -2,6 +2,37 @@ package main
 
 /*
 #include <stdint.h>
+
+// The MoE calls' argument blocks, which Python packs (moe.py's
+// _DISPATCH_ARGS, _EXPAND_ARGS, _COMBINE_ARGS): one block costs less to
+// pass than a dozen ctypes arguments, on a path whose small calls are
+// bound by host time.
+typedef struct {
+	uint64_t ep, x, scales, topk_idx, topk_w;
+	int64_t num_tokens;
+	int32_t idx_bytes, check, capturable, reserved;
+	uint64_t out_x, out_scales, out_info, out_counts;
+	int64_t out_rows;
+	uint64_t stream;
+	int32_t* checks;
+	int64_t* rows;
+} p2p_moe_dispatch_args;
+
+typedef struct {
+	uint64_t ep, out_x, out_scales, out_info, out_counts;
+	int64_t rows;
+	uint64_t stream;
+} p2p_moe_expand_args;
+
+typedef struct {
+	uint64_t ep, expert_out;
+	int64_t expert_rows;
+	uint64_t y;
+	int64_t num_tokens;
+	int32_t check, capturable;
+	uint64_t stream;
+	int32_t* checks;
+} p2p_moe_combine_args;
 */
 import "C"
 
@@ -55,31 +86,41 @@ func p2p_moe_create(h C.uint64_t, config *C.char, ep *C.uint64_t, info *C.char, 
 	})
 }
 
+// The blocks' sizes are what Python packs.
+var (
+	_ = [1]struct{}{}[unsafe.Sizeof(C.p2p_moe_dispatch_args{})-128]
+	_ = [1]struct{}{}[unsafe.Sizeof(C.p2p_moe_expand_args{})-56]
+	_ = [1]struct{}{}[unsafe.Sizeof(C.p2p_moe_combine_args{})-64]
+)
+
 // p2p_moe_dispatch dispatches this rank's num_tokens tokens: x [T, H] of
 // the ep's dtype (float8 for an fp8 ep, with scales [T, H/128] float32;
 // else scales is 0), topk_idx [T, K] of idx_bytes-byte integers, topk_w
 // [T, K] float32, contiguous; check is this rank's verdict on them (0:
 // passed, else its error's status code: the call then only takes part). A
-// capturable call runs entirely into out_x [rows, H] (and out_scales
-// [rows, H/128]), out_info [4, rows] and out_counts [L+1] (rows: the ep's
-// max_recv_rows) and never waits on the host. An eager one writes every
-// rank's verdict into checks (world size entries) and, when all passed,
-// the rows this rank receives into *rows: then p2p_moe_expand must follow
-// with outputs of that size.
+// capturable call runs entirely into out_x [out_rows, H] (and out_scales
+// [out_rows, H/128]), out_info [4, out_rows] and out_counts [L+1]
+// (out_rows: the ep's max_recv_rows) and never waits on the host. An eager
+// one writes every rank's verdict into checks (world size entries) and,
+// when all passed, the rows this rank receives into *rows: then
+// p2p_moe_expand must follow with outputs of that size. The block is read
+// before the call returns.
 //
 //export p2p_moe_dispatch
-func p2p_moe_dispatch(ep C.uint64_t, x, scales, topkIdx, topkW C.uint64_t, numTokens C.int64_t, idxBytes, check, capturable C.int32_t,
-	outX, outScales, outInfo, outCounts C.uint64_t, outRows C.int64_t, stream C.uint64_t, checks *C.int32_t, rows *C.int64_t) C.int {
-	return withMoE(ep, func(e *moe.EP) error {
-		a := moe.DispatchArgs{X: uintptr(x), Scales: uintptr(scales), TopkIdx: uintptr(topkIdx), TopkWeights: uintptr(topkW),
-			NumTokens: int(numTokens), IdxBytes: int(idxBytes), Check: int32(check), Capturable: capturable != 0,
-			Stream: uintptr(stream), Out: moe.Rows{X: uintptr(outX), Scales: uintptr(outScales), Info: uintptr(outInfo),
-				Counts: uintptr(outCounts), Rows: int64(outRows)}}
-		n, err := e.Dispatch(&a)
-		if rows != nil {
-			*rows = C.int64_t(n)
+func p2p_moe_dispatch(a *C.p2p_moe_dispatch_args) C.int {
+	if a == nil {
+		return guard(func() error { return status.Errorf(status.InvalidArgument, "moe dispatch: null arguments") })
+	}
+	return withMoE(a.ep, func(e *moe.EP) error {
+		d := moe.DispatchArgs{X: uintptr(a.x), Scales: uintptr(a.scales), TopkIdx: uintptr(a.topk_idx),
+			TopkWeights: uintptr(a.topk_w), NumTokens: int(a.num_tokens), IdxBytes: int(a.idx_bytes), Check: int32(a.check),
+			Capturable: a.capturable != 0, Stream: uintptr(a.stream), Out: moe.Rows{X: uintptr(a.out_x),
+				Scales: uintptr(a.out_scales), Info: uintptr(a.out_info), Counts: uintptr(a.out_counts), Rows: int64(a.out_rows)}}
+		n, err := e.Dispatch(&d)
+		if a.rows != nil {
+			*a.rows = C.int64_t(n)
 		}
-		copyChecks(e, checks)
+		copyChecks(e, a.checks)
 		return err
 	})
 }
@@ -89,10 +130,13 @@ func p2p_moe_dispatch(ep C.uint64_t, x, scales, topkIdx, topkW C.uint64_t, numTo
 // out_counts [L+1], rows being what p2p_moe_dispatch said.
 //
 //export p2p_moe_expand
-func p2p_moe_expand(ep C.uint64_t, outX, outScales, outInfo, outCounts C.uint64_t, rows C.int64_t, stream C.uint64_t) C.int {
-	return withMoE(ep, func(e *moe.EP) error {
-		return e.Expand(moe.Rows{X: uintptr(outX), Scales: uintptr(outScales), Info: uintptr(outInfo), Counts: uintptr(outCounts),
-			Rows: int64(rows)}, uintptr(stream))
+func p2p_moe_expand(a *C.p2p_moe_expand_args) C.int {
+	if a == nil {
+		return guard(func() error { return status.Errorf(status.InvalidArgument, "moe expand: null arguments") })
+	}
+	return withMoE(a.ep, func(e *moe.EP) error {
+		return e.Expand(moe.Rows{X: uintptr(a.out_x), Scales: uintptr(a.out_scales), Info: uintptr(a.out_info),
+			Counts: uintptr(a.out_counts), Rows: int64(a.rows)}, uintptr(a.stream))
 	})
 }
 
@@ -101,13 +145,15 @@ func p2p_moe_expand(ep C.uint64_t, outX, outScales, outInfo, outCounts C.uint64_
 // ranks that dispatched; check and checks as in p2p_moe_dispatch (eager).
 //
 //export p2p_moe_combine
-func p2p_moe_combine(ep C.uint64_t, expertOut C.uint64_t, expertRows C.int64_t, y C.uint64_t, numTokens C.int64_t,
-	check, capturable C.int32_t, stream C.uint64_t, checks *C.int32_t) C.int {
-	return withMoE(ep, func(e *moe.EP) error {
-		a := moe.CombineArgs{ExpertOut: uintptr(expertOut), ExpertRows: int64(expertRows), Y: uintptr(y),
-			NumTokens: int(numTokens), Check: int32(check), Capturable: capturable != 0, Stream: uintptr(stream)}
-		err := e.Combine(&a)
-		copyChecks(e, checks)
+func p2p_moe_combine(a *C.p2p_moe_combine_args) C.int {
+	if a == nil {
+		return guard(func() error { return status.Errorf(status.InvalidArgument, "moe combine: null arguments") })
+	}
+	return withMoE(a.ep, func(e *moe.EP) error {
+		c := moe.CombineArgs{ExpertOut: uintptr(a.expert_out), ExpertRows: int64(a.expert_rows), Y: uintptr(a.y),
+			NumTokens: int(a.num_tokens), Check: int32(a.check), Capturable: a.capturable != 0, Stream: uintptr(a.stream)}
+		err := e.Combine(&c)
+		copyChecks(e, a.checks)
 		return err
 	})
 }

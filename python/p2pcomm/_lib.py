@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 _LOAD_PID = os.getpid()
 # True in a child forked after import: hot paths read this flag instead of
 # calling os.getpid(), a system call (a microsecond in a VM) per call.
@@ -68,10 +68,9 @@ _SIGNATURES = {
     "p2p_port_flush": ([_u64, _u64, _i32], ctypes.c_int),
     "p2p_port_wait": ([_u64, _u64, _i32, _u64], ctypes.c_int),
     "p2p_moe_create": ([_u64, ctypes.c_char_p, ctypes.POINTER(_u64), ctypes.c_char_p, _i64], ctypes.c_int),
-    "p2p_moe_dispatch": ([_u64, _u64, _u64, _u64, _u64, _i64, _i32, _i32, _i32, _u64, _u64, _u64, _u64, _i64, _u64,
-                          ctypes.POINTER(_i32), ctypes.POINTER(_i64)], ctypes.c_int),
-    "p2p_moe_expand": ([_u64, _u64, _u64, _u64, _u64, _i64, _u64], ctypes.c_int),
-    "p2p_moe_combine": ([_u64, _u64, _i64, _u64, _i64, _i32, _i32, _u64, ctypes.POINTER(_i32)], ctypes.c_int),
+    "p2p_moe_dispatch": ([ctypes.c_char_p], ctypes.c_int),  # argument blocks: moe.py's _*_ARGS
+    "p2p_moe_expand": ([ctypes.c_char_p], ctypes.c_int),
+    "p2p_moe_combine": ([ctypes.c_char_p], ctypes.c_int),
     "p2p_moe_destroy": ([_u64], ctypes.c_int),
     "p2p_moe_trace": ([_u64, ctypes.c_char_p, _i64, ctypes.POINTER(_i64)], ctypes.c_int),
     "p2p_precompile": ([_i32, ctypes.c_char_p, _i32, ctypes.c_char_p, _i64], ctypes.c_int),

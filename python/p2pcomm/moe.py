@@ -30,6 +30,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import struct
 import sys
 import warnings
 import weakref
@@ -42,7 +43,7 @@ from .communicator import Communicator, _raw_stream
 from .fallback import TorchFallbackCommunicator
 from .moe_checks import (FP8, FP8_BLOCK, combine_problem, config_problem, dispatch_dtype_problem, dispatch_problem,
                          dtype_code, id_problem)
-from .moe_result import DispatchResult, _packed_result
+from .moe_result import DispatchResult, _lazy_result, _packed_result
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 # Tests only: override golib/moe's thresholds between paths that give the same bits (None: its
@@ -50,6 +51,15 @@ from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateErro
 # pairs from which dispatch runs its count kernel (P2PCOMM_MOE_COUNT_PAIRS also sets it).
 _EAGER_OVERLAP_BYTES: Optional[int] = None
 _COUNT_KERNEL_MIN_PAIRS: Optional[int] = None
+
+# The argument blocks of p2p_moe_dispatch, p2p_moe_expand and p2p_moe_combine (golib/capi/moe.go):
+# dispatch: ep, x, scales, topk_idx, topk_w, T, idx_bytes, check, capturable, reserved, out_x,
+# out_scales, out_info, out_counts, out_rows, stream, checks, rows; expand: ep, out_x, out_scales,
+# out_info, out_counts, rows, stream; combine: ep, expert_out, expert_rows, y, T, check, capturable,
+# stream, checks.
+_DISPATCH_ARGS = struct.Struct("<QQQQQqiiiiQQQQqQQQ")
+_EXPAND_ARGS = struct.Struct("<QQQQQqQ")
+_COMBINE_ARGS = struct.Struct("<QQqQqiiQQ")
 
 
 def _tuning() -> dict:
@@ -208,7 +218,7 @@ class ExpertParallel:
         self._latest, self._op_recv, self._op_rows = None, None, None
         # Every rank's verdict of an eager call, and an eager dispatch's rows, as Go returns them.
         self._checks, self._rows = (ctypes.c_int32 * self.world_size)(), ctypes.c_int64()
-        self._rows_ptr = ctypes.pointer(self._rows)
+        self._checks_ptr, self._rows_ptr = ctypes.addressof(self._checks), ctypes.addressof(self._rows)
         lib = _lib.lib()  # the entry points, looked up once
         self._dispatch_fn, self._expand_fn, self._combine_fn = (lib.p2p_moe_dispatch, lib.p2p_moe_expand,
                                                                 lib.p2p_moe_combine)
@@ -311,7 +321,7 @@ class ExpertParallel:
         problem = dispatch_problem(self, x, topk_idx, topk_weights, scales)
         if problem is not None and (capturable or self._closed):
             raise problem  # capturable: alone, before any barrier; closed: it can post to no peer
-        L, T, xp, sp, ip, wp, idx_bytes = self.num_local_experts, 0, 0, 0, 0, 0, 4
+        T, xp, sp, ip, wp, idx_bytes = 0, 0, 0, 0, 0, 4
         if problem is None:
             x, T = self._rows_in(x), x.shape[0]
             idx, w = topk_idx.contiguous(), topk_weights.contiguous()
@@ -320,34 +330,34 @@ class ExpertParallel:
                 scales = self._aligned(scales)
                 sp = scales.data_ptr()
         stream = _raw_stream(self.comm._device_index)
+        # The counts' size is known before the call: an eager call makes them while the GPU works.
+        counts = torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
         rows = self.max_recv_rows if capturable else 0
-        out = self._outputs(rows) if capturable else None
-        rc = self._dispatch_fn(self._handle, xp, sp, ip, wp, T, idx_bytes, self._code(problem), capturable,
-                               *(self._out_ptrs(out) if out else (0, 0, 0, 0)), rows, stream, self._checks,
-                               self._rows_ptr)
+        out = self._outputs(rows, counts) if capturable else None
+        rc = self._dispatch_fn(_DISPATCH_ARGS.pack(
+            self._handle, xp, sp, ip, wp, T, idx_bytes, self._code(problem), capturable, 0,
+            *(self._out_ptrs(out) if out else (0, 0, 0, 0)), rows, stream, self._checks_ptr, self._rows_ptr))
         if rc:
             _lib.check(rc)
         if not capturable:
             self._raise_rejected(self._checks, problem, topk_idx, "dispatch")
             rows = self._rows.value
-            out = self._outputs(rows)
-            rc = self._expand_fn(self._handle, *self._out_ptrs(out), rows, stream)
+            out = self._outputs(rows, counts)
+            rc = self._expand_fn(_EXPAND_ARGS.pack(self._handle, *self._out_ptrs(out), rows, stream))
             if rc:
                 _lib.check(rc)
         # Data moved: earlier results no longer match the buffers.
         self._seq, self._seq_capturable = self._seq + 1, capturable
         out_x, out_scales, info, counts = out
-        return _packed_result(out_x, counts, info, L, capturable, scales=out_scales, _ep_id=self._id,
-                              _seq=self._seq, _num_tokens=T, _packed=(counts, info))
+        return _lazy_result(out_x, counts, info, capturable, out_scales, self._id, self._seq, T)
 
-    def _outputs(self, rows: int) -> tuple:
+    def _outputs(self, rows: int, counts: torch.Tensor) -> tuple:
         """A dispatch's outputs: x [rows, H], scales [rows, H/128] (fp8; else None), info [4, rows],
-        counts [L+1] (see _packed_result)."""
+        and counts [L+1] (see moe_result._VIEWS)."""
         dev = self.device
         return (torch.empty(rows, self.hidden, dtype=self.dispatch_dtype, device=dev),
                 torch.empty(rows, self.hidden // FP8_BLOCK, dtype=torch.float32, device=dev) if self._fp8 else None,
-                torch.empty(4, rows, dtype=torch.int32, device=dev),
-                torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=dev))
+                torch.empty(4, rows, dtype=torch.int32, device=dev), counts)
 
     @staticmethod
     def _out_ptrs(out: tuple) -> tuple:
@@ -440,8 +450,8 @@ class ExpertParallel:
             out = self._aligned(expert_out)
             y = torch.empty(recv._num_tokens, self.hidden, dtype=self.dtype, device=self.device)
             args = (out.data_ptr(), out.shape[0], y.data_ptr(), recv._num_tokens)
-        rc = self._combine_fn(self._handle, *args, self._code(problem), capturable,
-                              _raw_stream(self.comm._device_index), self._checks)
+        rc = self._combine_fn(_COMBINE_ARGS.pack(self._handle, *args, self._code(problem), capturable,
+                                                 _raw_stream(self.comm._device_index), self._checks_ptr))
         if rc:
             _lib.check(rc)
         if not capturable:
@@ -491,7 +501,7 @@ class ExpertParallel:
         L = self.num_local_experts
         out_x, counts, info = torch.ops.p2pcomm.moe_dispatch(x, topk_idx, topk_weights, self._op_ident, self._op_order,
                                                              capturable, self.max_recv_rows, L)
-        return _packed_result(out_x, counts, info, L, capturable, _ep_id=0, _seq=0, _num_tokens=x.shape[0],
+        return _packed_result(out_x, counts, info, capturable, _ep_id=0, _seq=0, _num_tokens=x.shape[0],
                               _from_op=True)
 
     def _op_dispatch(self, x, topk_idx, topk_weights, capturable: bool, max_rows: int, num_local: int) -> tuple:

@@ -54,11 +54,45 @@ class DispatchResult:
     _from_op: bool = dataclasses.field(default=False, repr=False)
     scales: Optional[torch.Tensor] = None
 
+    def __getattr__(self, name: str):
+        # Reached only for an attribute the instance lacks: the views of a
+        # result made by _lazy_result, each made when first read. A small
+        # eager dispatch would otherwise spend more host time on six views,
+        # which a caller that passes recv on to combine never reads, than on
+        # the rest of its Python.
+        view = _VIEWS.get(name)
+        if view is None or self._packed is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        counts, info = self._packed
+        value = view(counts, info)
+        if not torch.compiler.is_compiling():
+            object.__setattr__(self, name, value)  # kept: the same tensor on every read
+        return value
 
-def _packed_result(x, counts, info, num_local: int, capturable: bool, scales=None, **private) -> DispatchResult:
-    """A DispatchResult of views of counts [L+1] (rows per local expert, then R) and info [4, R]
-    (local expert, source rank, source token, weight's float32 bits)."""
-    L = num_local
-    return DispatchResult(x=x, expert_counts=counts[:L], num_rows=counts[L:], local_expert=info[0],
-                          src_rank=info[1], src_token=info[2], weight=info[3].view(torch.float32),
-                          capturable=capturable, scales=scales, **private)
+
+# Each public view of a packed result: counts [L+1] (rows per local expert,
+# then R) and info [4, R] (local expert, source rank, source token, weight's
+# float32 bits).
+_VIEWS = {
+    "expert_counts": lambda counts, info: counts[:-1],
+    "num_rows": lambda counts, info: counts[-1:],
+    "local_expert": lambda counts, info: info[0],
+    "src_rank": lambda counts, info: info[1],
+    "src_token": lambda counts, info: info[2],
+    "weight": lambda counts, info: info[3].view(torch.float32),
+}
+
+
+def _packed_result(x, counts, info, capturable: bool, scales=None, **private) -> DispatchResult:
+    """A DispatchResult of views of counts and info (see _VIEWS), made now."""
+    views = {name: view(counts, info) for name, view in _VIEWS.items()}
+    return DispatchResult(x=x, capturable=capturable, scales=scales, **views, **private)
+
+
+def _lazy_result(x, counts, info, capturable: bool, scales, ep_id: int, seq: int, num_tokens: int) -> DispatchResult:
+    """_packed_result of an eager call, whose views are made when first read
+    (DispatchResult.__getattr__)."""
+    r = object.__new__(DispatchResult)
+    r.__dict__.update(x=x, capturable=capturable, scales=scales, _ep_id=ep_id, _seq=seq, _num_tokens=num_tokens,
+                      _packed=(counts, info), _from_op=False)
+    return r
