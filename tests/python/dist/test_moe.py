@@ -651,6 +651,10 @@ def test_torch_compile_fullgraph(comms, device, capturable):
     def compiled_combine(out, recv):
         return ep.combine(out, recv)
 
+    @torch.compile(fullgraph=True, backend=backend)
+    def compiled_expert(recv):  # a plain result's views, first read in compiled code
+        return pow2_expert(recv.x, recv.local_expert, recv.src_rank)
+
     def on(inputs):
         inp = inputs[r]
         return inp.x.to(device), inp.idx.to(device), inp.w.to(device)
@@ -669,7 +673,7 @@ def test_torch_compile_fullgraph(comms, device, capturable):
     assert recv._from_op
     check(recv, ep.combine(pow2_expert(recv.x, recv.local_expert, recv.src_rank), recv), inputs, "eager combine")
     recv = ep.dispatch(*on(inputs), capturable=capturable)  # combined inside
-    out = pow2_expert(recv.x, recv.local_expert, recv.src_rank)
+    out = compiled_expert(recv)
     check(recv, compiled_combine(out, recv), inputs, "compiled combine")
     newer = [make_inputs(310, q, Tm - 2 * q, H, E, K, dtype, "random", 0.2) for q in range(W)]
     recv2, _ = step(*on(newer))
@@ -1153,6 +1157,41 @@ def test_back_to_back_calls_with_skewed_ranks(comms, device):
         assert torch.equal(y.cpu().view(torch.int16), again.cpu().view(torch.int16))
     if device == "cuda":
         comm.check()
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+def test_eager_rank_that_never_arrives(group, monkeypatch, call):
+    """An eager call's start barrier is moe_post_status, whose words are the
+    barrier's flags: when rank 1 never makes the call, every other rank's
+    call raises PeerTimeoutError naming rank 1 within P2PCOMM_TIMEOUT_MS
+    (the kernels after the barrier give up at once, not after a second
+    timeout), instead of hanging or returning a result."""
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
+    torch.cuda.set_device(local_cuda_index())
+    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm = 2 * W, 2, 64, 8
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
+    inputs = [make_inputs(63, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
+    recv, out, y = run_round(ep, inputs, r, "cuda")
+    check_combine(y, inputs, r, W, E, K, torch.bfloat16)
+    inp = inputs[r]
+    if call == "combine":
+        recv = ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
+        out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if r != 1:
+        start = time.monotonic()
+        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank 1 never arrived at the start barrier of an MoE {call}"):
+            if call == "dispatch":
+                ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
+            else:
+                ep.combine(out, recv)
+        assert time.monotonic() - start < 2 * 2.0 + 3
+    dist.barrier()
+    comm.close()
 
 
 @GPU_ONLY
