@@ -24,7 +24,7 @@ type gpuEngine struct {
 	checksBytes                             uint64 // status [2, W] and hdr [W, L+1], i32, adjacent
 	peerStatus                              [2][maxRanks]uint64
 
-	host     unsafe.Pointer // pinned: the host's copy of checks and hdr
+	host     unsafe.Pointer // pinned: an eager call's checks [W], then a dispatch's hdr [W, L+1] (checksBytes)
 	hostCopy uintptr        // the stream of a copy into host not yet waited for
 	side     uintptr        // the stream x's staging copy overlaps the send kernel on
 	fork     cuda.Event
@@ -36,7 +36,6 @@ type gpuEngine struct {
 	xp expandParams
 	cp combineParams
 	pp postParams
-	np countsParams
 	sy syncParams // what every MoeSync shares
 
 	eagerCalls int // eager calls so far: the next one's status row parity and tag
@@ -156,8 +155,6 @@ func (g *gpuEngine) setup(p *plan) (err error) {
 		World: world, NumLocal: int32(L)}
 	g.pp = postParams{NumExperts: int32(E), IDCode: checkInvalidArg, Rank: rank, World: world, Signal: uint64(signal),
 		Err: uint64(errWord), TimeoutNs: timeoutNs}
-	g.np = countsParams{Checks: uint64(g.checks), Host: uint64(uintptr(g.host)), Words: int32(g.checksBytes / 4),
-		Rank: rank, World: world}
 	return nil
 }
 
@@ -237,7 +234,7 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 			return 0, err
 		}
 	}
-	d := p.dispatch(T, a.X == g.xs, a.Capturable, a.Check != 0)
+	d := p.dispatch(T, a.X == g.xs, a.X%16 == 0, a.Capturable, a.Check != 0)
 	dp := &g.dp
 	dp.TopkIdx, dp.TopkW, dp.IdxBytes = 0, 0, 4
 	if a.Check == 0 {
@@ -245,11 +242,18 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	}
 	dp.NumTokens, dp.Counted, dp.IDsShared, dp.Status = int32(T), b2i(d.counted), b2i(d.idsShared), uint64(status)
 	dp.Sync = g.sync(kindDispatch, d.sendMode)
+	dp.StageSrc, dp.StageDst, dp.CountsHost = 0, 0, 0
+	if !a.Capturable {
+		dp.CountsHost = uint64(uintptr(g.host))
+	}
 	grid := uint32(p.blocks)
 	if d.overlap {
 		if err := g.forkSide(a.Stream); err != nil {
 			return 0, err
 		}
+	} else if d.inKernel {
+		g.trace.add("stage in moe_dispatch_send", 0, 0, 0, false)
+		dp.StageSrc, dp.StageDst = uint64(a.X), uint64(g.xs)
 	} else if d.staged {
 		// Eager: after the start barrier (moe_post_status), so no peer reads the
 		// previous rows any more (capturable calls always overlap).
@@ -273,14 +277,9 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	if a.Capturable {
 		return p.maxRecvRows, g.expand(a.Out, a.Stream, d.expandMode)
 	}
-	// The middle barrier, after which every source's metadata, hdr and
-	// staged rows are in place, copies every rank's checks and the counts
-	// into host; then the one host sync.
-	np := &g.np
-	np.Sync = g.sync(kindDispatch, syncWait)
-	if err := g.launch(kCounts, 1, threads, 0, a.Stream, paramBytes(np)); err != nil {
-		return 0, err
-	}
+	// The send kernel's last block has passed the middle barrier, after
+	// which every source's metadata, hdr and staged rows are in place, and
+	// put every rank's check and the counts into host: the one host sync.
 	g.hostCopy = a.Stream
 	start := time.Now()
 	if err := g.dev.StreamSynchronize(a.Stream); err != nil {
@@ -293,11 +292,10 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	if err := g.dev.Check(); err != nil {
 		return 0, err
 	}
-	words := unsafe.Slice((*int32)(g.host), g.checksBytes/4)
-	row := int(status-g.checks) / 4
-	copy(checks, words[row:row+p.world])
+	words := unsafe.Slice((*int32)(g.host), p.world*(p.numLocal+2)) // checks [W], then hdr [W, L+1]
+	copy(checks, words[:p.world])
 	rows := int64(0)
-	hdr := words[2*p.world:]
+	hdr := words[p.world:]
 	for s := range p.world {
 		for _, n := range hdr[s*(p.numLocal+1)+1 : (s+1)*(p.numLocal+1)] {
 			rows += int64(n)

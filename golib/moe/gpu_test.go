@@ -79,8 +79,8 @@ func (f *fakeGPU) LaunchFunction(fn cuda.Function, grid, block, shared uint32, s
 	f.params = append(f.params, append([]byte(nil), params...))
 	// The kernels that write into pinned host memory: what they would find.
 	switch name {
-	case "moe_dispatch_counts":
-		f.fillHost(uintptr(decode[countsParams](params).Host))
+	case "moe_dispatch_send":
+		f.fillHost(uintptr(decode[dispatchParams](params).CountsHost))
 	case "moe_post_status":
 		f.fillHost(uintptr(decode[postParams](params).HostStatus))
 	}
@@ -206,17 +206,23 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 	tests := []struct {
 		name  string
 		T     int
+		x     uintptr
 		steps []string
 	}{
-		{"small batch: copy on the caller's stream, no count kernel", 128, []string{
+		{"small batch: copied by the send kernel, no count kernel", 128, 0x9000, []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"copy 1835008 bytes on main",
 			"moe_dispatch_send grid 24 block 512 shared 4160 on main",
-			"moe_dispatch_counts grid 1 block 512 shared 0 on main",
 			"wait for main",
 			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
 		}},
-		{"large batch: copy on the side stream, count kernel", 4096, []string{
+		{"x off 16-byte alignment: copy on the caller's stream", 256, 0x9002, []string{
+			"moe_post_status grid 1 block 512 shared 0 on main",
+			"copy 3670016 bytes on main",
+			"moe_dispatch_send grid 24 block 512 shared 8256 on main",
+			"wait for main",
+			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
+		}},
+		{"large batch: copy on the side stream, count kernel", 4096, 0x9000, []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
 			"record on main",
 			"side waits",
@@ -225,7 +231,6 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 			"copy 58720256 bytes on side",
 			"record on side",
 			"main waits",
-			"moe_dispatch_counts grid 1 block 512 shared 0 on main",
 			"wait for main",
 			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
 		}},
@@ -233,11 +238,11 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			fakeRanks(t, 2, bf16Config, func(r int, ep *EP, g *fakeGPU) error {
-				// checks [2, W] then hdr [W, L+1]: rows of local experts 3 and 4 from each source.
-				g.hostFill = []int32{0, 0, 0, 0, 7, 0, 0, 3, 0, 0, 0, 0, 1, 0}
+				// checks [W] then hdr [W, L+1]: rows of local experts 3 and 4 from each source.
+				g.hostFill = []int32{0, 0, 7, 0, 0, 3, 0, 0, 0, 0, 1, 0}
 				for call := range 2 {
 					g.steps, g.params = nil, nil
-					rows, err := ep.Dispatch(&DispatchArgs{X: 0x9000, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: tt.T,
+					rows, err := ep.Dispatch(&DispatchArgs{X: tt.x, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: tt.T,
 						IdxBytes: 8, Stream: fakeStream})
 					if err != nil {
 						return err
@@ -258,20 +263,21 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 						post.Signal != 0x7000 || post.Err != 0x8000 || post.TimeoutNs != 60e9 {
 						return fmt.Errorf("post %+v", post)
 					}
-					counts := decode[countsParams](g.params[len(g.params)-2])
-					if counts.Sync.Mode != syncWait|blocks<<syncGridShift || counts.Sync.Kind != kindDispatch ||
-						counts.Checks != uint64(ep.gpu.checks) || counts.Host != uint64(uintptr(unsafe.Pointer(&g.host[0]))) ||
-						counts.Words != 22 || counts.World != 2 || int(counts.Rank) != r {
-						return fmt.Errorf("counts %+v", counts)
+					send := decode[dispatchParams](g.params[len(g.params)-2])
+					stage := [2]uint64{}
+					if tt.T == 128 {
+						stage = [2]uint64{0x9000, uint64(ep.gpu.xs)}
 					}
-					send := decode[dispatchParams](g.params[len(g.params)-3])
+					if [2]uint64{send.StageSrc, send.StageDst} != stage || send.CountsHost != uint64(uintptr(unsafe.Pointer(&g.host[0]))) {
+						return fmt.Errorf("send stages %#x into %#x, counts into %#x", send.StageSrc, send.StageDst, send.CountsHost)
+					}
 					// Alternate calls post into alternate status rows.
 					if wantStatus := uint64(ep.gpu.checks) + uint64(call*2*4); send.Status != wantStatus ||
 						post.PeerStatus[r]-uint64(r)<<40 != wantStatus {
 						return fmt.Errorf("call %d: status row %#x, peer table %#x, want %#x", call, send.Status, post.PeerStatus, wantStatus)
 					}
 					if send.Sync.Mode != syncArrive|blocks<<syncGridShift || send.Sync.Kind != kindDispatch || int(send.NumTokens) != tt.T ||
-						send.Counted != b2i(tt.T == 4096) || send.IDsShared != b2i(tt.T == 128) {
+						send.Counted != b2i(tt.T == 4096) || send.IDsShared != b2i(tt.T <= 256) {
 						return fmt.Errorf("send %+v", send)
 					}
 					ex := decode[expandParams](g.params[len(g.params)-1])
@@ -400,14 +406,12 @@ func TestGPURejectedDispatchSteps(t *testing.T) {
 		}
 		steps := []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"copy 917504 bytes on main",
 			"moe_dispatch_send grid 24 block 512 shared 2112 on main",
-			"moe_dispatch_counts grid 1 block 512 shared 0 on main",
 			"wait for main",
 		}
 		if r == 1 {
-			steps = append(steps[:1], "moe_dispatch_send grid 24 block 512 shared 64 on main")
-			steps = append(steps, "moe_dispatch_counts grid 1 block 512 shared 0 on main", "wait for main")
+			steps = []string{"moe_post_status grid 1 block 512 shared 0 on main",
+				"moe_dispatch_send grid 24 block 512 shared 64 on main", "wait for main"}
 			post := decode[postParams](g.params[0])
 			send := decode[dispatchParams](g.params[1])
 			if post.Code != 2 || post.TopkIdx != 0 || send.NumTokens != 0 || send.TopkIdx != 0 || send.IDsShared != 0 {

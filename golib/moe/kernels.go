@@ -18,7 +18,6 @@ type kernel int
 
 const (
 	kPostStatus kernel = iota
-	kCounts
 	kStageGate
 	kStageDone
 	kCount
@@ -30,7 +29,7 @@ const (
 	numKernels
 )
 
-var kernelNames = [numKernels]string{"moe_post_status", "moe_dispatch_counts", "moe_stage_gate", "moe_stage_done", "moe_dispatch_count",
+var kernelNames = [numKernels]string{"moe_post_status", "moe_stage_gate", "moe_stage_done", "moe_dispatch_count",
 	"moe_dispatch_send", "moe_dispatch_expand", "moe_combine_send", "moe_combine_reduce", "moe_combine_reduce_self"}
 
 func (k kernel) String() string { return kernelNames[k] }
@@ -57,7 +56,7 @@ func oneGroupWorld(world int) bool { return world >= 2 && world <= 4 }
 func (k kernel) expr(dt, tr reduce.DType, world int) string {
 	t, c := cTypes[dt], cTypes[tr]
 	switch k {
-	case kPostStatus, kCounts, kStageGate, kStageDone:
+	case kPostStatus, kStageGate, kStageDone:
 		return kernelNames[k]
 	case kCount, kSend, kExpand:
 		return fmt.Sprintf("%s<%s>", kernelNames[k], t)

@@ -69,6 +69,9 @@ type dispatchParams struct {
 	IDsShared  int32            `c:"ids_shared"`
 	Status     uint64           `c:"status"`
 	Sync       syncParams       `c:"sync"`
+	StageSrc   uint64           `c:"stage_src"`
+	StageDst   uint64           `c:"stage_dst"`
+	CountsHost uint64           `c:"counts_host"`
 }
 
 // expandParams mirrors MoeExpandParams.
@@ -136,17 +139,6 @@ type postParams struct {
 	Pad        int32            `c:"pad"`
 }
 
-// countsParams mirrors MoeCountsParams.
-type countsParams struct {
-	Sync   syncParams `c:"sync"`
-	Checks uint64     `c:"checks"`
-	Host   uint64     `c:"host"`
-	Words  int32      `c:"words"`
-	Rank   int32      `c:"rank"`
-	World  int32      `c:"world"`
-	Pad    int32      `c:"pad"`
-}
-
 // stagedParams mirrors MoeStagedParams.
 type stagedParams struct {
 	Src      uint64 `c:"src"`
@@ -160,6 +152,6 @@ type stagedParams struct {
 
 // paramBytes is the bytes of a parameter struct, for a launch (the driver
 // copies them before the launch returns). The structs hold no Go pointers.
-func paramBytes[T dispatchParams | expandParams | combineParams | postParams | countsParams | stagedParams](p *T) []byte {
+func paramBytes[T dispatchParams | expandParams | combineParams | postParams | stagedParams](p *T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(p)), unsafe.Sizeof(*p))
 }

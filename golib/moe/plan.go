@@ -18,6 +18,7 @@ type plan struct {
 	blocks                  int   // the agreed grid of every multi-block kernel (GPU)
 	maxRecvRows             int64 // W * Tm * K
 	eagerOverlapBytes       int64
+	eagerKernelStageBytes   int64
 	countMinPairs           int64
 	selfLocal               string // never, auto or always (never unless the world is 2 and topk <= combWide)
 	capturable              bool   // the construction's default mode
@@ -28,9 +29,13 @@ func newPlan(c Config, rank, world int) plan {
 	p := plan{world: world, rank: rank, numExperts: c.NumExperts, numLocal: c.NumExperts / world,
 		hidden: c.Hidden, maxTokens: c.MaxTokens, topK: c.TopK, dtype: c.DType, transit: c.CombineDType,
 		maxRecvRows: int64(world) * int64(c.MaxTokens) * int64(c.TopK), capturable: c.Capturable, fp8: c.DispatchFP8,
-		eagerOverlapBytes: DefaultEagerOverlapBytes, countMinPairs: DefaultCountKernelMinPairs, selfLocal: "never"}
+		eagerOverlapBytes: DefaultEagerOverlapBytes, eagerKernelStageBytes: DefaultEagerKernelStageBytes,
+		countMinPairs: DefaultCountKernelMinPairs, selfLocal: "never"}
 	if v := c.Tuning.EagerOverlapBytes; v != nil {
 		p.eagerOverlapBytes = *v
+	}
+	if v := c.Tuning.EagerKernelStageBytes; v != nil {
+		p.eagerKernelStageBytes = *v
 	}
 	if v := c.Tuning.CountKernelMinPairs; v != nil {
 		p.countMinPairs = *v
@@ -116,6 +121,7 @@ func wantedBlocks(numSMs, sms int) int {
 type dispatchLaunch struct {
 	staged                                bool  // x is copied into xs (it is not built there)
 	overlap                               bool  // that copy runs on the side stream, under the send kernel
+	inKernel                              bool  // the send kernel makes that copy (eager, small x)
 	counted                               bool  // moe_dispatch_count runs first
 	idsShared                             bool  // the send kernel copies the expert ids into shared memory
 	sendMode                              int32 // kSync* bits of the count, send and side-stream kernels
@@ -125,18 +131,19 @@ type dispatchLaunch struct {
 
 // dispatch plans a dispatch of T tokens (0 when this rank rejected its
 // arguments: it then only takes part in the barriers); inBuffer says x is
-// xs itself. Capturable calls put both barriers inside the kernels; eager
-// ones start with moe_post_status (the argument checks and the start
-// barrier) and end with moe_dispatch_counts (the middle barrier, which
-// hands the host the counts), each block of the send kernel posting its
-// middle flags in both.
-func (p *plan) dispatch(T int, inBuffer, capturable bool, rejected bool) dispatchLaunch {
+// xs itself, aligned that x may be copied by 16-byte packs. Capturable
+// calls put both barriers inside the kernels; eager ones start with
+// moe_post_status (the argument checks and the start barrier), and the
+// send kernel's last block runs the middle one (every block posts its
+// middle flags in both) and hands the host the counts.
+func (p *plan) dispatch(T int, inBuffer, aligned, capturable, rejected bool) dispatchLaunch {
 	var d dispatchLaunch
 	d.staged = T > 0 && (!inBuffer || p.fp8)
 	// Capturable: the send kernel's block 0 releases the copy (moe_stage_gate)
 	// once past its start barrier, before which peers may still read the
 	// previous rows. Eager: moe_post_status, the start barrier, has run already.
 	d.overlap = d.staged && (capturable || int64(T)*p.dispatchRowBytes() >= p.eagerOverlapBytes)
+	d.inKernel = d.staged && !d.overlap && !p.fp8 && aligned && int64(T)*p.dispatchRowBytes() <= p.eagerKernelStageBytes
 	d.counted = T > 0 && int64(T)*int64(p.topK) >= p.countMinPairs
 	d.idsShared = !rejected && !d.counted && 4*(int64(p.numExperts)+int64(T)*int64(p.topK)) <= sendSharedMax
 	if capturable {

@@ -61,9 +61,8 @@ constexpr int kMoeWarps = kThreads / 32;
 // barrier is at most one round trip by block 0 and the middle one mostly
 // overlaps the kernel boundary. Eager calls have moe_post_status for a
 // start barrier (it carries the argument checks) and use kSyncArrive /
-// kSyncWait for the middle one: the eager dispatch's wait is
-// moe_dispatch_counts, which hands the host the counts it sizes the
-// result by.
+// kSyncWait for the middle one: in the eager dispatch, the send kernel's
+// last block waits, and hands the host the counts it sizes the result by.
 constexpr int kSyncStart = 1;        // send kernels: barrier with every peer before writing into them
 constexpr int kSyncArrive = 2;       // send kernels: every block posts its middle flags when done
 constexpr int kSyncWait = 4;         // expand, reduce: wait for every peer's middle flag first
@@ -170,11 +169,19 @@ static_assert(sizeof(MoeSync::peer_flags) + 4 * sizeof(void*) + 2 * sizeof(int) 
 //   196    4    ids_shared      1: the send kernel copies the expert ids of
 //                               tokens [0, its range's end) into shared
 //                               memory first (dynamic shared 4 * (E + T*K))
-//   200    8    status          [W] i32: each rank's argument check of this
-//                               eager call (0: ok), posted before the start
-//                               barrier; nullptr in capturable mode
+//   200    8    status          [W] i32: each rank's status word of this
+//                               eager call (see status_code), posted by the
+//                               start barrier; nullptr in capturable mode
 //   208    104  sync            MoeSync (moe_dispatch_send)
-//   total  312, aligned to 8
+//   312    8    stage_src       eager: x [T, H] T, 16-byte aligned, which the
+//                               send kernel copies into stage_dst; nullptr:
+//                               x is staged already (or by a copy)
+//   320    8    stage_dst       this rank's xs
+//   328    8    counts_host     eager: [W + W * (L+1)] i32 pinned host memory,
+//                               where the send kernel's last block puts every
+//                               rank's code, then hdr, once every peer's send
+//                               blocks are done; nullptr: capturable
+//   total  336, aligned to 8
 struct MoeDispatchParams {
   void* peer_meta[kMaxRanks];
   void* peer_hdr[kMaxRanks];
@@ -194,12 +201,15 @@ struct MoeDispatchParams {
   int ids_shared;
   const int* status;
   MoeSync sync;
+  const void* stage_src;
+  void* stage_dst;
+  int* counts_host;
 };
-static_assert(sizeof(MoeDispatchParams) == 312, "MoeDispatchParams size");
+static_assert(sizeof(MoeDispatchParams) == 336, "MoeDispatchParams size");
 // NVRTC has no offsetof: the field sizes add up to the size (no padding),
 // which pins every offset in the table.
 static_assert(sizeof(MoeDispatchParams::peer_meta) + sizeof(MoeDispatchParams::peer_hdr) == 128 &&
-                  5 * sizeof(void*) + 10 * sizeof(int) + sizeof(MoeSync) == 312 - 128,
+                  8 * sizeof(void*) + 10 * sizeof(int) + sizeof(MoeSync) == 336 - 128,
               "MoeDispatchParams fields");
 
 // MoeExpandParams is the argument of moe_dispatch_expand.
@@ -347,29 +357,6 @@ struct MoePostParams {
 static_assert(sizeof(MoePostParams) == 144, "MoePostParams size");
 static_assert(sizeof(MoePostParams::peer_status) + 4 * sizeof(void*) + sizeof(u64) + 10 * sizeof(int) == 144,
               "MoePostParams fields");
-
-// MoeCountsParams is the argument of moe_dispatch_counts.
-//
-//   offset size field
-//   0      104  sync           MoeSync (kSyncWait: every peer's send blocks)
-//   104    8    checks         this rank's status [2, W] then hdr [W, L+1], i32
-//   112    8    host           as many i32 of pinned host memory
-//   120    4    words          2W + W(L+1)
-//   124    4    rank
-//   128    4    world          W
-//   132    4    pad
-//   total  136, aligned to 8
-struct MoeCountsParams {
-  MoeSync sync;
-  const int* checks;
-  int* host;
-  int words;
-  int rank;
-  int world;
-  int pad;
-};
-static_assert(sizeof(MoeCountsParams) == 136, "MoeCountsParams size");
-static_assert(sizeof(MoeSync) + 2 * sizeof(void*) + 4 * sizeof(int) == 136, "MoeCountsParams fields");
 
 // MoeStagedParams: moe_staged_expand and moe_staged_partials (moe_staged.cu),
 // an ep of GPU tensors whose ranks span nodes.
@@ -702,12 +689,13 @@ DINLINE void sync_end(const MoeSync& s, int rank, int world) {
 // (its latest send kernel's, which has finished: stream order) into its
 // middle flag here, and with kSyncStaged also every peer's staged flag
 // (moe_stage_done). False, uniformly in the block, when a wait gave up: the
-// block must then read nothing.
-DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
-  if (!(s.mode & kSyncWait)) return true;
+// block must then read nothing. sync_wait_as takes the mode and the epoch
+// apart from s, for a send kernel's own block (the eager dispatch's last):
+// there block 0's counter may not have moved yet, the block's own has.
+DINLINE bool sync_wait_as(const MoeSync& s, int mode, u64 e, int rank, int world) {
+  if (!(mode & kSyncWait)) return true;
   __shared__ int ok;
-  const u64 e = s.state[s.kind].counter[0];
-  const int G = s.mode >> kSyncGridShift;  // the send kernel's blocks
+  const int G = mode >> kSyncGridShift;  // the send kernel's blocks
   const int t = (int)threadIdx.x;
   if (t == 0) ok = 1;
   __syncthreads();
@@ -719,7 +707,7 @@ DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
       ok = 0;
     }
   }
-  if ((s.mode & kSyncStaged) && t < world && t != rank &&
+  if ((mode & kSyncStaged) && t < world && t != rank &&
       !wait_flag(waiter_of(s, rank), moe_flag(s.peer_flags[rank], s.kind, kMoeFlagStaged, t), e, t, kPhaseMoeMid,
                  s.kind)) {
     ok = 0;
@@ -732,4 +720,7 @@ DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
     other->free_epoch = other->counter[0] + 1;
   }
   return ok != 0;
+}
+DINLINE bool sync_wait(const MoeSync& s, int rank, int world) {
+  return sync_wait_as(s, s.mode, s.state[s.kind].counter[0], rank, world);
 }

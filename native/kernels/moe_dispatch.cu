@@ -17,7 +17,6 @@
 constexpr int kMoeUnroll = 8;
 
 // p2pcomm:instantiate moe_post_status
-// p2pcomm:instantiate moe_dispatch_counts
 // p2pcomm:instantiate moe_stage_gate
 // p2pcomm:instantiate moe_stage_done
 // p2pcomm:instantiate moe_dispatch_count<bf16>
@@ -192,20 +191,6 @@ __global__ void __launch_bounds__(kThreads, 1) moe_post_status(const MoePostPara
       w, [&] { return (seen = (u64)status_tag(word = ld_status(mine))) == (u64)p.tag; }, seen, t, kPhaseMoeStart,
       p.kind, (u64)p.tag);
   if (in && p.host_status != nullptr) p.host_status[t] = status_code(word);
-}
-
-// moe_dispatch_counts ends an eager dispatch on one block: it waits for
-// every block of every peer's send kernel (the middle barrier, sync_wait)
-// and copies this rank's status rows, as codes, and hdr into pinned host
-// memory, where the host sizes the result after its one sync. One launch
-// instead of a barrier kernel and a copy into host, whose copy engine
-// starts late.
-__global__ void __launch_bounds__(kThreads, 1) moe_dispatch_counts(const MoeCountsParams p) {
-  if (!sync_wait(p.sync, p.rank, p.world)) return;
-  for (int i = (int)threadIdx.x; i < p.words; i += (int)blockDim.x) {
-    const int v = *(const volatile int*)(p.checks + i);
-    p.host[i] = i < 2 * p.world ? status_code(v) : v;
-  }
 }
 
 // ---------------------------------------------------------------- dispatch
@@ -464,14 +449,57 @@ DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
   return true;
 }
 
+// stage_rows copies this block's tokens' rows of x into xs (eager calls of
+// small batches: a copy of its own would cost the host a call and the GPU
+// a gap). Before sync_end, whose release covers the block's stores.
+template <typename T>
+DINLINE void stage_rows(const MoeDispatchParams& p) {
+  int t0, t1;
+  block_tokens(p.num_tokens, t0, t1);
+  const i64 packs = (i64)p.hidden * (i64)sizeof(T) / 16;  // a row is whole packs (golib/moe checks)
+  const V16* src = (const V16*)p.stage_src + (i64)t0 * packs;
+  V16* dst = (V16*)p.stage_dst + (i64)t0 * packs;
+  const i64 n = (i64)(t1 - t0) * packs, step = blockDim.x;
+  i64 i = threadIdx.x;
+  for (; i + 3 * step < n; i += 4 * step) {  // four loads in flight
+    const V16 a = ld_v16_stable(src + i), b = ld_v16_stable(src + i + step);
+    const V16 c = ld_v16_stable(src + i + 2 * step), d = ld_v16_stable(src + i + 3 * step);
+    st_v16(dst + i, a);
+    st_v16(dst + i + step, b);
+    st_v16(dst + i + 2 * step, c);
+    st_v16(dst + i + 3 * step, d);
+  }
+  for (; i < n; i += step) st_v16(dst + i, ld_v16_stable(src + i));
+}
+
+// read_counts, in the last block of an eager dispatch's send kernel (the
+// one that wrote this rank's own hdr row), is the middle barrier for the
+// host: it waits for every block of every peer's send kernel (sync_wait)
+// and puts every rank's code and hdr into pinned host memory, where the
+// host sizes the result after its one sync.
+DINLINE void read_counts(const MoeDispatchParams& p, const MoeBegin& sb) {
+  if (!sync_wait_as(p.sync, kSyncWait | (int)(gridDim.x << kSyncGridShift), sb.epoch, p.rank, p.world)) return;
+  const int W = p.world, n = W * (p.num_experts / W + 1);
+  const int* hdr = (const int*)pick(p.peer_hdr, p.rank);
+  for (int i = (int)threadIdx.x; i < W + n; i += (int)blockDim.x) {
+    p.counts_host[i] = i < W ? status_code(p.status[i]) : *(const volatile int*)(hdr + i - W);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispatchParams p) {
   __shared__ MoeBegin sb;
   if (!sync_enter(p.sync, p.rank, p.world, sb)) return;
-  const bool ok = any_rejected(p.status, p.world) ? sync_go(p.sync, p.rank, p.world, sb)  // uniform
-                                                  : dispatch_send_body<T>(p, sb);
+  bool ok;
+  if (any_rejected(p.status, p.world)) {  // uniform
+    ok = sync_go(p.sync, p.rank, p.world, sb);
+  } else {
+    if (p.stage_src != nullptr) stage_rows<T>(p);
+    ok = dispatch_send_body<T>(p, sb);
+  }
   if (!ok) return;
   sync_end(p.sync, p.rank, p.world);
+  if (p.counts_host != nullptr && blockIdx.x == gridDim.x - 1) read_counts(p, sb);
 }
 
 // take_unit: the next work unit for the calling warp, from the call's

@@ -39,7 +39,9 @@ def test_self_local_knob(monkeypatch):
             assert moe._tuning()["self_local"] == "auto"
 
 
-def test_eager_overlap_hook(monkeypatch):
-    assert moe._tuning()["eager_overlap_bytes"] is None
-    monkeypatch.setattr(moe, "_EAGER_OVERLAP_BYTES", 0)
-    assert moe._tuning()["eager_overlap_bytes"] == 0
+@pytest.mark.parametrize("hook, key", [("_EAGER_OVERLAP_BYTES", "eager_overlap_bytes"),
+                                       ("_EAGER_KERNEL_STAGE_BYTES", "eager_kernel_stage_bytes")])
+def test_eager_staging_hooks(monkeypatch, hook, key):
+    assert moe._tuning()[key] is None
+    monkeypatch.setattr(moe, hook, 0)
+    assert moe._tuning()[key] == 0

@@ -442,18 +442,20 @@ def test_int32_ids_and_all_to_one_expert(comms, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("staging", ["in_line", "side_stream", "capturable"])
+@pytest.mark.parametrize("staging", ["in_kernel", "in_line", "side_stream", "capturable"])
 def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
     """x built in ep.get_dispatch_buffer() (no staging copy), x a view at
     another offset inside that buffer (copied out first), and a plain x
     again, each rank in its own order, so that in every round some ranks
     copy x and others do not (and one has no tokens): each round matches
-    the reference, rows and combine. Eager GPU calls copy x into the
-    staging buffer on the caller's stream below a size and on a side stream
-    from it: both, whatever the size here; capturable ones on the side
-    stream, where the ranks that copy post their staged flags after it."""
+    the reference, rows and combine. Eager GPU calls have the send kernel
+    copy x into the staging buffer up to a size, copy it on the caller's
+    stream up to another and on a side stream from there: each, whatever
+    the size here; capturable ones on the side stream, where the ranks that
+    copy post their staged flags after it."""
     capturable = staging == "capturable"
     monkeypatch.setattr(p2pcomm.moe, "_EAGER_OVERLAP_BYTES", 0 if staging == "side_stream" else 1 << 62)
+    monkeypatch.setattr(p2pcomm.moe, "_EAGER_KERNEL_STAGE_BYTES", 1 << 62 if staging == "in_kernel" else -1)
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
@@ -485,10 +487,36 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
         if where == "buffer":
             assert torch.equal(x.cpu().view(torch.uint8), inp.x.view(torch.uint8)), "dispatch changed x"
         if ep.uses_kernels:
-            side_copies += [step["side"] for step in ep._trace() if step["name"] == "stage"]
+            side_copies += [step["side"] if step["name"] == "stage" else "kernel" for step in ep._trace()
+                            if step["name"] in ("stage", "stage in moe_dispatch_send")]
     if ep.uses_kernels and sizes[r]:  # copies of "plain", and of "inside" unless x is the whole buffer
-        side = staging == "side_stream" or capturable
+        side = "kernel" if staging == "in_kernel" else staging == "side_stream" or capturable
         assert side_copies == [side] * (1 + (sizes[r] < Tm)), side_copies
+
+
+@GPU_ONLY
+def test_eager_dispatch_of_misaligned_rows(comms, monkeypatch):
+    """The send kernel copies x into the staging buffer by 16-byte packs;
+    an x that starts off that alignment (a view one element into a
+    buffer) is copied on the stream instead, with the same results."""
+    monkeypatch.setattr(p2pcomm.moe, "_EAGER_KERNEL_STAGE_BYTES", 1 << 62)
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
+    for seed, offset in ((41, 1), (42, 0)):
+        inputs = [make_inputs(seed, q, Tm - q, H, E, K, dtype, "random", 0.1) for q in range(W)]
+        inp = inputs[r]
+        flat = torch.empty(inp.x.numel() + 8, dtype=dtype, device="cuda")
+        x = flat[offset:offset + inp.x.numel()].view(inp.x.shape)
+        x.copy_(inp.x.cuda())
+        assert (x.data_ptr() % 16 != 0) == (offset == 1)
+        recv = ep.dispatch(x, inp.idx.cuda(), inp.w.cuda())
+        check_dispatch(recv, inputs, r, W, E, K, dtype)
+        check_combine(ep.combine(expert_fn(recv.x, recv.local_expert, recv.src_rank), recv), inputs, r, W, E, K, dtype)
+        staged = [step["name"] for step in ep._trace() if step["name"].startswith("stage")]
+        assert staged == ["stage" if offset else "stage in moe_dispatch_send"], staged
+    comm.check()
 
 
 def capture_step(ep, static_x, first, rank):
