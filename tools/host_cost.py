@@ -9,11 +9,12 @@ arguments ready (the Go side and the launch), an empty export (ctypes and the
 Go entry), and a kernel launch through torch (`zero_()`). Rank 0 prints every
 rank's figures.
 """
-import os, statistics, time
+import os
 import torch, torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 import p2pcomm
 from p2pcomm import _lib
+from p2pcomm.bench.harness import per_call_us
 from p2pcomm.communicator import _ALGO_CODES, _DTYPES, _OP_CODES, _raw_stream
 
 NUMEL = 2048
@@ -31,19 +32,8 @@ args = (comm._handle, buf.data_ptr(), buf.data_ptr(), NUMEL, _DTYPES[buf.dtype],
 all_reduce, abi_version = comm._all_reduce, _lib.lib().p2p_abi_version
 
 
-def per_call(fn, calls=2000, reps=5):
-    for _ in range(50):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+def per_call(fn):
+    return per_call_us(fn, calls=2000, warmup=50, finished=False)
 
 
 rows = {

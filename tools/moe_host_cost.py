@@ -18,7 +18,7 @@ import argparse, json, os, statistics, tempfile, time
 import torch, torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 import p2pcomm
-from p2pcomm.bench.harness import init_distributed
+from p2pcomm.bench.harness import init_distributed, per_call_us
 from p2pcomm.bench.moe import routing
 from p2pcomm.moe_checks import dispatch_problem
 from p2pcomm.moe_result import _lazy_result
@@ -26,19 +26,8 @@ from p2pcomm.moe_result import _lazy_result
 E, H, K = 256, 7168, 8
 
 
-def per_call(fn, calls=300, reps=5):
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+def per_call(fn):
+    return per_call_us(fn, calls=300)
 
 
 def wall_and_wait(ep, fn, syncs: int, groups=80, group=4):

@@ -183,6 +183,26 @@ def mean_over_ranks(v: float, ctl) -> float:
 
 # -- timing ----------------------------------------------------------------------------------------
 
+def per_call_us(fn: Callable[[], object], calls: int, reps: int = 5, warmup: int = 20, finished: bool = True) -> float:
+    """This rank's median over reps of the microseconds per call of fn called back to back, every rank starting
+    together (GPU idle, then a barrier): the rate calls finish at, or with finished=False the rate the host
+    issues them (the clock stops before waiting for the GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if finished:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 class Clock:
     """Start/stop marks that read the same on CPU and GPU."""
 

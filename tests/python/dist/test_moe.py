@@ -1188,58 +1188,29 @@ def test_back_to_back_calls_with_skewed_ranks(comms, device):
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("call", ["dispatch", "combine"])
-def test_eager_rank_that_never_arrives(group, monkeypatch, call):
-    """An eager call's start barrier is moe_post_status, whose words are the
-    barrier's flags: when rank 1 never makes the call, every other rank's
-    call raises PeerTimeoutError naming rank 1 within P2PCOMM_TIMEOUT_MS
-    (the kernels after the barrier give up at once, not after a second
-    timeout), instead of hanging or returning a result."""
-    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
+@pytest.mark.parametrize("capturable, before, call, barrier", [
+    (True, "dispatch", "dispatch", "start"), (True, "combine", "dispatch", "middle"),
+    (True, "combine", "combine", "start"), (True, "dispatch", "combine", "middle"),
+    (False, "combine", "dispatch", "start"), (False, "dispatch", "combine", "start")])
+def test_rank_that_never_arrives(group, monkeypatch, capturable, before, call, barrier):
+    """When rank 1 never makes a call, every other rank's call gives up
+    after P2PCOMM_TIMEOUT_MS and the communicator names rank 1, instead of
+    hanging. Capturable calls wait for their peers inside the kernels and
+    report it at the next check; a call that follows the other kind (a
+    dispatch after a combine, a combine after a dispatch) skips its start
+    barrier, so the ranks wait at its middle barrier instead. An eager
+    call's start barrier is moe_post_status, and the call itself raises,
+    within one timeout: the kernels after that barrier give up at once
+    rather than wait a second timeout."""
+    timeout_s = 2.0
+    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", str(int(timeout_s * 1000)))
     torch.cuda.set_device(local_cuda_index())
     comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
     W, r = comm.world_size, comm.rank
     E, K, H, Tm = 2 * W, 2, 64, 8
-    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K)
-    inputs = [make_inputs(63, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
-    recv, out, y = run_round(ep, inputs, r, "cuda")
-    check_combine(y, inputs, r, W, E, K, torch.bfloat16)
-    inp = inputs[r]
-    if call == "combine":
-        recv = ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
-        out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
-    torch.cuda.synchronize()
-    dist.barrier()
-    if r != 1:
-        start = time.monotonic()
-        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank 1 never arrived at the start barrier of an MoE {call}"):
-            if call == "dispatch":
-                ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
-            else:
-                ep.combine(out, recv)
-        assert time.monotonic() - start < 2 * 2.0 + 3
-    dist.barrier()
-    comm.close()
-
-
-@GPU_ONLY
-@pytest.mark.parametrize("before, call, barrier", [("dispatch", "dispatch", "start"), ("combine", "dispatch", "middle"),
-                                                   ("combine", "combine", "start"), ("dispatch", "combine", "middle")])
-def test_capturable_rank_that_never_arrives(group, monkeypatch, before, call, barrier):
-    """Capturable calls wait for their peers inside the kernels: when rank 1
-    never makes the call, every other rank's kernels give up after
-    P2PCOMM_TIMEOUT_MS and the communicator names rank 1, instead of
-    hanging. A call that follows the other kind (a dispatch after a
-    combine, a combine after a dispatch) skips its start barrier, so the
-    ranks wait at its middle barrier instead."""
-    monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
-    torch.cuda.set_device(local_cuda_index())
-    comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
-    W, r = comm.world_size, comm.rank
-    E, K, H, Tm = 2 * W, 2, 64, 8
-    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, capturable=True)
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, capturable=capturable)
     inputs = [make_inputs(61, q, Tm, H, E, K, torch.bfloat16) for q in range(W)]
-    recv, out, y = run_round(ep, inputs, r, "cuda", capturable=True)
+    recv, out, y = run_round(ep, inputs, r, "cuda", capturable=capturable)
     check_combine(y, inputs, r, W, E, K, torch.bfloat16)
     inp = inputs[r]
     if before == "dispatch":
@@ -1249,14 +1220,14 @@ def test_capturable_rank_that_never_arrives(group, monkeypatch, before, call, ba
     dist.barrier()
     if r != 1:
         start = time.monotonic()
-        if call == "dispatch":
-            ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
-        else:
-            ep.combine(out, recv)
-        torch.cuda.synchronize()  # the kernels give up after the timeout
-        assert time.monotonic() - start < 20
         want = f"rank 1 never arrived at the {barrier} barrier of an MoE {call}"
         with pytest.raises(p2pcomm.PeerTimeoutError, match=want):
+            if call == "dispatch":
+                ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
+            else:
+                ep.combine(out, recv)
+            torch.cuda.synchronize()  # capturable: the kernels give up after the timeout
             comm.check()
+        assert time.monotonic() - start < (20 if capturable else 2 * timeout_s)
     dist.barrier()
     comm.close()
