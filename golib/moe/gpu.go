@@ -26,7 +26,7 @@ type gpuEngine struct {
 
 	host     unsafe.Pointer // pinned: an eager call's checks [W], then a dispatch's hdr [W, L+1] (checksBytes)
 	hostCopy uintptr        // the stream of a copy into host not yet waited for
-	side     uintptr        // the stream x's staging copy overlaps the send kernel on
+	side     uintptr        // the stream a capturable call's copy of x overlaps the send kernel on
 	fork     cuda.Event
 	join     cuda.Event
 	ready    cuda.Event // eager combine: every rank's checks are in host
@@ -200,6 +200,9 @@ func (g *gpuEngine) xsScales() int64 { return int64(g.p.maxTokens) * g.p.dispatc
 func (g *gpuEngine) postChecks(code int32, idx uintptr, numIDs, idxBytes int, stream uintptr, kind int32,
 	host uintptr) (uintptr, error) {
 	par := g.eagerCalls & 1
+	if code < 0 || code >= 1<<statusTagShift { // not a status code: it would spill into the tag
+		code = int32(status.InvalidArgument)
+	}
 	pp := &g.pp
 	pp.PeerStatus, pp.Code, pp.Kind, pp.HostStatus = g.peerStatus[par], code, kind, uint64(host)
 	pp.Tag = int32(g.eagerCalls%statusTagMax + 1) // never 0, the zeroed rows' tag
@@ -245,6 +248,7 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	dp.StageSrc, dp.StageDst, dp.CountsHost = 0, 0, 0
 	if !a.Capturable {
 		dp.CountsHost = uint64(uintptr(g.host))
+		g.hostCopy = a.Stream // the send kernel writes into host: wait for it before freeing that
 	}
 	grid := uint32(p.blocks)
 	if d.overlap {
@@ -280,7 +284,6 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	// The send kernel's last block has passed the middle barrier, after
 	// which every source's metadata, hdr and staged rows are in place, and
 	// put every rank's check and the counts into host: the one host sync.
-	g.hostCopy = a.Stream
 	start := time.Now()
 	if err := g.dev.StreamSynchronize(a.Stream); err != nil {
 		return 0, err

@@ -222,15 +222,10 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 			"wait for main",
 			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
 		}},
-		{"large batch: copy on the side stream, count kernel", 4096, 0x9000, []string{
+		{"large batch: copied by the send kernel, count kernel", 4096, 0x9000, []string{
 			"moe_post_status grid 1 block 512 shared 0 on main",
-			"record on main",
-			"side waits",
 			"moe_dispatch_count grid 24 block 512 shared 72 on main",
 			"moe_dispatch_send grid 24 block 512 shared 64 on main",
-			"copy 58720256 bytes on side",
-			"record on side",
-			"main waits",
 			"wait for main",
 			"moe_dispatch_expand grid 24 block 512 shared 96 on main",
 		}},
@@ -265,7 +260,7 @@ func TestGPUEagerDispatchSteps(t *testing.T) {
 					}
 					send := decode[dispatchParams](g.params[len(g.params)-2])
 					stage := [2]uint64{}
-					if tt.T == 128 {
+					if tt.x == 0x9000 {
 						stage = [2]uint64{0x9000, uint64(ep.gpu.xs)}
 					}
 					if [2]uint64{send.StageSrc, send.StageDst} != stage || send.CountsHost != uint64(uintptr(unsafe.Pointer(&g.host[0]))) {
@@ -383,9 +378,10 @@ func TestGPUFP8DispatchSteps(t *testing.T) {
 	})
 }
 
-// A rank that rejects its arguments still takes part: the checks, both
-// barriers and the send kernel (whose blocks count calls), with no tokens,
-// and no copy; the call returns no rows and every rank's checks.
+// A rank that rejects its arguments still takes part: the status kernel
+// (the start barrier) and the send kernel (whose blocks count calls and run
+// the middle barrier), with no tokens, and no copy; the call returns no
+// rows and every rank's checks.
 func TestGPURejectedDispatchSteps(t *testing.T) {
 	fakeRanks(t, 2, bf16Config, func(r int, ep *EP, g *fakeGPU) error {
 		g.hostFill = []int32{0, 2, 0, 0}
@@ -552,29 +548,55 @@ func TestGPUConfigurationsTheKernelsRefuse(t *testing.T) {
 // The thresholds that pick between paths giving the same bits can be moved
 // (the tests of the Python package reach every path that way).
 func TestGPUTuningOverrides(t *testing.T) {
-	zero, huge := int64(0), int64(1)<<40
+	none, huge := int64(-1), int64(1)<<40
 	cfg := bf16Config
-	cfg.Tuning = Tuning{EagerOverlapBytes: &zero, CountKernelMinPairs: &zero}
+	cfg.Tuning = Tuning{EagerKernelStageBytes: &none, CountKernelMinPairs: &none}
 	fakeRanks(t, 2, cfg, func(r int, ep *EP, g *fakeGPU) error {
 		if _, err := ep.Dispatch(&DispatchArgs{X: 0x9000, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 1, IdxBytes: 8,
 			Stream: fakeStream}); err != nil {
 			return err
 		}
 		got := strings.Join(g.steps, "\n")
-		if !strings.Contains(got, "moe_dispatch_count grid") || !strings.Contains(got, "on side") {
-			return fmt.Errorf("one token with both thresholds at 0: %s", got)
+		if !strings.Contains(got, "moe_dispatch_count grid") || !strings.Contains(got, "copy 14336 bytes on main") {
+			return fmt.Errorf("one token with both thresholds below it: %s", got)
 		}
 		return nil
 	})
-	cfg.Tuning = Tuning{EagerOverlapBytes: &huge, CountKernelMinPairs: &huge}
+	cfg.Tuning = Tuning{EagerKernelStageBytes: &huge, CountKernelMinPairs: &huge}
 	fakeRanks(t, 2, cfg, func(r int, ep *EP, g *fakeGPU) error {
 		if _, err := ep.Dispatch(&DispatchArgs{X: 0x9000, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 4096, IdxBytes: 8,
 			Stream: fakeStream}); err != nil {
 			return err
 		}
 		got := strings.Join(g.steps, "\n")
-		if strings.Contains(got, "moe_dispatch_count grid") || strings.Contains(got, "on side") {
+		if strings.Contains(got, "moe_dispatch_count grid") || strings.Contains(got, "copy") {
 			return fmt.Errorf("4096 tokens with both thresholds out of reach: %s", got)
+		}
+		return nil
+	})
+}
+
+// An eager fp8 dispatch copies its rows and their scales on the caller's
+// stream (the send kernel copies rows of the ep's dtype only), and never on
+// the side stream: only a capturable call's staged flags cover such a copy.
+func TestGPUEagerFP8DispatchCopiesInLine(t *testing.T) {
+	c := bf16Config
+	c.DispatchFP8 = true
+	fakeRanks(t, 2, c, func(r int, ep *EP, g *fakeGPU) error {
+		g.hostFill = []int32{0, 0}
+		for _, T := range []int{16, 4096} {
+			g.steps, g.params = nil, nil
+			if _, err := ep.Dispatch(&DispatchArgs{X: 0x9000, Scales: 0x9800, TopkIdx: 0xa000, TopkWeights: 0xb000,
+				NumTokens: T, IdxBytes: 4, Stream: fakeStream}); err != nil {
+				return err
+			}
+			copies := fmt.Sprintf("copy %d bytes on main\ncopy %d bytes on main", T*7168, T*56*4)
+			if got := strings.Join(g.steps, "\n"); !strings.Contains(got, copies) || strings.Contains(got, "side") {
+				return fmt.Errorf("%d tokens: %s", T, got)
+			}
+			if send := decode[dispatchParams](g.params[len(g.params)-1]); send.StageSrc != 0 {
+				return fmt.Errorf("%d tokens: the send kernel stages %#x", T, send.StageSrc)
+			}
 		}
 		return nil
 	})

@@ -61,13 +61,9 @@ type Config struct {
 // Tuning holds the thresholds that pick between paths giving the same bits.
 // A nil field takes the default; tests set them to reach every path.
 type Tuning struct {
-	// EagerOverlapBytes: eager dispatch copies x into the staging buffer on
-	// a side stream, under the send kernel, from this many bytes of x up
-	// (DefaultEagerOverlapBytes).
-	EagerOverlapBytes *int64 `json:"eager_overlap_bytes"`
 	// EagerKernelStageBytes: eager dispatch has the send kernel copy x into
 	// the staging buffer up to this many bytes of x (16-byte aligned, not
-	// float8; DefaultEagerKernelStageBytes), else a copy of its own does.
+	// float8; default: any size), else a copy on the caller's stream does.
 	EagerKernelStageBytes *int64 `json:"eager_kernel_stage_bytes"`
 	// CountKernelMinPairs: dispatch runs moe_dispatch_count before the send
 	// kernel from this many routed (token, k) pairs up
@@ -82,15 +78,6 @@ type Tuning struct {
 const (
 	// DefaultSMs is the blocks of each kernel without Config.NumSMs.
 	DefaultSMs = 24
-	// DefaultEagerOverlapBytes: below it, forking a side stream for the copy
-	// of x (events, stream switches) costs the host more than the copy costs
-	// the GPU, and eager calls of small batches are bound by host time.
-	DefaultEagerOverlapBytes = 8 << 20
-	// DefaultEagerKernelStageBytes: up to it, the send kernel's blocks copy
-	// x into the staging buffer sooner than a copy of its own, which costs
-	// the host a call and runs on a copy engine (slower than the SMs at a
-	// few MiB); beyond it, x goes on the side stream (EagerOverlapBytes).
-	DefaultEagerKernelStageBytes = DefaultEagerOverlapBytes
 	// DefaultCountKernelMinPairs: without the count kernel each send block
 	// recounts every token before its range, which costs the last block
 	// T*K id loads; below this many pairs that is less than a launch.

@@ -2,6 +2,7 @@ package moe
 
 import (
 	"fmt"
+	"math"
 
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -17,7 +18,6 @@ type plan struct {
 	dtype, transit          reduce.DType
 	blocks                  int   // the agreed grid of every multi-block kernel (GPU)
 	maxRecvRows             int64 // W * Tm * K
-	eagerOverlapBytes       int64
 	eagerKernelStageBytes   int64
 	countMinPairs           int64
 	selfLocal               string // never, auto or always (never unless the world is 2 and topk <= combWide)
@@ -29,11 +29,7 @@ func newPlan(c Config, rank, world int) plan {
 	p := plan{world: world, rank: rank, numExperts: c.NumExperts, numLocal: c.NumExperts / world,
 		hidden: c.Hidden, maxTokens: c.MaxTokens, topK: c.TopK, dtype: c.DType, transit: c.CombineDType,
 		maxRecvRows: int64(world) * int64(c.MaxTokens) * int64(c.TopK), capturable: c.Capturable, fp8: c.DispatchFP8,
-		eagerOverlapBytes: DefaultEagerOverlapBytes, eagerKernelStageBytes: DefaultEagerKernelStageBytes,
-		countMinPairs: DefaultCountKernelMinPairs, selfLocal: "never"}
-	if v := c.Tuning.EagerOverlapBytes; v != nil {
-		p.eagerOverlapBytes = *v
-	}
+		eagerKernelStageBytes: math.MaxInt64, countMinPairs: DefaultCountKernelMinPairs, selfLocal: "never"}
 	if v := c.Tuning.EagerKernelStageBytes; v != nil {
 		p.eagerKernelStageBytes = *v
 	}
@@ -120,8 +116,8 @@ func wantedBlocks(numSMs, sms int) int {
 // dispatchLaunch is how one dispatch runs on the GPU.
 type dispatchLaunch struct {
 	staged                                bool  // x is copied into xs (it is not built there)
-	overlap                               bool  // that copy runs on the side stream, under the send kernel
-	inKernel                              bool  // the send kernel makes that copy (eager, small x)
+	overlap                               bool  // that copy runs on the side stream, under the send kernel (capturable)
+	inKernel                              bool  // the send kernel makes that copy (eager, aligned rows of dtype)
 	counted                               bool  // moe_dispatch_count runs first
 	idsShared                             bool  // the send kernel copies the expert ids into shared memory
 	sendMode                              int32 // kSync* bits of the count, send and side-stream kernels
@@ -139,11 +135,16 @@ type dispatchLaunch struct {
 func (p *plan) dispatch(T int, inBuffer, aligned, capturable, rejected bool) dispatchLaunch {
 	var d dispatchLaunch
 	d.staged = T > 0 && (!inBuffer || p.fp8)
-	// Capturable: the send kernel's block 0 releases the copy (moe_stage_gate)
-	// once past its start barrier, before which peers may still read the
-	// previous rows. Eager: moe_post_status, the start barrier, has run already.
-	d.overlap = d.staged && (capturable || int64(T)*p.dispatchRowBytes() >= p.eagerOverlapBytes)
-	d.inKernel = d.staged && !d.overlap && !p.fp8 && aligned && int64(T)*p.dispatchRowBytes() <= p.eagerKernelStageBytes
+	// Capturable: the copy runs on the side stream, which the send kernel's
+	// block 0 releases (moe_stage_gate) once past its start barrier, before
+	// which peers may still read the previous rows; moe_stage_done's staged
+	// flags tell the peers' expands it is done. Eager: moe_post_status, the
+	// start barrier, has run already, and the send kernel copies x (on the
+	// caller's stream before it, when it cannot: fp8 rows and scales, or x
+	// off 16-byte alignment); its blocks' middle flags then cover the copy,
+	// which is all the peers wait for before they read xs.
+	d.overlap = d.staged && capturable
+	d.inKernel = d.staged && !capturable && !p.fp8 && aligned && int64(T)*p.dispatchRowBytes() <= p.eagerKernelStageBytes
 	d.counted = T > 0 && int64(T)*int64(p.topK) >= p.countMinPairs
 	d.idsShared = !rejected && !d.counted && 4*(int64(p.numExperts)+int64(T)*int64(p.topK)) <= sendSharedMax
 	if capturable {

@@ -47,10 +47,9 @@ from .moe_result import DispatchResult, _lazy_result, _packed_result
 from .errors import InvalidArgumentError, MismatchError, P2PCommError, StateError, UnsupportedError
 
 # Tests only: override golib/moe's thresholds between paths that give the same bits (None: its
-# defaults). Bytes of x from which eager dispatch stages x on a side stream; bytes of x up to which
-# its send kernel stages x; routed (token, k) pairs from which dispatch runs its count kernel
+# defaults). Bytes of x up to which eager dispatch's send kernel stages x (else a copy on the
+# caller's stream); routed (token, k) pairs from which dispatch runs its count kernel
 # (P2PCOMM_MOE_COUNT_PAIRS also sets it).
-_EAGER_OVERLAP_BYTES: Optional[int] = None
 _EAGER_KERNEL_STAGE_BYTES: Optional[int] = None
 _COUNT_KERNEL_MIN_PAIRS: Optional[int] = None
 
@@ -78,8 +77,7 @@ def _tuning() -> dict:
     modes = {"": "auto", "0": "never", "1": "always"}
     if v not in modes:
         warnings.warn(f"P2PCOMM_MOE_SELF_LOCAL={v!r} is not 0 or 1; using the default", stacklevel=3)
-    return {"eager_overlap_bytes": _EAGER_OVERLAP_BYTES, "eager_kernel_stage_bytes": _EAGER_KERNEL_STAGE_BYTES,
-            "self_local": modes.get(v, "auto"),
+    return {"eager_kernel_stage_bytes": _EAGER_KERNEL_STAGE_BYTES, "self_local": modes.get(v, "auto"),
             "count_kernel_min_pairs": min(int(pairs), 2**62) if pairs else _COUNT_KERNEL_MIN_PAIRS}
 
 

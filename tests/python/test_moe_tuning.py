@@ -39,9 +39,7 @@ def test_self_local_knob(monkeypatch):
             assert moe._tuning()["self_local"] == "auto"
 
 
-@pytest.mark.parametrize("hook, key", [("_EAGER_OVERLAP_BYTES", "eager_overlap_bytes"),
-                                       ("_EAGER_KERNEL_STAGE_BYTES", "eager_kernel_stage_bytes")])
-def test_eager_staging_hooks(monkeypatch, hook, key):
-    assert moe._tuning()[key] is None
-    monkeypatch.setattr(moe, hook, 0)
-    assert moe._tuning()[key] == 0
+def test_eager_staging_hook(monkeypatch):
+    assert moe._tuning()["eager_kernel_stage_bytes"] is None
+    monkeypatch.setattr(moe, "_EAGER_KERNEL_STAGE_BYTES", 0)
+    assert moe._tuning()["eager_kernel_stage_bytes"] == 0

@@ -442,20 +442,19 @@ def test_int32_ids_and_all_to_one_expert(comms, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("staging", ["in_kernel", "in_line", "side_stream", "capturable"])
+@pytest.mark.parametrize("staging", ["in_kernel", "in_line", "capturable"])
 def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
     """x built in ep.get_dispatch_buffer() (no staging copy), x a view at
     another offset inside that buffer (copied out first), and a plain x
     again, each rank in its own order, so that in every round some ranks
     copy x and others do not (and one has no tokens): each round matches
     the reference, rows and combine. Eager GPU calls have the send kernel
-    copy x into the staging buffer up to a size, copy it on the caller's
-    stream up to another and on a side stream from there: each, whatever
-    the size here; capturable ones on the side stream, where the ranks that
-    copy post their staged flags after it."""
+    copy x into the staging buffer, or (up to a size, and for rows it
+    cannot copy) copy it on the caller's stream: both, whatever the size
+    here; capturable ones on a side stream, where the ranks that copy post
+    their staged flags after it."""
     capturable = staging == "capturable"
-    monkeypatch.setattr(p2pcomm.moe, "_EAGER_OVERLAP_BYTES", 0 if staging == "side_stream" else 1 << 62)
-    monkeypatch.setattr(p2pcomm.moe, "_EAGER_KERNEL_STAGE_BYTES", 1 << 62 if staging == "in_kernel" else -1)
+    monkeypatch.setattr(p2pcomm.moe, "_EAGER_KERNEL_STAGE_BYTES", None if staging == "in_kernel" else -1)
     comm = comms(device)
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 4 * W, 4, 128, 24, torch.bfloat16
@@ -490,7 +489,7 @@ def test_dispatch_from_its_buffer(comms, device, staging, monkeypatch):
             side_copies += [step["side"] if step["name"] == "stage" else "kernel" for step in ep._trace()
                             if step["name"] in ("stage", "stage in moe_dispatch_send")]
     if ep.uses_kernels and sizes[r]:  # copies of "plain", and of "inside" unless x is the whole buffer
-        side = "kernel" if staging == "in_kernel" else staging == "side_stream" or capturable
+        side = "kernel" if staging == "in_kernel" else capturable
         assert side_copies == [side] * (1 + (sizes[r] < Tm)), side_copies
 
 
