@@ -130,7 +130,9 @@ static_assert(sizeof(MoeSyncState) == 2112, "MoeSyncState size (golib/moe alloca
 //   72     8    signal          this rank's communicator Signal (Waiter)
 //   80     8    err             the communicator's ErrorWord (Waiter)
 //   88     8    timeout_ns      u64; 0 = kDefaultTimeoutNs
-//   96     4    mode            kSync* bits; 0: none (barrier kernels order it)
+//   96     4    mode            kSync* bits; 0: none (an eager expand: the
+//                               send kernel's last block and the host sync
+//                               order it)
 //   100    4    kind            0 dispatch, 1 combine
 //   total  104, aligned to 8
 struct MoeSync {

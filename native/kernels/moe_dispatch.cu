@@ -504,8 +504,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispat
 
 // take_unit: the next work unit for the calling warp, from the call's
 
-// moe_dispatch_expand runs on the destination after the mid barrier (a
-// barrier kernel, or sync_wait here). Every
+// moe_dispatch_expand runs on the destination after the mid barrier
+// (sync_wait here, or in an eager call the send kernel's read_counts
+// before the host's sync). Every
 // block computes, from hdr, each (source, local expert)'s first output row:
 // experts in order, then sources in order; the sender's pair ranks place
 // each pair within that run, so row order is (local expert, source, token,
