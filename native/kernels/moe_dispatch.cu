@@ -449,9 +449,10 @@ DINLINE bool dispatch_send_body(const MoeDispatchParams& p, MoeBegin& sb) {
   return true;
 }
 
-// stage_rows copies this block's tokens' rows of x into xs (eager calls of
-// small batches: a copy of its own would cost the host a call and the GPU
-// a gap). Before sync_end, whose release covers the block's stores.
+// stage_rows copies this block's tokens' rows of x into xs (eager calls: a
+// copy of its own would cost the host a call and run on a copy engine,
+// slower than the SMs). Before sync_end, whose release covers the block's
+// stores.
 template <typename T>
 DINLINE void stage_rows(const MoeDispatchParams& p) {
   int t0, t1;
