@@ -6,11 +6,16 @@ Per rank, back to back, a 4 KiB bf16 in-place all-reduce and its pieces, each
 as µs per call at the rate the host issues them: torch SymmetricMemory's
 two-shot, p2pcomm's plain call, the same export called by ctypes with its
 arguments ready (the Go side and the launch), an empty export (ctypes and the
-Go entry), and a kernel launch through torch (`zero_()`). Rank 0 prints every
-rank's figures.
+Go entry), and a kernel launch through torch (`zero_()`). 2000 calls fill the
+GPU's launch queue, so a call whose kernel takes longer than its host part
+runs at the GPU's pace; 200 calls show the host's pace alone. Last, one
+profile of each all-reduce (torch.profiler, which also sees the driver calls
+p2pcomm's Go core makes): the median host time of its launch call and the
+GPU time of its kernel. Rank 0 prints every rank's figures.
 """
-import os
+import json, os, statistics, tempfile
 import torch, torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
 import torch.distributed._symmetric_memory as symm_mem
 import p2pcomm
 from p2pcomm import _lib
@@ -32,17 +37,42 @@ args = (comm._handle, buf.data_ptr(), buf.data_ptr(), NUMEL, _DTYPES[buf.dtype],
 all_reduce, abi_version = comm._all_reduce, _lib.lib().p2p_abi_version
 
 
-def per_call(fn):
-    return per_call_us(fn, calls=2000, warmup=50, finished=False)
+def per_call(fn, calls=2000):
+    return per_call_us(fn, calls=calls, warmup=50, finished=False)
 
 
+def launch_and_kernel(fn, calls=200):
+    """Medians (µs) over calls of fn under the profiler: the host time of its
+    launch call (the runtime's or driver's), and its kernel's GPU time."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function("call"):
+                fn()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    os.remove(path)
+    launches = [e["dur"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e["name"]]
+    kernels = [e["dur"] for e in events if e.get("cat") == "kernel"]
+    med = lambda v: statistics.median(v) if v else float("nan")
+    return med(launches), med(kernels)
+
+
+two_shot = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group)
+plain = lambda: comm.all_reduce_(buf)
 rows = {
-    "torch symm_mem.two_shot_all_reduce_": per_call(lambda: torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group)),
-    "p2pcomm comm.all_reduce_(buf)": per_call(lambda: comm.all_reduce_(buf)),
+    "torch symm_mem.two_shot_all_reduce_": per_call(two_shot),
+    "p2pcomm comm.all_reduce_(buf)": per_call(plain),
     "p2p_all_reduce by ctypes, arguments ready": per_call(lambda: all_reduce(*args)),
     "an empty export by ctypes": per_call(abi_version),
     "a launch through torch (zero_)": per_call(sym.zero_),
+    "torch two-shot, 200 calls (the host's pace)": per_call(two_shot, 200),
+    "p2pcomm, 200 calls (the host's pace)": per_call(plain, 200),
 }
+for name, fn in (("torch two-shot", two_shot), ("p2pcomm", plain)):
+    rows[name + ": its launch call"], rows[name + ": its kernel on the GPU"] = launch_and_kernel(fn)
 every = [None] * dist.get_world_size()
 dist.all_gather_object(every, rows)
 if dist.get_rank() == 0:
