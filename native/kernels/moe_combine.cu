@@ -290,7 +290,10 @@ __global__ void __launch_bounds__(kThreads, 1) moe_combine_send(const MoeCombine
   // The whole start barrier first: items that stay on this rank could run
   // under its round trip, but doing them first takes the NVLink pushes'
   // overlap with local work away.
-  if (!sync_enter(p.sync, p.rank, p.world, sb) || !sync_go(p.sync, p.rank, p.world, sb)) return;
+  if (!sync_enter(p.sync, p.rank, p.world, sb) || start_missed(p.status, p.rank, p.world) ||
+      !sync_go(p.sync, p.rank, p.world, sb)) {
+    return;
+  }
   if (!any_rejected(p.status, p.world)) {  // uniform: else nothing reaches the sources
     combine_send_body<T, C>(p, &p.sync.state[p.sync.kind].work[sb.epoch & 1]);
   }

@@ -440,6 +440,23 @@ DINLINE bool any_rejected(const int* status, int world) {
   return bad;
 }
 
+// start_missed: whether this rank's start barrier (moe_post_status) gave up
+// before every rank's word of this call was in its row (recorded in the
+// ErrorWord, naming the peer). The send kernels then write nothing into
+// peers and post no middle flag: a peer that arrives late must time out at
+// the middle barrier naming this rank, not pass it on flags over metadata
+// this rank never wrote. This call's tag is this rank's own word's, stored
+// before moe_post_status waited. A late word may land while the block
+// reads the row, so the answer is agreed by the block (every thread calls).
+DINLINE bool start_missed(const int* status, int rank, int world) {
+  bool missed = false;
+  if (status != nullptr && (int)threadIdx.x < world) {
+    missed = status_tag(*(const volatile int*)(status + threadIdx.x)) !=
+             status_tag(*(const volatile int*)(status + rank));
+  }
+  return __syncthreads_or(missed) != 0;
+}
+
 // ld_v16_stable loads 16 bytes that nothing writes while the kernel runs:
 // the caller's inputs, or rows that peers (or this rank's earlier kernel)
 // wrote before the barrier that precedes these loads. It is ld.global.cg

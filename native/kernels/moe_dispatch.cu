@@ -490,7 +490,7 @@ DINLINE void read_counts(const MoeDispatchParams& p, const MoeBegin& sb) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) moe_dispatch_send(const MoeDispatchParams p) {
   __shared__ MoeBegin sb;
-  if (!sync_enter(p.sync, p.rank, p.world, sb)) return;
+  if (!sync_enter(p.sync, p.rank, p.world, sb) || start_missed(p.status, p.rank, p.world)) return;
   bool ok;
   if (any_rejected(p.status, p.world)) {  // uniform
     ok = sync_go(p.sync, p.rank, p.world, sb);

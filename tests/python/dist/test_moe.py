@@ -1200,7 +1200,10 @@ def test_rank_that_never_arrives(group, monkeypatch, capturable, before, call, b
     barrier, so the ranks wait at its middle barrier instead. An eager
     call's start barrier is moe_post_status, and the call itself raises,
     within one timeout: the kernels after that barrier give up at once
-    rather than wait a second timeout."""
+    rather than wait a second timeout. When rank 1 then makes that eager call
+    late, it passes the start barrier on the words its peers left, but its
+    peers' send kernels wrote nothing and posted no middle flag: it raises
+    naming one of them instead of passing on metadata nobody wrote."""
     timeout_s = 2.0
     monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", str(int(timeout_s * 1000)))
     torch.cuda.set_device(local_cuda_index())
@@ -1228,5 +1231,15 @@ def test_rank_that_never_arrives(group, monkeypatch, capturable, before, call, b
             torch.cuda.synchronize()  # capturable: the kernels give up after the timeout
             comm.check()
         assert time.monotonic() - start < (20 if capturable else 2 * timeout_s)
+    dist.barrier()
+    if r == 1 and not capturable:
+        with pytest.raises(p2pcomm.PeerTimeoutError, match=f"rank [0-9]+ never arrived at the middle barrier of an MoE {call}") as e:
+            if call == "dispatch":
+                ep.dispatch(inp.x.cuda(), inp.idx.cuda(), inp.w.cuda())
+            else:
+                ep.combine(out, recv)  # returns once the checks are in; the reduce gives up later
+            torch.cuda.synchronize()
+            comm.check()
+        assert "rank 1 never" not in str(e.value)
     dist.barrier()
     comm.close()
