@@ -108,13 +108,19 @@ const (
 //	32 word      uint64 (the signal's word; signal entries)
 //	40 total     uint64 (the signal's new total)
 //	48 landing   uint64 (the landing slot's address: an active message's header)
-//	56 unused, to a 64-byte header that keeps the data aligned
+//	56 credit    uint64 (the sender's count of the receiver's entries it copied out)
+//
+// The header is 64 bytes, which keeps the data aligned. Its credit spares a
+// peer that sends entries back the credit put of its own (sendCredits): a
+// put over tcp holds both proxies' threads for several microseconds, on
+// the path of a ping-pong's reply.
 const (
 	headerSize   = 64
 	entryData    = 1
 	entrySignal  = 2
 	amMaxBytes   = 8 << 10 // header and data of an entry sent as an active message
 	amHeaderWord = 6       // the header word that holds the landing address
+	creditWord   = 7       // the header word that carries a credit
 )
 
 // chunk is one piece of staged work toward a peer, kept in order: data, a
@@ -169,8 +175,14 @@ type stager struct {
 	next     uint64  // ring entries taken in
 	landed   []landed
 	consumed uint64    // entries copied out (credits owed to the peer)
-	credited uint64    // consumed count last put to the peer
+	credited uint64    // consumed count last sent to the peer (put, or in an entry)
 	owed     time.Time // when consumed last passed credited
+	// carried: the peer's credit for this rank's entries, from the peer's
+	// ring entries. A word of its own beside the one the peer's credit puts
+	// write, which UCP may deliver after a later entry: the credit is the
+	// larger of the two, and neither goes back.
+	carried    uint64
+	creditPuts uint64 // credits sent as puts of their own
 }
 
 // staging is the transport's staging state; nil when off.
@@ -195,7 +207,7 @@ type staging struct {
 // trigger (its reply, in a ping-pong). The peer's flush waits up to this
 // much longer for its last credit; this rank's own waits (a flush, which
 // may be its last progress for a while) send what it owes at once.
-const creditDelay = 20 * time.Microsecond
+var creditDelay = 20 * time.Microsecond
 
 func (s *staging) stride() uint64    { return headerSize + s.chunk }
 func (s *staging) ringBytes() uint64 { return uint64(s.slots) * s.stride() }
@@ -440,7 +452,7 @@ func (t *Transport) queueSignal(r int, word, total uint64) error {
 
 // creditOf is how many ring entries rank r has copied out.
 func (t *Transport) creditOf(r int) uint64 {
-	return atomic.LoadUint64((*uint64)(unsafe.Pointer(&t.stage.creditBase[8*r])))
+	return max(atomic.LoadUint64((*uint64)(unsafe.Pointer(&t.stage.creditBase[8*r]))), t.stage.peers[r].carried)
 }
 
 // pump starts staged work toward rank r in order, as far as send slots,
@@ -571,6 +583,8 @@ func (t *Transport) issue(r int, c *chunk) error {
 	landing := st.ring.base + uint64(t.rank)*s.ringBytes() + (st.entries%uint64(s.slots))*s.stride()
 	h := unsafe.Slice((*uint64)(addrPtr(send)), headerSize/8)
 	h[0], h[1], h[2], h[3], h[4], h[5] = st.entries+1, c.dst, c.size, 0, c.word, c.total
+	h[creditWord] = st.consumed
+	st.credited = max(st.credited, st.consumed)
 	if c.size > 0 {
 		h[3] |= entryData
 	}
@@ -720,6 +734,7 @@ func (t *Transport) sendCredits(hold bool) (held bool) {
 			continue // the peer failed; its next operation says so
 		}
 		st.credited = st.consumed
+		st.creditPuts++
 	}
 	return held
 }
@@ -734,6 +749,9 @@ func (t *Transport) takeIn(r int, st *stager) error {
 		}
 		h := unsafe.Slice((*uint64)(addrPtr(slot)), headerSize/8)
 		addr, size, kind, word, total := h[1], h[2], h[3], h[4], h[5]
+		if c := h[creditWord]; c > st.carried && c <= st.entries {
+			st.carried = c
+		}
 		if kind == 0 || kind&^(entryData|entrySignal) != 0 || (kind&entryData != 0) != (size > 0) {
 			return t.badEntry(r, fmt.Sprintf("unknown entry kind %#x of %d bytes", kind, size))
 		}

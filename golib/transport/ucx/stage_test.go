@@ -2,6 +2,7 @@ package ucx
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -192,6 +193,52 @@ func TestStagedPutWithSignal(t *testing.T) {
 func TestStagedPutWithSignalWideRing(t *testing.T) {
 	needUCX(t)
 	expectOK(t, runJob(t, "stagedpingpongwide", 2, 60*time.Second))
+}
+
+// TestStagedCreditsRideInEntries: ranks that send entries back and forth
+// (8-byte puts with signals, in turn, as a ping-pong of kernels does) return
+// their credits in those entries' headers, with no credit put of their own,
+// while every put lands and the final flushes complete.
+func TestStagedCreditsRideInEntries(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagedcarried", 2, 60*time.Second))
+}
+
+// childCarriedCredits plays 64 rounds of an 8-byte put with a signal, the
+// ranks in turn, on a ring of 16 with credits held back for an hour unless
+// half the ring is owed: each credit must travel in the next entry.
+func childCarriedCredits(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) error {
+	j := newJob(tr, bs, timeout)
+	j.mem = transport.DeviceMemory
+	if err := j.connect(); err != nil {
+		return err
+	}
+	me, peer := j.rank, 1-j.rank
+	const rounds = 64
+	for i := 1; i <= rounds; i++ {
+		if (i%2 == 1) == (me == 0) {
+			binary.LittleEndian.PutUint64(j.src, uint64(1000*me+i))
+			if err := tr.Put(j.rdst[peer], uint64(me*slotSize), j.lsrc, 0, 8); err != nil {
+				return err
+			}
+			if err := tr.Signal(j.rword[peer], signalWord(me), 1); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := j.await(signalWord(peer), uint64((i+me)/2), fmt.Sprintf("signal %d of rank %d", i, peer)); err != nil {
+			return err
+		}
+		if got, want := binary.LittleEndian.Uint64(j.dst[peer*slotSize:]), uint64(1000*peer+i); got != want {
+			return fmt.Errorf("round %d: rank %d's put landed %d, want %d", i, peer, got, want)
+		}
+	}
+	st := &tr.stage.peers[peer]
+	if st.creditPuts != 0 || st.carried < rounds/2-1 {
+		return fmt.Errorf("after %d rounds: %d credit puts, rank %d's credit carried in entries %d (want none, and at least %d)",
+			rounds, st.creditPuts, peer, st.carried, rounds/2-1)
+	}
+	return tr.Flush(peer)
 }
 
 // TestStagedCloseWithoutFlush: a transport closed right after its staged

@@ -175,8 +175,11 @@ func child(role string) int {
 		if role == "stagedhier" && os.Getenv("P2PCOMM_TEST_HIER_DEFAULT_RING") != "" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0
 		}
-		if role == "stagedpingpongwide" {
+		if role == "stagedpingpongwide" || role == "stagedcarried" {
 			opts.RingChunks = 16 // less than half of it owed: credits wait creditDelay
+		}
+		if role == "stagedcarried" {
+			creditDelay = time.Hour // a credit goes out in an entry, or at half the ring
 		}
 		if role == "stagedclose" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // whole 1 MiB chunks: puts still in flight when issued
@@ -213,6 +216,8 @@ func child(role string) int {
 		err = childInline(tr, bs, cfg.Timeout, transport.HostMemory)
 	case "stagedinline":
 		err = childInline(tr, bs, cfg.Timeout, transport.DeviceMemory)
+	case "stagedcarried":
+		err = childCarriedCredits(tr, bs, cfg.Timeout)
 	case "stagedpingpong", "stagedpingpongwide":
 		err = childStagedPingPong(tr, bs, cfg.Timeout, true)
 	case "stagedclose":
