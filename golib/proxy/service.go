@@ -330,31 +330,14 @@ func (s *Service) unlockTransport() {
 	}
 }
 
-// site names a trigger in errors; formatted only when one occurs.
-type site struct {
-	f   *FIFO
-	pos uint64
-	t   *tables
-	op  Op
-}
-
-func (w site) String() string {
-	return fmt.Sprintf("FIFO %d position %d (%s)", w.f.id, w.pos, describe(w.t, w.op))
-}
-
 // run executes one trigger: put, then signal, then flush, as its type says.
 func (s *Service) run(f *FIFO, op Op, pos uint64) error {
 	t := s.tables.Load()
-	where := site{f, pos, t, op}.String
+	where := func() string { return fmt.Sprintf("FIFO %d position %d (%s)", f.id, pos, describe(t, op)) }
 	if int(op.Channel) >= len(t.channels) {
 		return status.Errorf(status.InvalidArgument, "proxy: %s: channel %d is not registered", where(), op.Channel)
 	}
 	ch := t.channels[op.Channel]
-	if op.Type == TriggerFlush && !ch.unflushed.Load() {
-		// Nothing put or signalled on the channel since its last flush:
-		// the FIFO's round trip alone, no transport call nor its lock.
-		return nil
-	}
 	s.lockTransport()
 	defer s.unlockTransport()
 	signalled := false // the put took the signal along
