@@ -32,8 +32,9 @@ import (
 //	receiver: Progress sees the sequence word, queues the copy of the
 //	          landing slot into the device destination and, for a signal,
 //	          the store of its total behind it on the copier's stream; once
-//	          the copy completed it returns the slot as a credit (a put of
-//	          its consumed count)
+//	          the copy completed it returns the slot as a credit: its
+//	          consumed count, in the next entry it sends the peer, else
+//	          as a put
 //
 // A put with a signal behind it is one ring entry: the signal rides in the
 // header of the put's last chunk. A device source with a host destination
@@ -204,9 +205,10 @@ type staging struct {
 // creditDelay is how long Progress holds back a credit for less than half
 // the ring: a credit put is a tcp send on the proxy's thread, and sent the
 // moment a copy completes it lands in front of the waiting kernel's next
-// trigger (its reply, in a ping-pong). The peer's flush waits up to this
-// much longer for its last credit; this rank's own waits (a flush, which
-// may be its last progress for a while) send what it owes at once.
+// trigger (its reply, in a ping-pong), whose entry can carry the credit
+// instead. The peer's flush waits up to this much longer for its last
+// credit; this rank's own waits (a flush, which may be its last progress
+// for a while) send what it owes at once. A variable for tests.
 var creditDelay = 20 * time.Microsecond
 
 func (s *staging) stride() uint64    { return headerSize + s.chunk }
