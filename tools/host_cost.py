@@ -52,7 +52,8 @@ def launch_and_kernel(fn, calls=200):
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     prof.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
     os.remove(path)
     launches = [e["dur"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "aunch" in e["name"]]
     kernels = [e["dur"] for e in events if e.get("cat") == "kernel"]

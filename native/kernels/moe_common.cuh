@@ -447,10 +447,14 @@ DINLINE bool any_rejected(const int* status, int world) {
 // the middle barrier naming this rank, not pass it on flags over metadata
 // this rank never wrote. This call's tag is this rank's own word's, stored
 // before moe_post_status waited. A late word may land while the block
-// reads the row, so the answer is agreed by the block (every thread calls).
+// reads the row, so the answer is agreed by the block (every thread
+// calls); blocks may still differ, which changes nothing for the late
+// peer: it waits for every block's middle flag. Capturable calls (no
+// status row) skip it without a block barrier.
 DINLINE bool start_missed(const int* status, int rank, int world) {
+  if (status == nullptr) return false;  // uniform: a kernel parameter
   bool missed = false;
-  if (status != nullptr && (int)threadIdx.x < world) {
+  if ((int)threadIdx.x < world) {
     missed = status_tag(*(const volatile int*)(status + threadIdx.x)) !=
              status_tag(*(const volatile int*)(status + rank));
   }
