@@ -369,7 +369,8 @@ class Communicator:
         if torch.compiler.is_compiling():
             torch.ops.p2pcomm.all_reduce_(tensor, self._handle, _parse_op(op).name.lower(), algorithm)
             return tensor
-        return self._eager_all_reduce_(tensor, op, algorithm)
+        self._reduce(tensor, tensor, op, algorithm)
+        return tensor
 
     def _eager_all_reduce(self, tensor, op, algorithm):
         if not isinstance(tensor, torch.Tensor):
@@ -389,12 +390,15 @@ class Communicator:
         algo = _ALGO_CODES.get(algorithm)
         dtype = _DTYPES.get(src.dtype) if isinstance(src, torch.Tensor) else None
         if (code is None or algo is None or dtype is None or not self._handle or _lib.forked
-                or src.get_device() != self._device_index or src.is_meta or not src.is_contiguous()
-                or (self._device_index >= 0 and src.data_ptr() % 16)):
+                or src.get_device() != self._device_index or src.is_meta or not src.is_contiguous()):
+            self._reduce_slow(src, dst, op, algorithm)
+            return
+        ptr = src.data_ptr()
+        if self._device_index >= 0 and ptr % 16:
             self._reduce_slow(src, dst, op, algorithm)
             return
         rc = self._all_reduce_packed(_ALL_REDUCE_ARGS.pack(
-            self._handle, src.data_ptr(), dst.data_ptr(), src.numel(), dtype, code, algo, 0,
+            self._handle, ptr, ptr if dst is src else dst.data_ptr(), src.numel(), dtype, code, algo, 0,
             _raw_stream(self._device_index)))
         if rc:
             _lib.check(rc)
