@@ -66,9 +66,9 @@ type StageMode int
 const (
 	// StageDefault is StageEnv's value, else StageAuto.
 	StageDefault StageMode = iota
-	// StageAuto stages toward a peer when this context reaches no device
-	// memory or the endpoint has no transport that reaches it directly
-	// (rc, dc, cuda_ipc, gdr_copy).
+	// StageAuto stages between two ranks when either one's context reaches
+	// no device memory or its endpoint has no transport that reaches it
+	// directly (rc, dc, cuda_ipc, gdr_copy).
 	StageAuto
 	StageAlways
 	StageNever
@@ -245,8 +245,19 @@ func (t *Transport) deviceReach(r int) (direct, ok bool) {
 	return false, true
 }
 
+// reachHook, when set (tests), replaces deviceReach: which peers UCX
+// reaches in device memory, as this rank sees them.
+var reachHook func(rank, peer int) (direct, ok bool)
+
+// Each rank's view of staging toward a peer, as the ranks exchange it.
+const (
+	stageCannot = iota // no Copier, or staging never
+	stageCan           // UCX reaches the peer's device memory itself
+	stageWants         // it does not, or staging always
+)
+
 // openStaging decides which peers are staged, builds the rings and
-// exchanges their keys. It is collective (one all-gather, progressed).
+// exchanges their keys. It is collective (two all-gathers, progressed).
 func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	mode := opts.Stage
 	if mode == StageDefault {
@@ -258,14 +269,44 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	if mode == StageAlways && opts.Copier == nil {
 		return status.Errorf(status.InvalidArgument, "UCX staging %s needs a Copier", mode)
 	}
-	want := make([]bool, len(t.peers))
-	anyWanted := false
+	view := make([]byte, len(t.peers))
 	for r := range t.peers {
 		if r == t.rank || opts.Copier == nil || mode == StageNever {
 			continue
 		}
 		direct, _ := t.deviceReach(r) // unknown counts as not direct
-		want[r] = mode == StageAlways || !direct
+		if reachHook != nil {
+			direct, _ = reachHook(t.rank, r)
+		}
+		view[r] = stageCan
+		if mode == StageAlways || !direct {
+			view[r] = stageWants
+		}
+	}
+	// A pair stages when either side wants it and both can: a rank that
+	// sees a device-capable lane toward a peer (an RDMA fabric's, learnt
+	// late) while the peer sees none back must still serve the rings the
+	// peer writes into, and credit them.
+	var views [][]byte
+	if err := t.progressWhile(func() error {
+		var err error
+		views, err = bs.AllGather(view)
+		return err
+	}); err != nil {
+		return err
+	}
+	want := make([]bool, len(t.peers))
+	anyWanted := false
+	for r := range t.peers {
+		if len(views[r]) != len(t.peers) {
+			return status.Errorf(status.Mismatch, "UCX staging: rank %d sent views of %d ranks, this job has %d",
+				r, len(views[r]), len(t.peers))
+		}
+		if r == t.rank {
+			continue
+		}
+		theirs := views[r][t.rank]
+		want[r] = min(view[r], theirs) >= stageCan && max(view[r], theirs) == stageWants
 		anyWanted = anyWanted || want[r]
 	}
 	var blob []byte

@@ -199,6 +199,27 @@ func TestStagedPutWithSignalWideRing(t *testing.T) {
 // (8-byte puts with signals, in turn, as a ping-pong of kernels does) return
 // their credits in those entries' headers, with no credit put of their own,
 // while every put lands and the final flushes complete.
+// TestStagingAgreedByBothSides: rank 1 sees a lane that reaches rank 0's
+// device memory, rank 0 sees none back. The pair must stage both ways:
+// rank 0's puts land in rings rank 1 serves and credits.
+func TestStagingAgreedByBothSides(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagedasym", 3, 60*time.Second))
+}
+
+// childStagedAsym checks that every pair stages, then exchanges puts and
+// signals for more rounds than a ring holds.
+func childStagedAsym(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) error {
+	for r := range tr.peers {
+		if r != tr.rank && (tr.stage == nil || !tr.stage.peers[r].on) {
+			return fmt.Errorf("rank %d does not stage toward rank %d", tr.rank, r)
+		}
+	}
+	j := newJob(tr, bs, timeout)
+	j.mem = transport.DeviceMemory
+	return j.exchange(3 * stageSlots)
+}
+
 func TestStagedCreditsRideInEntries(t *testing.T) {
 	needUCX(t)
 	expectOK(t, runJob(t, "stagedcarried", 2, 60*time.Second))

@@ -181,6 +181,10 @@ func child(role string) int {
 		if role == "stagedcarried" {
 			creditDelay = time.Hour // a credit goes out in an entry, or at half the ring
 		}
+		if role == "stagedasym" {
+			opts.Stage = StageAuto
+			reachHook = func(rank, peer int) (bool, bool) { return rank == 1 && peer == 0, true }
+		}
 		if role == "stagedclose" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // whole 1 MiB chunks: puts still in flight when issued
 		}
@@ -218,6 +222,8 @@ func child(role string) int {
 		err = childInline(tr, bs, cfg.Timeout, transport.DeviceMemory)
 	case "stagedcarried":
 		err = childCarriedCredits(tr, bs, cfg.Timeout)
+	case "stagedasym":
+		err = childStagedAsym(tr, bs, cfg.Timeout)
 	case "stagedpingpong", "stagedpingpongwide":
 		err = childStagedPingPong(tr, bs, cfg.Timeout, true)
 	case "stagedclose":
