@@ -645,6 +645,9 @@ func (t *Transport) Progress() (bool, error) {
 	if active && trace.On() {
 		trace.Mark("ucx progressed") // something arrived or completed
 	}
+	// Landed entries first: the credits they carry free ring slots that
+	// queued chunks below may take at once.
+	held, err := t.serviceRings(true)
 	for r := range t.peers {
 		if t.peers[r].err != nil {
 			continue
@@ -664,7 +667,6 @@ func (t *Transport) Progress() (bool, error) {
 		}
 	}
 	// A credit held back needs a later call: stay active until it went.
-	held, err := t.serviceRings(true)
 	return active || held, err
 }
 
