@@ -8,7 +8,9 @@ two-shot, p2pcomm's plain call, the same export called by ctypes with its
 arguments ready (the Go side and the launch), an empty export (ctypes and the
 Go entry), and a kernel launch through torch (`zero_()`). 2000 calls fill the
 GPU's launch queue, so a call whose kernel takes longer than its host part
-runs at the GPU's pace; 200 calls show the host's pace alone. Last, one
+runs at the GPU's pace; 200 calls show the host's pace alone. Then both
+all-reduces again in turns, 7 rounds each, the order swapped every round
+(medians): a host whose pace drifts weighs on both alike. Last, one
 profile of each all-reduce (torch.profiler, which also sees the driver calls
 p2pcomm's Go core makes): the median host time of its launch call and the
 GPU time of its kernel. Rank 0 prints every rank's figures.
@@ -61,6 +63,17 @@ def launch_and_kernel(fn, calls=200):
     return med(launches), med(kernels)
 
 
+def alternating(a, b, calls, rounds=7):
+    """Medians (µs per call) of a and b timed in turn, rounds times, the
+    order swapped every round: a host whose pace drifts during the run
+    weighs on both the same."""
+    ta, tb = [], []
+    for i in range(rounds):
+        for fn, out in ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta)):
+            out.append(per_call_us(fn, calls=calls, reps=1, warmup=50, finished=False))
+    return statistics.median(ta), statistics.median(tb)
+
+
 two_shot = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group)
 plain = lambda: comm.all_reduce_(buf)
 rows = {
@@ -72,6 +85,9 @@ rows = {
     "torch two-shot, 200 calls (the host's pace)": per_call(two_shot, 200),
     "p2pcomm, 200 calls (the host's pace)": per_call(plain, 200),
 }
+for calls in (2000, 200):
+    t, p = alternating(two_shot, plain, calls)
+    rows[f"torch two-shot, {calls} calls, in turns"], rows[f"p2pcomm, {calls} calls, in turns"] = t, p
 for name, fn in (("torch two-shot", two_shot), ("p2pcomm", plain)):
     rows[name + ": its launch call"], rows[name + ": its kernel on the GPU"] = launch_and_kernel(fn)
 every = [None] * dist.get_world_size()
