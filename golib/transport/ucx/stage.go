@@ -7,6 +7,7 @@ package ucx
 import "C"
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"strings"
@@ -70,7 +71,9 @@ const (
 	// no device memory or its endpoint has no transport that reaches it
 	// directly (rc, dc, cuda_ipc, gdr_copy).
 	StageAuto
+	// StageAlways stages toward every peer that can stage.
 	StageAlways
+	// StageNever stages toward no peer, and no peer stages toward it.
 	StageNever
 )
 
@@ -274,9 +277,11 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 		if r == t.rank || opts.Copier == nil || mode == StageNever {
 			continue
 		}
-		direct, _ := t.deviceReach(r) // unknown counts as not direct
+		var direct bool // unknown counts as not direct
 		if reachHook != nil {
 			direct, _ = reachHook(t.rank, r)
+		} else {
+			direct, _ = t.deviceReach(r)
 		}
 		view[r] = stageCan
 		if mode == StageAlways || !direct {
@@ -310,6 +315,7 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 		anyWanted = anyWanted || want[r]
 	}
 	var blob []byte
+	var buildErr error
 	if anyWanted {
 		s := &staging{copier: opts.Copier, chunk: opts.ChunkBytes, slots: opts.RingChunks, peers: make([]stager, len(t.peers))}
 		if s.chunk == 0 {
@@ -319,9 +325,10 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 			s.slots = DefaultRingChunks
 		}
 		t.stage = s
-		var err error
-		if blob, err = t.buildRings(); err != nil {
-			return err
+		if blob, buildErr = t.buildRings(); buildErr != nil {
+			// Still take part in the exchange below: the peers learn of
+			// it there instead of waiting for keys that never come.
+			blob = []byte{blobFailed}
 		}
 	}
 	if t.stage != nil {
@@ -336,14 +343,17 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 		all, err = bs.AllGather(blob)
 		return err
 	})
-	if err != nil || t.stage == nil {
-		return err
+	if err != nil || buildErr != nil || t.stage == nil {
+		return cmp.Or(err, buildErr)
 	}
 	for r := range t.peers {
 		if !want[r] || len(all[r]) == 0 {
 			// A peer without rings takes device memory through UCX.
 			t.stage.all = t.stage.all && r == t.rank
 			continue
+		}
+		if len(all[r]) == 1 && all[r][0] == blobFailed {
+			return status.Errorf(status.State, "UCX staging: rank %d could not build its landing rings (its own error says why)", r)
 		}
 		if err := t.stagePeer(r, all[r]); err != nil {
 			return err
@@ -413,6 +423,9 @@ func (t *Transport) buildRings() ([]byte, error) {
 // blobAM, in the first byte of a rank's ring keys, says it lands entries
 // sent as active messages.
 const blobAM = 1
+
+// blobFailed, as a rank's whole ring keys, says it could not build its rings.
+const blobFailed = 0xff
 
 // stagePeer unpacks rank r's ring keys and turns staging toward it on.
 func (t *Transport) stagePeer(r int, blob []byte) error {

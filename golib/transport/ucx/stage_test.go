@@ -3,6 +3,7 @@ package ucx
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -22,6 +23,9 @@ import (
 // Small rings, so that test puts straddle chunks and outgrow a ring.
 const stageChunk, stageSlots = 64 << 10, 3
 
+// neverRank is the rank of the "stagednever" job that never stages.
+const neverRank = 2
+
 // fakeCopier is a Copier over host memory that stands for device memory.
 // Copies and stores run late, at most two per Completed call, as a copy
 // engine's would, so flow control and ordering are exercised.
@@ -30,6 +34,7 @@ type fakeCopier struct {
 	done    uint64
 	eager   bool // run everything queued at each Completed (measurements)
 	noStore bool // Store declines, as for a word the stream cannot reach
+	noHost  bool // AllocHost fails, as when pinned memory runs out
 }
 
 // fakeOp is a queued copy of n bytes, or with store set a store of value.
@@ -43,6 +48,9 @@ type fakeOp struct {
 func newFakeCopier() *fakeCopier { return &fakeCopier{} }
 
 func (f *fakeCopier) AllocHost(size uint64) (uintptr, error) {
+	if f.noHost {
+		return 0, errors.New("fake copier: no pinned memory left")
+	}
 	b, err := syscall.Mmap(-1, 0, int(size), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
 	if err != nil {
 		return 0, err
@@ -195,10 +203,6 @@ func TestStagedPutWithSignalWideRing(t *testing.T) {
 	expectOK(t, runJob(t, "stagedpingpongwide", 2, 60*time.Second))
 }
 
-// TestStagedCreditsRideInEntries: ranks that send entries back and forth
-// (8-byte puts with signals, in turn, as a ping-pong of kernels does) return
-// their credits in those entries' headers, with no credit put of their own,
-// while every put lands and the final flushes complete.
 // TestStagingAgreedByBothSides: rank 1 sees a lane that reaches rank 0's
 // device memory, rank 0 sees none back. The pair must stage both ways:
 // rank 0's puts land in rings rank 1 serves and credits.
@@ -207,19 +211,59 @@ func TestStagingAgreedByBothSides(t *testing.T) {
 	expectOK(t, runJob(t, "stagedasym", 3, 60*time.Second))
 }
 
+// TestStagingNeverOnOneRank: a rank that never stages pairs with no staged
+// peer, though they want staging toward it.
+func TestStagingNeverOnOneRank(t *testing.T) {
+	needUCX(t)
+	expectOK(t, runJob(t, "stagednever", 3, 60*time.Second))
+}
+
+// stagedPairs checks which peers this rank stages toward: all but never's
+// (-1: none) if it is not never itself.
+func stagedPairs(tr *Transport, never int) error {
+	for r := range tr.peers {
+		if r == tr.rank {
+			continue
+		}
+		want := r != never && tr.rank != never
+		if on := tr.stage != nil && tr.stage.peers[r].on; on != want {
+			return fmt.Errorf("rank %d stages toward rank %d: %v, want %v", tr.rank, r, on, want)
+		}
+	}
+	return nil
+}
+
 // childStagedAsym checks that every pair stages, then exchanges puts and
 // signals for more rounds than a ring holds.
 func childStagedAsym(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration) error {
-	for r := range tr.peers {
-		if r != tr.rank && (tr.stage == nil || !tr.stage.peers[r].on) {
-			return fmt.Errorf("rank %d does not stage toward rank %d", tr.rank, r)
-		}
+	if err := stagedPairs(tr, -1); err != nil {
+		return err
 	}
 	j := newJob(tr, bs, timeout)
 	j.mem = transport.DeviceMemory
 	return j.exchange(3 * stageSlots)
 }
 
+// TestStagingRingsFailOnOneRank: a rank that cannot build its landing
+// rings still takes part in the key exchange, so its peers fail at once,
+// naming it, instead of waiting there for keys.
+func TestStagingRingsFailOnOneRank(t *testing.T) {
+	needUCX(t)
+	for _, r := range runJob(t, "stagednohost", 2, 60*time.Second) {
+		want := "rank 1 could not build its landing rings"
+		if r.Rank == 1 {
+			want = "no pinned memory left"
+		}
+		if r.Err == nil || !strings.Contains(r.Stderr, want) {
+			t.Errorf("rank %d: exit %v, want a failure saying %q\nstderr: %s", r.Rank, r.Err, want, r.Stderr)
+		}
+	}
+}
+
+// TestStagedCreditsRideInEntries: ranks that send entries back and forth
+// (8-byte puts with signals, in turn, as a ping-pong of kernels does) return
+// their credits in those entries' headers, with no credit put of their own,
+// while every put lands and the final flushes complete.
 func TestStagedCreditsRideInEntries(t *testing.T) {
 	needUCX(t)
 	expectOK(t, runJob(t, "stagedcarried", 2, 60*time.Second))

@@ -181,9 +181,15 @@ func child(role string) int {
 		if role == "stagedcarried" {
 			creditDelay = time.Hour // a credit goes out in an entry, or at half the ring
 		}
+		if role == "stagednohost" && cfg.Rank == 1 {
+			opts.Copier = &fakeCopier{noHost: true}
+		}
 		if role == "stagedasym" {
 			opts.Stage = StageAuto
 			reachHook = func(rank, peer int) (bool, bool) { return rank == 1 && peer == 0, true }
+		}
+		if role == "stagednever" && cfg.Rank == neverRank {
+			opts.Stage = StageNever
 		}
 		if role == "stagedclose" {
 			opts.ChunkBytes, opts.RingChunks = 0, 0 // whole 1 MiB chunks: puts still in flight when issued
@@ -224,6 +230,8 @@ func child(role string) int {
 		err = childCarriedCredits(tr, bs, cfg.Timeout)
 	case "stagedasym":
 		err = childStagedAsym(tr, bs, cfg.Timeout)
+	case "stagednever":
+		err = stagedPairs(tr, neverRank)
 	case "stagedpingpong", "stagedpingpongwide":
 		err = childStagedPingPong(tr, bs, cfg.Timeout, true)
 	case "stagedclose":
