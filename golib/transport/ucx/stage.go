@@ -715,15 +715,23 @@ func (t *Transport) putC(r int, name string, mem unsafe.Pointer, dst uint64, n i
 	return t.started(r, name, op{req, mem}, s)
 }
 
-// serviceRings is the receiver's side: it takes in landed entries, queues
-// their copies into device memory (and their signals' stores behind them),
-// stores signals the copier cannot, and returns credits once copies
-// completed (with hold, those for less than half the ring only after
-// creditDelay; it then reports whether one is still held). It never blocks.
+// serviceRings is the receiver's side: landRings, then sendCredits (with
+// hold, credits for less than half the ring only after creditDelay; it then
+// reports whether one is still held). It never blocks.
 func (t *Transport) serviceRings(hold bool) (bool, error) {
+	if err := t.landRings(); err != nil || t.stage == nil {
+		return false, err
+	}
+	return t.sendCredits(hold), nil
+}
+
+// landRings takes in landed entries, queues their copies into device memory
+// (and their signals' stores behind them), stores signals the copier
+// cannot, and counts the entries whose copies completed as owed credits.
+func (t *Transport) landRings() error {
 	s := t.stage
 	if s == nil {
-		return false, nil
+		return nil
 	}
 	for r := range s.peers {
 		st := &s.peers[r]
@@ -731,12 +739,12 @@ func (t *Transport) serviceRings(hold bool) (bool, error) {
 			continue
 		}
 		if err := t.takeIn(r, st); err != nil {
-			return false, err
+			return err
 		}
 	}
 	done, err := s.copier.Completed()
 	if err != nil {
-		return false, status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
+		return status.Errorf(status.Internal, "UCX staging: copy completion: %v", err)
 	}
 	if trace.On() && done != s.traced {
 		s.traced = done
@@ -756,7 +764,7 @@ func (t *Transport) serviceRings(hold bool) (bool, error) {
 		}
 		st.landed = st.landed[k:]
 	}
-	return t.sendCredits(hold), nil
+	return nil
 }
 
 // sendCredits puts each peer the count of its entries copied out, where it

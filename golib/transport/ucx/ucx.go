@@ -646,8 +646,9 @@ func (t *Transport) Progress() (bool, error) {
 		trace.Mark("ucx progressed") // something arrived or completed
 	}
 	// Landed entries first: the credits they carry free ring slots that
-	// queued chunks below may take at once.
-	held, err := t.serviceRings(true)
+	// queued chunks below may take at once. Credits owed go after those
+	// chunks, whose entries carry them.
+	err := t.landRings()
 	for r := range t.peers {
 		if t.peers[r].err != nil {
 			continue
@@ -666,8 +667,11 @@ func (t *Transport) Progress() (bool, error) {
 			active = active || len(t.peers[r].pending) > 0
 		}
 	}
+	if err != nil || t.stage == nil {
+		return active, err
+	}
 	// A credit held back needs a later call: stay active until it went.
-	return active || held, err
+	return t.sendCredits(true) || active, nil
 }
 
 // closeGrace bounds how long Close progresses to let operations already
