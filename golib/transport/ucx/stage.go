@@ -7,7 +7,6 @@ package ucx
 import "C"
 
 import (
-	"cmp"
 	"encoding/binary"
 	"fmt"
 	"strings"
@@ -343,17 +342,26 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 		all, err = bs.AllGather(blob)
 		return err
 	})
-	if err != nil || buildErr != nil || t.stage == nil {
-		return cmp.Or(err, buildErr)
+	if buildErr != nil {
+		return buildErr
+	}
+	if err != nil {
+		return err
+	}
+	for r := range all {
+		// Every rank stops here, paired with the failed one or not.
+		if len(all[r]) == 1 && all[r][0] == blobFailed {
+			return status.Errorf(status.State, "UCX staging: rank %d could not build its landing rings (its own error says why)", r)
+		}
+	}
+	if t.stage == nil {
+		return nil
 	}
 	for r := range t.peers {
 		if !want[r] || len(all[r]) == 0 {
 			// A peer without rings takes device memory through UCX.
 			t.stage.all = t.stage.all && r == t.rank
 			continue
-		}
-		if len(all[r]) == 1 && all[r][0] == blobFailed {
-			return status.Errorf(status.State, "UCX staging: rank %d could not build its landing rings (its own error says why)", r)
 		}
 		if err := t.stagePeer(r, all[r]); err != nil {
 			return err

@@ -249,7 +249,7 @@ func childStagedAsym(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duratio
 // naming it, instead of waiting there for keys.
 func TestStagingRingsFailOnOneRank(t *testing.T) {
 	needUCX(t)
-	for _, r := range runJob(t, "stagednohost", 2, 60*time.Second) {
+	for _, r := range runJob(t, "stagednohost", 3, 60*time.Second) {
 		want := "rank 1 could not build its landing rings"
 		if r.Rank == 1 {
 			want = "no pinned memory left"

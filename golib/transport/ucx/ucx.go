@@ -634,7 +634,8 @@ func (t *Transport) flushBy(peer int, deadline time.Time) error {
 // memory and applies signals behind them, so the caller must hold the
 // Copier's CUDA context, and peers' staged puts advance only while this
 // rank calls Progress or waits in Flush. Failures toward one peer are
-// reported by the next operation on it; an error here is the Copier's.
+// reported by the next operation on it; an error here is the Copier's, or
+// a landed entry no sender of this protocol would write.
 func (t *Transport) Progress() (bool, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
