@@ -7,6 +7,7 @@ package ucx
 import "C"
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"strings"
@@ -259,7 +260,7 @@ const (
 )
 
 // openStaging decides which peers are staged, builds the rings and
-// exchanges their keys. It is collective (two all-gathers, progressed).
+// exchanges their keys. It is collective (three all-gathers, progressed).
 func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	mode := opts.Stage
 	if mode == StageDefault {
@@ -354,21 +355,43 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 			return status.Errorf(status.State, "UCX staging: rank %d could not build its landing rings (its own error says why)", r)
 		}
 	}
-	if t.stage == nil {
-		return nil
-	}
+	var keyErr error
 	for r := range t.peers {
+		if t.stage == nil {
+			break
+		}
 		if !want[r] || len(all[r]) == 0 {
 			// A peer without rings takes device memory through UCX.
 			t.stage.all = t.stage.all && r == t.rank
 			continue
 		}
-		if err := t.stagePeer(r, all[r]); err != nil {
-			return err
+		if keyErr = t.stagePeer(r, all[r]); keyErr != nil {
+			break
+		}
+	}
+	if stagePeerHook != nil && keyErr == nil {
+		keyErr = stagePeerHook(t.rank)
+	}
+	// The ranks agree on the outcome: one that could not take a peer's keys
+	// must not leave the others at open's barrier, which it never reaches.
+	var failed [][]byte
+	if err := t.progressWhile(func() error {
+		var err error
+		failed, err = bs.AllGather([]byte{b2byte(keyErr != nil)})
+		return err
+	}); err != nil || keyErr != nil {
+		return cmp.Or(keyErr, err)
+	}
+	for r := range failed {
+		if len(failed[r]) == 1 && failed[r][0] != 0 {
+			return status.Errorf(status.State, "UCX staging: rank %d could not take its peers' ring keys (its own error says why)", r)
 		}
 	}
 	return nil
 }
+
+// stagePeerHook, when set (tests), fails a rank's taking of ring keys.
+var stagePeerHook func(rank int) error
 
 // buildRings allocates and registers the landing rings, credit words and
 // send slots, and returns the key blob the peers need: the landing key's
@@ -397,6 +420,9 @@ func (t *Transport) buildRings() ([]byte, error) {
 	clear(unsafe.Slice((*byte)(addrPtr(land)), n*s.ringBytes()))
 	s.landBase = land
 	credit := C.calloc(C.size_t(n), 8)
+	if credit == nil {
+		return nil, status.Errorf(status.Capacity, "UCX staging: %d bytes of credit words", 8*n)
+	}
 	s.creditBase = unsafe.Slice((*byte)(credit), 8*n)
 	creditReg, err := t.Register(uintptr(credit), 8*n, transport.HostMemory)
 	if err != nil {

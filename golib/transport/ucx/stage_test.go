@@ -244,19 +244,27 @@ func childStagedAsym(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duratio
 	return j.exchange(3 * stageSlots)
 }
 
-// TestStagingRingsFailOnOneRank: a rank that cannot build its landing
-// rings still takes part in the key exchange, so its peers fail at once,
-// naming it, instead of waiting there for keys.
-func TestStagingRingsFailOnOneRank(t *testing.T) {
+// TestStagingFailsOnOneRank: a rank that cannot build its landing rings
+// still takes part in the key exchange, and one that cannot take its peers'
+// keys in the agreement after it, so its peers fail at once, naming it,
+// instead of waiting for it at a collective it never reaches.
+func TestStagingFailsOnOneRank(t *testing.T) {
 	needUCX(t)
-	for _, r := range runJob(t, "stagednohost", 3, 60*time.Second) {
-		want := "rank 1 could not build its landing rings"
-		if r.Rank == 1 {
-			want = "no pinned memory left"
-		}
-		if r.Err == nil || !strings.Contains(r.Stderr, want) {
-			t.Errorf("rank %d: exit %v, want a failure saying %q\nstderr: %s", r.Rank, r.Err, want, r.Stderr)
-		}
+	for _, tt := range []struct{ role, own, peers string }{
+		{"stagednohost", "no pinned memory left", "rank 1 could not build its landing rings"},
+		{"stagedbadkeys", "fake: a ring key that does not unpack", "rank 1 could not take its peers' ring keys"},
+	} {
+		t.Run(tt.role, func(t *testing.T) {
+			for _, r := range runJob(t, tt.role, 3, 60*time.Second) {
+				want := tt.peers
+				if r.Rank == 1 {
+					want = tt.own
+				}
+				if r.Err == nil || !strings.Contains(r.Stderr, want) {
+					t.Errorf("rank %d: exit %v, want a failure saying %q\nstderr: %s", r.Rank, r.Err, want, r.Stderr)
+				}
+			}
+		})
 	}
 }
 

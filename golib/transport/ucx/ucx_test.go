@@ -2,6 +2,7 @@ package ucx
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -183,6 +184,9 @@ func child(role string) int {
 		}
 		if role == "stagednohost" && cfg.Rank == 1 {
 			opts.Copier = &fakeCopier{noHost: true}
+		}
+		if role == "stagedbadkeys" && cfg.Rank == 1 {
+			stagePeerHook = func(int) error { return errors.New("fake: a ring key that does not unpack") }
 		}
 		if role == "stagedasym" {
 			opts.Stage = StageAuto
