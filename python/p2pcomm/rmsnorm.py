@@ -114,19 +114,54 @@ def reject(comm, error: P2PCommError, x, algorithm) -> None:
         comm._check(rc)
 
 
+def _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
+    """(rows, hidden, dtype code, algorithm code) of a call that is plainly
+    fine, found by cheap lookups only; None sends the call to check(), which
+    explains what is wrong. The library checks the row length and eps."""
+    i = comm._device_index
+    acode = _ALGO_CODES.get(algorithm)
+    if (acode is None or type(eps) is not float or normed_out is not None
+            or (residual_out is not None and residual_out is not residual)
+            or type(x) is not torch.Tensor or type(residual) is not torch.Tensor or type(weight) is not torch.Tensor):
+        return None
+    dtype = x.dtype
+    dcode = _DTYPES.get(dtype)
+    if i >= 0:
+        here = (x.is_cuda and residual.is_cuda and weight.is_cuda
+                and x.get_device() == i and residual.get_device() == i and weight.get_device() == i)
+    else:
+        here = x.is_cpu and residual.is_cpu and weight.is_cpu
+    if (dcode is None or not here or residual.dtype != dtype or weight.dtype != dtype
+            or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()) or x.dim() < 1):
+        return None
+    shape = x.shape
+    hidden = shape[-1]
+    if residual.shape != shape or weight.shape != (hidden,):
+        return None
+    if i >= 0 and (x.data_ptr() | residual.data_ptr() | weight.data_ptr()) % 16:
+        return None
+    if residual_out is residual and x.numel() and _overlap(residual, x):
+        return None
+    return (x.numel() // hidden if hidden else 0), hidden, dcode, acode
+
+
 def eager(comm, x, residual, weight, eps, residual_out=None, normed_out=None, algorithm="auto") -> RMSNormResult:
     """The call itself (also the body of the torch.library ops)."""
-    try:
-        rows, hidden, dcode, acode = check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
-    except P2PCommError as e:
-        reject(comm, e, x, algorithm)
-        raise
+    plain = _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+    if plain is None:
+        try:
+            plain = check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+        except P2PCommError as e:
+            reject(comm, e, x, algorithm)
+            raise
+    rows, hidden, dcode, acode = plain
     normed = normed_out if normed_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     out = residual_out if residual_out is not None else torch.empty_like(residual,
                                                                           memory_format=torch.contiguous_format)
-    rc = _lib.lib().p2p_all_reduce_rmsnorm(comm._h(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                          normed.data_ptr(), out.data_ptr(), rows, hidden, dcode, float(eps), acode,
-                                          _stream(comm))
+    if _lib.forked or not comm._handle:
+        comm._h()  # raises
+    rc = comm._rmsnorm(comm._handle, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), normed.data_ptr(),
+                       out.data_ptr(), rows, hidden, dcode, float(eps), acode, _stream(comm))
     if rc:
         comm._check(rc)
     return RMSNormResult(normed, out)
