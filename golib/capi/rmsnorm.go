@@ -2,10 +2,22 @@ package main
 
 /*
 #include <stdint.h>
+
+// One fused call's arguments in one block (see p2p_all_reduce_args).
+typedef struct {
+	uint64_t handle, x, residual, weight, normed, residual_out;
+	int64_t rows, hidden;
+	int32_t dtype;
+	float eps;
+	int32_t algo, reserved;
+	uint64_t stream;
+} p2p_all_reduce_rmsnorm_args;
 */
 import "C"
 
 import (
+	"unsafe"
+
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -26,6 +38,24 @@ func p2p_all_reduce_rmsnorm(h C.uint64_t, x, residual, weight, normed, residualO
 			Eps: float32(eps), Algo: collective.Algorithm(algo), Stream: uintptr(stream),
 		})
 	})
+}
+
+// The block's layout is what Python packs ("<6Q2qifiiQ", 88 bytes).
+var _ = [1]struct{}{}[unsafe.Sizeof(C.p2p_all_reduce_rmsnorm_args{})-88]
+
+// p2p_all_reduce_rmsnorm_packed is p2p_all_reduce_rmsnorm with its
+// arguments in a block (p2p_all_reduce_rmsnorm_args), read before it returns.
+//
+//export p2p_all_reduce_rmsnorm_packed
+func p2p_all_reduce_rmsnorm_packed(a *C.p2p_all_reduce_rmsnorm_args) C.int {
+	if a == nil {
+		return guard(func() error {
+			return status.Errorf(status.InvalidArgument, "p2p_all_reduce_rmsnorm_packed: null arguments")
+		})
+	}
+	return p2p_all_reduce_rmsnorm(C.uint64_t(a.handle), C.uint64_t(a.x), C.uint64_t(a.residual), C.uint64_t(a.weight),
+		C.uint64_t(a.normed), C.uint64_t(a.residual_out), C.int64_t(a.rows), C.int64_t(a.hidden), C.int32_t(a.dtype),
+		C.float(a.eps), C.int32_t(a.algo), C.uint64_t(a.stream))
 }
 
 // p2p_all_reduce_rmsnorm_reject takes part in a fused call on behalf of a

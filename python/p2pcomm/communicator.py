@@ -237,7 +237,7 @@ class Communicator:
         self.rank, self.world_size = r.value, w.value
         self._all_reduce = lib.p2p_all_reduce
         self._all_reduce_packed = lib.p2p_all_reduce_packed
-        self._rmsnorm = lib.p2p_all_reduce_rmsnorm
+        self._rmsnorm = lib.p2p_all_reduce_rmsnorm_packed
         self._device_index = self.device.index if self.device.type == "cuda" else -1
         from . import ops
 

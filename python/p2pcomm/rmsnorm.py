@@ -14,8 +14,8 @@ these, takes part in the call for a rank that fails them, so every rank raises.
 
 from __future__ import annotations
 
-import ctypes
-from typing import NamedTuple, Optional
+import struct
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +28,9 @@ ALGORITHMS = ("auto", "oneshot_ll", "twoshot")
 # Their C ABI codes are golib/collective's Algorithm numbers.
 _ALGO_CODES = {"auto": 0, "oneshot_ll": 5, "twoshot": 2}
 _DTYPES = {torch.float16: 2, torch.bfloat16: 3}
+# p2p_all_reduce_rmsnorm_args: handle, x, residual, weight, normed,
+# residual_out, rows, hidden, dtype, eps, algo, reserved, stream.
+_ARGS = struct.Struct("<6Q2qifiiQ")
 
 
 class RMSNormResult(NamedTuple):
@@ -160,8 +163,9 @@ def eager(comm, x, residual, weight, eps, residual_out=None, normed_out=None, al
                                                                           memory_format=torch.contiguous_format)
     if _lib.forked or not comm._handle:
         comm._h()  # raises
-    rc = comm._rmsnorm(comm._handle, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), normed.data_ptr(),
-                       out.data_ptr(), rows, hidden, dcode, float(eps), acode, _stream(comm))
+    rc = comm._rmsnorm(_ARGS.pack(comm._handle, x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                  normed.data_ptr(), out.data_ptr(), rows, hidden, dcode, float(eps), acode, 0,
+                                  _stream(comm)))
     if rc:
         comm._check(rc)
     return RMSNormResult(normed, out)
