@@ -49,7 +49,7 @@ import (
 
 // abiVersion changes whenever an export's signature or meaning changes;
 // the Python loader refuses a library with another version.
-const abiVersion = 10
+const abiVersion = 11
 
 var loadPid = os.Getpid()
 

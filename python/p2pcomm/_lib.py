@@ -10,7 +10,7 @@ import threading
 
 from .errors import ForkError, P2PCommError, error_for
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 _LOAD_PID = os.getpid()
 # True in a child forked after import: hot paths read this flag instead of
 # calling os.getpid(), a system call (a microsecond in a VM) per call.

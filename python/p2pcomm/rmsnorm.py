@@ -14,6 +14,7 @@ these, takes part in the call for a rank that fails them, so every rank raises.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple
 
@@ -39,6 +40,20 @@ class RMSNormResult(NamedTuple):
 
     normed: torch.Tensor  # rmsnorm(residual_out) * weight
     residual: torch.Tensor  # residual_out: all_reduce(x) + residual
+
+
+def _float32(v) -> float:
+    """v as the library's float32 takes it: beyond its range an infinity,
+    which the library rejects on every rank (struct would raise here, on this
+    rank alone)."""
+    try:
+        f = float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+    return f if math.isnan(f) or abs(f) <= _FLOAT32_MAX else math.copysign(math.inf, f)
+
+
+_FLOAT32_MAX = struct.unpack("<f", bytes.fromhex("ffff7f7f"))[0]
 
 
 def _stream(comm) -> int:
@@ -125,7 +140,8 @@ def _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
     acode = _ALGO_CODES.get(algorithm)
     if (acode is None or type(eps) is not float or normed_out is not None
             or (residual_out is not None and residual_out is not residual)
-            or type(x) is not torch.Tensor or type(residual) is not torch.Tensor or type(weight) is not torch.Tensor):
+            or type(x) is not torch.Tensor or type(residual) is not torch.Tensor
+            or type(weight) not in (torch.Tensor, torch.nn.Parameter)):
         return None
     dtype = x.dtype
     dcode = _DTYPES.get(dtype)
@@ -164,7 +180,7 @@ def eager(comm, x, residual, weight, eps, residual_out=None, normed_out=None, al
     if _lib.forked or not comm._handle:
         comm._h()  # raises
     rc = comm._rmsnorm(_ARGS.pack(comm._handle, x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                  normed.data_ptr(), out.data_ptr(), rows, hidden, dcode, float(eps), acode, 0,
+                                  normed.data_ptr(), out.data_ptr(), rows, hidden, dcode, _float32(eps), acode, 0,
                                   _stream(comm)))
     if rc:
         comm._check(rc)
