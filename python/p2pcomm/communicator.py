@@ -388,7 +388,7 @@ class Communicator:
         # Hot path: plain lookups only; anything unusual takes the slow path,
         # which validates, explains, and lets peers know (reject).
         code = _OP_CODES.get(op) if isinstance(op, (str, ReduceOp)) else None
-        algo = _ALGO_CODES.get(algorithm)
+        algo = _ALGO_CODES.get(algorithm) if type(algorithm) is str else None
         dtype = _DTYPES.get(src.dtype) if isinstance(src, torch.Tensor) else None
         if (code is None or algo is None or dtype is None or not self._handle or _lib.forked
                 or src.get_device() != self._device_index or src.is_meta or not src.is_contiguous()):

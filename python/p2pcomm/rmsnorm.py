@@ -102,7 +102,7 @@ def check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm) -
         raise InvalidArgumentError(f"weight is {tuple(weight.shape)}, want ({hidden},): the hidden size of x")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise InvalidArgumentError(f"eps must be a number, not {type(eps).__name__}")
-    if algorithm not in _ALGO_CODES:
+    if not isinstance(algorithm, str) or algorithm not in _ALGO_CODES:
         raise UnsupportedError(f"unknown algorithm {algorithm!r} for all_reduce_residual_rmsnorm: "
                                f"use one of {', '.join(ALGORITHMS)}")
     if residual_out is not None and residual_out is not residual:
@@ -127,7 +127,8 @@ def reject(comm, error: P2PCommError, x, algorithm) -> None:
         rows = x.numel() // hidden
         dcode = _DTYPES.get(x.dtype, 3)
     rc = _lib.lib().p2p_all_reduce_rmsnorm_reject(h, error.code, str(error).encode(), rows, hidden, dcode,
-                                                   _ALGO_CODES.get(algorithm, 0), _stream(comm))
+                                                   _ALGO_CODES.get(algorithm, 0) if isinstance(algorithm, str) else 0,
+                                                   _stream(comm))
     if rc not in (0, error.code):
         comm._check(rc)
 
@@ -137,7 +138,7 @@ def _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
     fine, found by cheap lookups only; None sends the call to check(), which
     explains what is wrong. The library checks the row length and eps."""
     i = comm._device_index
-    acode = _ALGO_CODES.get(algorithm)
+    acode = _ALGO_CODES.get(algorithm) if type(algorithm) is str else None
     if (acode is None or type(eps) is not float or normed_out is not None
             or (residual_out is not None and residual_out is not residual)
             or type(x) is not torch.Tensor or type(residual) is not torch.Tensor

@@ -45,6 +45,8 @@ def test_unknown_op_and_algorithm(comms, device):
         comm.all_reduce(torch.ones(2, device=device), op="xor")
     with pytest.raises(p2pcomm.UnsupportedError, match="unknown algorithm"):
         comm.all_reduce(torch.ones(2, device=device), algorithm="telepathy")
+    with pytest.raises(p2pcomm.UnsupportedError, match="unknown algorithm"):
+        comm.all_reduce_(torch.ones(2, device=device), algorithm=["ring"])  # unhashable
     still_works(comm, device)
 
 

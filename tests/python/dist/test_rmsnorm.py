@@ -301,6 +301,8 @@ def arguments(device, case):
         kw["eps"] = 1e39
     elif case == "unknown_algorithm":
         kw["algorithm"] = "ring"
+    elif case == "unhashable_algorithm":
+        kw["algorithm"] = ["twoshot"]
     elif case == "residual_out_overlaps_x":
         kw["residual_out"] = x
     elif case == "not_a_tensor":
@@ -312,7 +314,7 @@ BAD = {"residual_shape": p2pcomm.InvalidArgumentError, "weight_shape": p2pcomm.I
        "float32": p2pcomm.UnsupportedError, "mixed_dtypes": p2pcomm.InvalidArgumentError,
        "hidden_too_large": p2pcomm.UnsupportedError, "hidden_not_whole_packs": p2pcomm.UnsupportedError,
        "non_contiguous": p2pcomm.InvalidArgumentError, "negative_eps": p2pcomm.InvalidArgumentError,
-       "eps_beyond_float32": p2pcomm.InvalidArgumentError,
+       "eps_beyond_float32": p2pcomm.InvalidArgumentError, "unhashable_algorithm": p2pcomm.UnsupportedError,
        "unknown_algorithm": p2pcomm.UnsupportedError, "residual_out_overlaps_x": p2pcomm.InvalidArgumentError,
        "not_a_tensor": p2pcomm.InvalidArgumentError}
 
@@ -331,7 +333,7 @@ def test_bad_input_on_every_rank(comms, device, case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["non_contiguous", "hidden_not_whole_packs", "negative_eps", "eps_beyond_float32",
-                                  "residual_shape"])
+                                  "unhashable_algorithm", "residual_shape"])
 def test_bad_input_on_one_rank_fails_everyone(comms, device, case):
     """Rank 1 alone passes bad arguments: it raises their error, every other
     rank MismatchError naming it, and all stay usable."""
