@@ -107,8 +107,9 @@ def check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm) -
                                f"use one of {', '.join(ALGORITHMS)}")
     if residual_out is not None and residual_out is not residual:
         _check_out(comm, residual_out, x, "residual_out", (("x", x), ("weight", weight), ("residual", residual)))
-    elif residual_out is residual and _overlap(residual, x) and x.numel():
-        raise InvalidArgumentError("residual_out (residual, in place) overlaps x")
+    elif residual_out is residual and x.numel() and (_overlap(residual, x) or _overlap(residual, weight)):
+        raise InvalidArgumentError("residual_out (residual, in place) overlaps "
+                                   + ("x" if _overlap(residual, x) else "weight"))
     _check_out(comm, normed_out, x, "normed_out", (("x", x), ("weight", weight), ("residual", residual),
                                                     ("residual_out", residual_out)))
     rows = x.numel() // hidden if hidden else 0
@@ -160,7 +161,7 @@ def _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
         return None
     if i >= 0 and (x.data_ptr() | residual.data_ptr() | weight.data_ptr()) % 16:
         return None
-    if residual_out is residual and x.numel() and _overlap(residual, x):
+    if residual_out is residual and x.numel() and (_overlap(residual, x) or _overlap(residual, weight)):
         return None
     return (x.numel() // hidden if hidden else 0), hidden, dcode, acode
 

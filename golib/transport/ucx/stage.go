@@ -444,6 +444,9 @@ func (t *Transport) buildRings() ([]byte, error) {
 	// can send it an entry.
 	var flags byte
 	s.landing = (*C.p2p_landing)(C.calloc(1, C.size_t(unsafe.Sizeof(C.p2p_landing{}))))
+	if s.landing == nil {
+		return nil, status.Errorf(status.Capacity, "UCX staging: the landing handler's state")
+	}
 	s.landing.base, s.landing.size = C.uint64_t(land), C.uint64_t(n*s.ringBytes())
 	if st := C.p2p_ucx_set_am_land(t.lib.fn.workerSetAMRecvHandler, t.worker, s.landing); st == C.P2P_UCS_OK {
 		flags |= blobAM

@@ -305,6 +305,9 @@ def arguments(device, case):
         kw["algorithm"] = ["twoshot"]
     elif case == "residual_out_overlaps_x":
         kw["residual_out"] = x
+    elif case == "in_place_residual_overlaps_weight":
+        w = r[0]  # the kernel would write the weight it reads
+        kw["residual_out"] = r
     elif case == "not_a_tensor":
         x = [[1.0] * 64] * 4
     return x, r, w, kw
@@ -316,6 +319,7 @@ BAD = {"residual_shape": p2pcomm.InvalidArgumentError, "weight_shape": p2pcomm.I
        "non_contiguous": p2pcomm.InvalidArgumentError, "negative_eps": p2pcomm.InvalidArgumentError,
        "eps_beyond_float32": p2pcomm.InvalidArgumentError, "unhashable_algorithm": p2pcomm.UnsupportedError,
        "unknown_algorithm": p2pcomm.UnsupportedError, "residual_out_overlaps_x": p2pcomm.InvalidArgumentError,
+       "in_place_residual_overlaps_weight": p2pcomm.InvalidArgumentError,
        "not_a_tensor": p2pcomm.InvalidArgumentError}
 
 
