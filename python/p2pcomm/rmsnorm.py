@@ -50,10 +50,7 @@ def _float32(v) -> float:
         f = float(v)
     except OverflowError:
         return math.inf if v > 0 else -math.inf
-    return f if math.isnan(f) or abs(f) <= _FLOAT32_MAX else math.copysign(math.inf, f)
-
-
-_FLOAT32_MAX = struct.unpack("<f", bytes.fromhex("ffff7f7f"))[0]
+    return f if math.isnan(f) or abs(f) <= torch.finfo(torch.float32).max else math.copysign(math.inf, f)
 
 
 def _stream(comm) -> int:

@@ -7,7 +7,6 @@ package ucx
 import "C"
 
 import (
-	"cmp"
 	"encoding/binary"
 	"fmt"
 	"strings"
@@ -260,7 +259,7 @@ const (
 )
 
 // openStaging decides which peers are staged, builds the rings and
-// exchanges their keys. It is collective (three all-gathers, progressed).
+// exchanges their keys. It is collective (two all-gathers, progressed).
 func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	mode := opts.Stage
 	if mode == StageDefault {
@@ -292,12 +291,8 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 	// sees a device-capable lane toward a peer (an RDMA fabric's, learnt
 	// late) while the peer sees none back must still serve the rings the
 	// peer writes into, and credit them.
-	var views [][]byte
-	if err := t.progressWhile(func() error {
-		var err error
-		views, err = bs.AllGather(view)
-		return err
-	}); err != nil {
+	views, err := t.allGather(bs, view)
+	if err != nil {
 		return err
 	}
 	want := make([]bool, len(t.peers))
@@ -337,12 +332,7 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 			t.stage.all = t.stage.all && (r == t.rank || want[r])
 		}
 	}
-	var all [][]byte
-	err := t.progressWhile(func() error {
-		var err error
-		all, err = bs.AllGather(blob)
-		return err
-	})
+	all, err := t.allGather(bs, blob)
 	if buildErr != nil {
 		return buildErr
 	}
@@ -355,7 +345,11 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 			return status.Errorf(status.State, "UCX staging: rank %d could not build its landing rings (its own error says why)", r)
 		}
 	}
-	var keyErr error
+	if stagePeerHook != nil {
+		if err := stagePeerHook(t.rank); err != nil {
+			return err
+		}
+	}
 	for r := range t.peers {
 		if t.stage == nil {
 			break
@@ -365,26 +359,8 @@ func (t *Transport) openStaging(bs bootstrap.Bootstrap, opts Options) error {
 			t.stage.all = t.stage.all && r == t.rank
 			continue
 		}
-		if keyErr = t.stagePeer(r, all[r]); keyErr != nil {
-			break
-		}
-	}
-	if stagePeerHook != nil && keyErr == nil {
-		keyErr = stagePeerHook(t.rank)
-	}
-	// The ranks agree on the outcome: one that could not take a peer's keys
-	// must not leave the others at open's barrier, which it never reaches.
-	var failed [][]byte
-	if err := t.progressWhile(func() error {
-		var err error
-		failed, err = bs.AllGather([]byte{b2byte(keyErr != nil)})
-		return err
-	}); err != nil || keyErr != nil {
-		return cmp.Or(keyErr, err)
-	}
-	for r := range failed {
-		if len(failed[r]) == 1 && failed[r][0] != 0 {
-			return status.Errorf(status.State, "UCX staging: rank %d could not take its peers' ring keys (its own error says why)", r)
+		if err := t.stagePeer(r, all[r]); err != nil {
+			return err
 		}
 	}
 	return nil

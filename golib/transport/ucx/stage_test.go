@@ -252,7 +252,7 @@ func TestStagingFailsOnOneRank(t *testing.T) {
 	needUCX(t)
 	for _, tt := range []struct{ role, own, peers string }{
 		{"stagednohost", "no pinned memory left", "rank 1 could not build its landing rings"},
-		{"stagedbadkeys", "fake: a ring key that does not unpack", "rank 1 could not take its peers' ring keys"},
+		{"stagedbadkeys", "fake: a ring key that does not unpack", "rank 1 could not open its transport"},
 	} {
 		t.Run(tt.role, func(t *testing.T) {
 			for _, r := range runJob(t, tt.role, 3, 60*time.Second) {

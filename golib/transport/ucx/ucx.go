@@ -9,6 +9,7 @@ package ucx
 import "C"
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"strings"
@@ -303,10 +304,32 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	for r := range t.peers {
 		t.peers[r].putsig = r != t.rank && lands && all[r][0] == 1 && t.singleLane(r)
 	}
-	if err := t.openStaging(bs, opts); err != nil {
-		return err
+	// Open ends with the ranks' agreement on its outcome (it is their
+	// barrier too): one that failed after the exchanges above, taking a
+	// peer's ring keys say, must not leave the others waiting for it.
+	stageErr := t.openStaging(bs, opts)
+	failed, err := t.allGather(bs, []byte{b2byte(stageErr != nil)})
+	if stageErr != nil || err != nil {
+		return cmp.Or(stageErr, err)
 	}
-	return t.progressWhile(bs.Barrier)
+	for r := range failed {
+		if len(failed[r]) == 1 && failed[r][0] != 0 {
+			return status.Errorf(status.State, "UCX: rank %d could not open its transport (its own error says why)", r)
+		}
+	}
+	return nil
+}
+
+// allGather is bs.AllGather while this rank progresses its worker, as a
+// peer still wiring up or flushing needs its acknowledgements.
+func (t *Transport) allGather(bs bootstrap.Bootstrap, mine []byte) ([][]byte, error) {
+	var all [][]byte
+	err := t.progressWhile(func() error {
+		var err error
+		all, err = bs.AllGather(mine)
+		return err
+	})
+	return all, err
 }
 
 // slot is the address of rank r's failure status.
