@@ -14,6 +14,7 @@ these, takes part in the call for a rank that fails them, so every rank raises.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from typing import NamedTuple
@@ -42,6 +43,11 @@ class RMSNormResult(NamedTuple):
     residual: torch.Tensor  # residual_out: all_reduce(x) + residual
 
 
+# _result builds an RMSNormResult without the generated __new__'s Python frame.
+_result = functools.partial(tuple.__new__, RMSNormResult)
+_F32_MAX = torch.finfo(torch.float32).max
+
+
 def _float32(v) -> float:
     """v as the library's float32 takes it: beyond its range an infinity,
     which the library rejects on every rank (struct would raise here, on this
@@ -50,7 +56,7 @@ def _float32(v) -> float:
         f = float(v)
     except OverflowError:
         return math.inf if v > 0 else -math.inf
-    return f if math.isnan(f) or abs(f) <= torch.finfo(torch.float32).max else math.copysign(math.inf, f)
+    return f if math.isnan(f) or abs(f) <= _F32_MAX else math.copysign(math.inf, f)
 
 
 def _stream(comm) -> int:
@@ -131,59 +137,104 @@ def reject(comm, error: P2PCommError, x, algorithm) -> None:
         comm._check(rc)
 
 
-def _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
-    """(rows, hidden, dtype code, algorithm code) of a call that is plainly
-    fine, found by cheap lookups only; None sends the call to check(), which
-    explains what is wrong. The library checks the row length and eps."""
+def _span_overlap(a: int, an: int, b: int, bn: int) -> bool:
+    return a < b + bn and b < a + an
+
+
+def _fast(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
+    """The packed arguments, normed and residual_out of a call that is plainly
+    fine, found by cheap lookups only (each pointer and attribute read once):
+    the per-call host cost of eager calls. None sends the call to check(),
+    which explains what is wrong. The library checks the row length and eps."""
     i = comm._device_index
     acode = _ALGO_CODES.get(algorithm) if type(algorithm) is str else None
-    if (acode is None or type(eps) is not float or normed_out is not None
-            or (residual_out is not None and residual_out is not residual)
+    if (acode is None or type(eps) is not float or not -_F32_MAX <= eps <= _F32_MAX
             or type(x) is not torch.Tensor or type(residual) is not torch.Tensor
             or type(weight) not in (torch.Tensor, torch.nn.Parameter)):
         return None
     dtype = x.dtype
     dcode = _DTYPES.get(dtype)
-    if i >= 0:
-        here = (x.is_cuda and residual.is_cuda and weight.is_cuda
-                and x.get_device() == i and residual.get_device() == i and weight.get_device() == i)
-    else:
-        here = x.is_cpu and residual.is_cpu and weight.is_cpu
-    if (dcode is None or not here or residual.dtype != dtype or weight.dtype != dtype
-            or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous()) or x.dim() < 1):
-        return None
     shape = x.shape
+    if (dcode is None or residual.dtype is not dtype or weight.dtype is not dtype or not shape
+            or residual.shape != shape or not (x.is_contiguous() and residual.is_contiguous() and weight.is_contiguous())):
+        return None
     hidden = shape[-1]
-    if residual.shape != shape or weight.shape != (hidden,):
+    if weight.shape != (hidden,):
         return None
-    if i >= 0 and (x.data_ptr() | residual.data_ptr() | weight.data_ptr()) % 16:
+    if i >= 0:
+        if x.get_device() != i or residual.get_device() != i or weight.get_device() != i:
+            return None
+    elif not (x.is_cpu and residual.is_cpu and weight.is_cpu):
         return None
-    if residual_out is residual and x.numel() and (_overlap(residual, x) or _overlap(residual, weight)):
+    xp, rp, wp = x.data_ptr(), residual.data_ptr(), weight.data_ptr()
+    n = x.numel()
+    nb, wb = 2 * n, 2 * hidden  # both dtypes are 2 bytes
+    if residual_out is None:
+        out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        op = out.data_ptr()
+    elif residual_out is residual:
+        out, op = residual, rp
+        if n and (_span_overlap(rp, nb, xp, nb) or _span_overlap(rp, nb, wp, wb)):
+            return None
+    else:
+        out = residual_out
+        op = _plain_out(out, i, dtype, shape)
+        if op is None or (n and (_span_overlap(op, nb, xp, nb) or _span_overlap(op, nb, wp, wb)
+                                 or _span_overlap(op, nb, rp, nb))):
+            return None
+    if normed_out is None:
+        normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        np_ = normed.data_ptr()
+    else:
+        normed = normed_out
+        np_ = _plain_out(normed, i, dtype, shape)
+        if np_ is None or (n and (_span_overlap(np_, nb, xp, nb) or _span_overlap(np_, nb, wp, wb)
+                                  or _span_overlap(np_, nb, rp, nb) or _span_overlap(np_, nb, op, nb))):
+            return None
+    if i >= 0 and (xp | rp | wp | op | np_) % 16:
         return None
-    return (x.numel() // hidden if hidden else 0), hidden, dcode, acode
+    return (_ARGS.pack(comm._handle, xp, rp, wp, np_, op, n // hidden if hidden else 0, hidden, dcode, eps, acode, 0,
+                       torch._C._cuda_getCurrentRawStream(i) if i >= 0 else 0),
+            normed, out)
+
+
+def _plain_out(t, i, dtype, shape):
+    """t's data pointer when it is plainly a valid output (an exact tensor of
+    the call's dtype and shape, contiguous, on this device), else None."""
+    if (type(t) is not torch.Tensor or t.dtype is not dtype or t.shape != shape or not t.is_contiguous()
+            or (t.get_device() != i if i >= 0 else not t.is_cpu)):
+        return None
+    return t.data_ptr()
+
+
+def _slow(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
+    """_fast's triple for a call that check() passes; raises (after taking
+    part in the call, so that every rank raises) otherwise."""
+    try:
+        rows, hidden, dcode, acode = check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+    except P2PCommError as e:
+        reject(comm, e, x, algorithm)
+        raise
+    normed = normed_out if normed_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = residual_out if residual_out is not None else torch.empty_like(residual,
+                                                                          memory_format=torch.contiguous_format)
+    return (_ARGS.pack(comm._handle, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), normed.data_ptr(),
+                       out.data_ptr(), rows, hidden, dcode, _float32(eps), acode, 0, _stream(comm)),
+            normed, out)
 
 
 def eager(comm, x, residual, weight, eps, residual_out=None, normed_out=None, algorithm="auto") -> RMSNormResult:
     """The call itself (also the body of the torch.library ops)."""
-    plain = _plain(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
-    if plain is None:
-        try:
-            plain = check(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
-        except P2PCommError as e:
-            reject(comm, e, x, algorithm)
-            raise
-    rows, hidden, dcode, acode = plain
-    normed = normed_out if normed_out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    out = residual_out if residual_out is not None else torch.empty_like(residual,
-                                                                          memory_format=torch.contiguous_format)
     if _lib.forked or not comm._handle:
         comm._h()  # raises
-    rc = comm._rmsnorm(_ARGS.pack(comm._handle, x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                  normed.data_ptr(), out.data_ptr(), rows, hidden, dcode, _float32(eps), acode, 0,
-                                  _stream(comm)))
+    call = _fast(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+    if call is None:
+        call = _slow(comm, x, residual, weight, eps, residual_out, normed_out, algorithm)
+    args, normed, out = call
+    rc = comm._rmsnorm(args)
     if rc:
         comm._check(rc)
-    return RMSNormResult(normed, out)
+    return _result((normed, out))
 
 
 def traced(comm, x, residual, weight, eps, residual_out=None, normed_out=None, algorithm="auto") -> RMSNormResult:

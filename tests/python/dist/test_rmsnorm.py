@@ -308,6 +308,14 @@ def arguments(device, case):
     elif case == "in_place_residual_overlaps_weight":
         w = r[0]  # the kernel would write the weight it reads
         kw["residual_out"] = r
+    elif case == "normed_out_overlaps_residual_out":
+        kw["residual_out"] = kw["normed_out"] = torch.empty(4, 64, **bf)
+    elif case == "normed_out_dtype":
+        kw["normed_out"] = torch.empty(4, 64, dtype=torch.float16, device=device)
+    elif case == "normed_out_non_contiguous":
+        kw["normed_out"] = torch.empty(64, 4, **bf).t()
+    elif case == "residual_out_shape":
+        kw["residual_out"] = torch.empty(4, 72, **bf)
     elif case == "not_a_tensor":
         x = [[1.0] * 64] * 4
     return x, r, w, kw
@@ -320,7 +328,9 @@ BAD = {"residual_shape": p2pcomm.InvalidArgumentError, "weight_shape": p2pcomm.I
        "eps_beyond_float32": p2pcomm.InvalidArgumentError, "unhashable_algorithm": p2pcomm.UnsupportedError,
        "unknown_algorithm": p2pcomm.UnsupportedError, "residual_out_overlaps_x": p2pcomm.InvalidArgumentError,
        "in_place_residual_overlaps_weight": p2pcomm.InvalidArgumentError,
-       "not_a_tensor": p2pcomm.InvalidArgumentError}
+       "normed_out_overlaps_residual_out": p2pcomm.InvalidArgumentError,
+       "normed_out_dtype": p2pcomm.InvalidArgumentError, "normed_out_non_contiguous": p2pcomm.InvalidArgumentError,
+       "residual_out_shape": p2pcomm.InvalidArgumentError, "not_a_tensor": p2pcomm.InvalidArgumentError}
 
 
 @pytest.mark.parametrize("device", DEVICES)
