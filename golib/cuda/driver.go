@@ -58,7 +58,7 @@ type driverFuncs struct {
 	streamSynchronize, streamIsCapturing, streamGetCaptureInfo                        unsafe.Pointer
 	eventCreate, eventRecord, eventSynchronize, eventElapsedTime, eventDestroy        unsafe.Pointer
 	streamCreate, streamDestroy, streamQuery, streamWriteValue64, streamWaitEvent     unsafe.Pointer
-	streamBatchMemOp                                                                  unsafe.Pointer
+	streamBatchMemOp, launchHostFunc                                                  unsafe.Pointer
 	funcGetParamInfo                                                                  unsafe.Pointer
 	primaryCtxGetState, ctxSynchronize                                                unsafe.Pointer
 }
@@ -132,6 +132,7 @@ func (f *driverFuncs) table() []entry {
 		{"cuStreamWriteValue64", v, false, &f.streamWriteValue64},
 		{"cuStreamBatchMemOp", v, false, &f.streamBatchMemOp},
 		{"cuStreamWaitEvent", v, false, &f.streamWaitEvent},
+		{"cuLaunchHostFunc", v, false, &f.launchHostFunc},
 	}
 }
 

@@ -1,0 +1,76 @@
+package cuda
+
+/*
+#include <stdint.h>
+
+void p2p_host_func(void* id);
+static inline int p2p_launch_host_func(void* f, void* stream, uintptr_t id) {
+	return ((int (*)(void*, void (*)(void*), void*))f)(stream, p2p_host_func, (void*)id);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"sync"
+)
+
+// Host functions: Go functions the driver runs on its own thread once a
+// stream reaches them (cuLaunchHostFunc), and at every replay of a CUDA
+// graph that captured them. The driver holds an id, never a Go pointer.
+var hostFuncs struct {
+	mu   sync.Mutex
+	next uintptr
+	fns  map[uintptr]hostFunc
+}
+
+type hostFunc struct {
+	fn   func()
+	once bool // forgotten as it runs
+}
+
+// LaunchHostFunc orders fn on stream: the driver runs it once the work
+// before it on stream has completed, and the work after it waits for it to
+// return. fn must make no CUDA call (the driver forbids it) and should not
+// panic (a panic is recovered and dropped). A launch with once runs fn one
+// time and forgets it; without, fn stays until release, for a stream that
+// is capturing (the graph runs fn at each replay). After release a launch
+// or replay that reaches fn runs nothing.
+func (d *Driver) LaunchHostFunc(stream uintptr, fn func(), once bool) (release func(), err error) {
+	if d.fn.launchHostFunc == nil {
+		return nil, fmt.Errorf("cuLaunchHostFunc: %w", ErrNotSupported)
+	}
+	hostFuncs.mu.Lock()
+	if hostFuncs.fns == nil {
+		hostFuncs.fns = map[uintptr]hostFunc{}
+	}
+	hostFuncs.next++
+	id := hostFuncs.next
+	hostFuncs.fns[id] = hostFunc{fn, once}
+	hostFuncs.mu.Unlock()
+	release = func() {
+		hostFuncs.mu.Lock()
+		delete(hostFuncs.fns, id)
+		hostFuncs.mu.Unlock()
+	}
+	if err := d.check("cuLaunchHostFunc", C.p2p_launch_host_func(d.fn.launchHostFunc, ptr(stream), C.uintptr_t(id))); err != nil {
+		release()
+		return nil, err
+	}
+	return release, nil
+}
+
+//export p2pRunHostFunc
+func p2pRunHostFunc(id C.uintptr_t) {
+	hostFuncs.mu.Lock()
+	h, ok := hostFuncs.fns[uintptr(id)]
+	if h.once {
+		delete(hostFuncs.fns, uintptr(id))
+	}
+	hostFuncs.mu.Unlock()
+	if !ok {
+		return
+	}
+	defer func() { recover() }() // nothing may unwind into the driver's thread
+	h.fn()
+}
