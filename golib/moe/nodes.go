@@ -106,7 +106,8 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		return nil, fmt.Errorf("ExpertParallel across nodes needs UCX: %w", err)
 	}
 	tp := host.Topology()
-	t, err := ucx.Open(bs, ucx.Options{Timeout: host.Timeout(), Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost()})
+	t, err := ucx.Open(bs, ucx.Options{Timeout: host.Timeout(), Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost(),
+		HostOnly: true})
 	if err != nil {
 		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
 	}
@@ -157,7 +158,8 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 // flags registered with it, and every remote rank's. Collective; any rank's
 // failure is every rank's.
 func (n *netPeers) openRail(bs bootstrap.Bootstrap, tp *topo.Topology, timeout time.Duration, base uintptr, size int64) error {
-	t, err := ucx.Open(bs, ucx.Options{Timeout: timeout, Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost()})
+	t, err := ucx.Open(bs, ucx.Options{Timeout: timeout, Stage: ucx.StageNever, SeparateHosts: tp.SharedHosts, OneHost: tp.OneHost(),
+		HostOnly: true})
 	if err = bootstrap.Agree(bs, err); err != nil {
 		if t != nil {
 			t.Close()

@@ -12,6 +12,7 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -58,10 +59,43 @@ type Options struct {
 	// endpoints then have a single lane, which lets a put with a signal
 	// travel as one message (PutWithSignal).
 	OneHost bool
+	// HostOnly: every buffer is host memory, and calls may run where CUDA
+	// calls are refused (a host function on a stream, see golib/moe): UCX
+	// keeps off its CUDA transports, whatever UCX_TLS says, so that no CUDA
+	// memory domain is opened to look up a pointer's memory type.
+	HostOnly bool
 }
 
 // SeparateHostsTLS is UCX_TLS for ranks that must behave as separate hosts.
 const SeparateHostsTLS = "^cuda_ipc,sm"
+
+// cudaTLs are UCX's transports over CUDA memory, and their alias.
+var cudaTLs = []string{"cuda_copy", "cuda_ipc", "gdr_copy", "cuda"}
+
+// hostOnlyTLS is UCX_TLS without the CUDA transports: the user's list
+// (user, set or not) less them, or with them among its exclusions; and
+// without shared memory too when separate (see SeparateHosts).
+func hostOnlyTLS(user string, set, separate bool) string {
+	if !set || strings.TrimSpace(user) == "" || strings.TrimSpace(user) == "all" {
+		if separate {
+			return "^cuda_copy,cuda_ipc,gdr_copy,sm"
+		}
+		return "^cuda_copy,cuda_ipc,gdr_copy"
+	}
+	if strings.HasPrefix(user, "^") {
+		return user + ",cuda_copy,cuda_ipc,gdr_copy"
+	}
+	var kept []string
+	for _, tl := range strings.Split(user, ",") {
+		if tl = strings.TrimSpace(tl); tl != "" && !slices.Contains(cudaTLs, tl) {
+			kept = append(kept, tl)
+		}
+	}
+	if len(kept) == 0 {
+		return hostOnlyTLS("", false, separate)
+	}
+	return strings.Join(kept, ",")
+}
 
 // ErrorsEnv names the endpoints' failure handling knob: fast or peer.
 const ErrorsEnv = "P2PCOMM_UCX_ERRORS"
@@ -244,8 +278,13 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	if opts.OneHost {
 		settings = append(settings[:len(settings):len(settings)], [2]string{"NET_DEVICES", "lo"})
 	}
+	if opts.HostOnly {
+		user, set := procenv.Lookup("UCX_TLS")
+		tls := hostOnlyTLS(user, set, opts.SeparateHosts)
+		settings = append(settings[:len(settings):len(settings)], [2]string{"TLS", tls})
+	}
 	for _, kv := range settings {
-		if _, set := procenv.Lookup("UCX_" + kv[0]); set {
+		if _, set := procenv.Lookup("UCX_" + kv[0]); set && !(opts.HostOnly && kv[0] == "TLS") {
 			continue
 		}
 		name, value := C.CString(kv[0]), C.CString(kv[1])

@@ -507,3 +507,26 @@ func (j *job) exchange(rounds int) error {
 	}
 	return j.tr.progressWhile(j.bs.Barrier)
 }
+
+// A host-only transport's UCX_TLS keeps every CUDA transport out, whatever
+// the user's list, and shared memory out too between separate hosts.
+func TestHostOnlyTLS(t *testing.T) {
+	for _, c := range []struct {
+		user     string
+		set      bool
+		separate bool
+		want     string
+	}{
+		{"", false, false, "^cuda_copy,cuda_ipc,gdr_copy"},
+		{"", false, true, "^cuda_copy,cuda_ipc,gdr_copy,sm"},
+		{"all", true, false, "^cuda_copy,cuda_ipc,gdr_copy"},
+		{"tcp,cuda_copy,self", true, true, "tcp,self"},
+		{"tcp, cuda ,sm", true, false, "tcp,sm"},
+		{"^sm", true, false, "^sm,cuda_copy,cuda_ipc,gdr_copy"},
+		{"cuda_copy", true, true, "^cuda_copy,cuda_ipc,gdr_copy,sm"},
+	} {
+		if got := hostOnlyTLS(c.user, c.set, c.separate); got != c.want {
+			t.Errorf("hostOnlyTLS(%q, %v, %v) = %q, want %q", c.user, c.set, c.separate, got, c.want)
+		}
+	}
+}
