@@ -111,8 +111,9 @@ func NewCPU(g Group, host Host, c Config) (*EP, error) {
 // nodes: each call copies its tensors to pinned host memory on the
 // caller's stream and runs the CPU path over host, a host backend of the
 // same ranks and nodes that the EP owns from here on (closed with it, or
-// here on failure). Capturable calls run, but cannot be recorded in a CUDA
-// graph.
+// here on failure). Capturable calls whose rows the kernels take can be
+// recorded in a CUDA graph: recorded, the host's part becomes host
+// functions on the stream (staged_async.go); other calls wait for the host.
 func NewStaged(g Group, host interface {
 	Host
 	io.Closer
@@ -180,7 +181,16 @@ func (e *EP) usable() error {
 			err = e.gpu.dev.EnsureContext()
 		}
 	case e.staged != nil:
-		if err = e.cpu.check(); err == nil {
+		if err = e.staged.failure(); err != nil {
+			break
+		}
+		// A host function of a stream-ordered call may be using the host
+		// path: then it records what it meets, and this call skips the look.
+		if e.staged.hostMu.TryLock() {
+			err = e.cpu.check()
+			e.staged.hostMu.Unlock()
+		}
+		if err == nil {
 			err = e.staged.dev.EnsureContext()
 		}
 	default:

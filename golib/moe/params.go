@@ -148,6 +148,7 @@ type stagedParams struct {
 	Items    int64  `c:"items"`
 	RowPacks int32  `c:"row_packs"`
 	TopK     int32  `c:"topk"`
+	ItemsAt  uint64 `c:"items_at"` // when set, the item count (at most Items) in mapped host memory
 }
 
 // paramBytes is the bytes of a parameter struct, for a launch (the driver

@@ -3,6 +3,9 @@ package moe
 import (
 	"fmt"
 	"io"
+	"sync"
+	"sync/atomic"
+	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -28,13 +31,21 @@ type StagedDevice interface {
 	MemFree(p uintptr) error
 	KernelFunction(file, expr string) (cuda.Function, error)
 	LaunchFunction(fn cuda.Function, grid, block, sharedBytes uint32, stream uintptr, params []byte) error
+	// MemHostDevicePointer is the device address of mapped pinned memory.
+	MemHostDevicePointer(host unsafe.Pointer) (uintptr, error)
+	// LaunchHostFunc orders fn, which makes no CUDA call, on stream: run
+	// once, or (not once) at every replay of the graph a capturing stream
+	// records, until release (cuda.Driver.LaunchHostFunc).
+	LaunchHostFunc(stream uintptr, fn func(), once bool) (release func(), err error)
 }
 
 // growBuf is pinned host memory, or device memory, that grows on demand.
 type growBuf struct {
 	p      uintptr
 	cap    uint64
-	device bool // device memory, else pinned host memory
+	device bool    // device memory, else pinned host memory
+	mapped bool    // pinned memory the kernels read and write too
+	dp     uintptr // mapped: the device's address of p
 }
 
 func (b *growBuf) addr() uintptr { return b.p }
@@ -54,11 +65,21 @@ func (b *growBuf) reserve(dev StagedDevice, n, most uint64, what string) error {
 		}
 		b.p = p
 	} else {
-		p, err := dev.MemHostAlloc(n, cuda.HostAllocPortable)
+		flags := uint32(cuda.HostAllocPortable)
+		if b.mapped {
+			flags |= cuda.HostAllocDeviceMap
+		}
+		p, err := dev.MemHostAlloc(n, flags)
 		if err != nil {
 			return status.Errorf(status.Capacity, "ExpertParallel across nodes: pin %d bytes of host memory for %s: %v", n, what, err)
 		}
 		b.p = uintptr(p)
+		if b.mapped {
+			if b.dp, err = dev.MemHostDevicePointer(p); err != nil {
+				b.free(dev)
+				return fmt.Errorf("ExpertParallel across nodes: map %s into the device: %w", what, err)
+			}
+		}
 	}
 	b.cap = n
 	return nil
@@ -72,7 +93,7 @@ func (b *growBuf) free(dev StagedDevice) {
 	default:
 		dev.MemFreeHost(hostPtr(b.p))
 	}
-	b.p, b.cap = 0, 0
+	b.p, b.cap, b.dp = 0, 0, 0
 }
 
 // stagedEngine carries one EP's calls between the device and the host path.
@@ -89,6 +110,14 @@ type stagedEngine struct {
 	done                          cuda.Event     // recorded after the latest upload
 	uploading                     bool           // done awaits a wait before the buffers are reused
 	lastRows                      int64          // rows of the latest result laid out (what combine reads)
+
+	// Calls in stream order (staged_async.go): capturable calls being
+	// recorded in a CUDA graph run their host work in host functions.
+	hostMu   sync.Mutex            // the host path's state: host functions against the caller's thread
+	items    growBuf               // mapped: the count the next kernel reads
+	bases    []int64               // a combine's partials by source, from its first host function to its second
+	failed   atomic.Pointer[error] // a host function's failure, raised by the next call
+	releases []func()              // host functions recorded in CUDA graphs, forgotten at close
 }
 
 // reserveRows makes room for n dispatched rows and their metadata.
@@ -132,6 +161,9 @@ func newStagedEngine(dev StagedDevice, host io.Closer, p *plan) (*stagedEngine, 
 		// Capturable calls return every row position: room for all of them.
 		err = s.reserveRows(p.maxRecvRows)
 	}
+	if err == nil && p.capturable && s.k != nil {
+		err = s.asyncReady(false)
+	}
 	if err == nil {
 		s.done, err = dev.EventCreate(cuda.EventDisableTiming)
 	}
@@ -164,15 +196,17 @@ func (s *stagedEngine) uploaded(stream uintptr) error {
 	return nil
 }
 
-// refuseCapture: the host path cannot be recorded into a CUDA graph.
+// refuseCapture: a call that waits for the host cannot be recorded into a
+// CUDA graph.
 func (s *stagedEngine) refuseCapture(stream uintptr, what string) error {
 	st, err := s.dev.StreamCaptureStatus(stream)
 	if err != nil {
 		return err
 	}
 	if st != cuda.CaptureNone {
-		return status.Errorf(status.Unsupported, "ExpertParallel across nodes on GPUs cannot be captured in a CUDA graph "+
-			"(its %s runs on the host between copies); call it outside the capture", what)
+		return status.Errorf(status.Unsupported, "ExpertParallel across nodes on GPUs records only capturable calls of "+
+			"16-bit or float32 rows whose size is a multiple of 16 bytes in a CUDA graph (this %s waits for the host "+
+			"between its copies); call it outside the capture", what)
 	}
 	return nil
 }
@@ -188,6 +222,14 @@ func (s *stagedEngine) download(dst, src uintptr, n uint64, stream uintptr) erro
 
 func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32) (int64, error) {
 	p := s.p
+	if a.Capturable && s.kernelsFor(a.Out.X) {
+		if capturing, err := s.capturing(a.Stream); err != nil || capturing {
+			if err != nil {
+				return 0, err
+			}
+			return s.dispatchAsync(cpu, a)
+		}
+	}
 	if err := s.refuseCapture(a.Stream, "dispatch"); err != nil {
 		return 0, err
 	}
@@ -222,7 +264,9 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 		}
 		h.Out = Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: p.maxRecvRows}
 	}
+	s.hostMu.Lock()
 	rows, err := cpu.dispatch(&h, checks)
+	s.hostMu.Unlock()
 	if err != nil || !a.Capturable {
 		return rows, err
 	}
@@ -247,7 +291,10 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	if err := s.reserveRows(out.Rows); err != nil {
 		return err
 	}
-	if err := cpu.expand(Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows}); err != nil {
+	s.hostMu.Lock()
+	err := cpu.expand(Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows})
+	s.hostMu.Unlock()
+	if err != nil {
 		return err
 	}
 	// Combine reads what expand laid out: set only once a result exists.
@@ -286,6 +333,14 @@ func (s *stagedEngine) upload(out Rows, held int64, rows bool, stream uintptr) e
 
 func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) error {
 	p := s.p
+	if a.Capturable && s.k != nil && (a.ExpertOut == 0 || s.kernelsFor(a.ExpertOut)) {
+		if capturing, err := s.capturing(a.Stream); err != nil || capturing {
+			if err != nil {
+				return err
+			}
+			return s.combineAsync(cpu, a)
+		}
+	}
 	if err := s.refuseCapture(a.Stream, "combine"); err != nil {
 		return err
 	}
@@ -330,7 +385,10 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	if err := s.dev.StreamSynchronize(a.Stream); err != nil {
 		return err
 	}
-	if err := cpu.combineWith(&h, checks, fill); err != nil {
+	s.hostMu.Lock()
+	err := cpu.combineWith(&h, checks, fill)
+	s.hostMu.Unlock()
+	if err != nil {
 		return err
 	}
 	if a.Y == 0 {
@@ -341,7 +399,7 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 			return nil // no data moved
 		}
 	}
-	err := s.dev.MemcpyAsync(a.Y, h.Y, uint64(a.NumTokens)*rb, a.Stream)
+	err = s.dev.MemcpyAsync(a.Y, h.Y, uint64(a.NumTokens)*rb, a.Stream)
 	if err == nil {
 		err = s.uploaded(a.Stream)
 	}
@@ -361,7 +419,11 @@ func (s *stagedEngine) release() {
 		s.dev.EventDestroy(s.done)
 		s.done = 0
 	}
-	for _, b := range []*growBuf{&s.in, &s.rows, &s.info, &s.counts, &s.index} {
+	for _, r := range s.releases {
+		r()
+	}
+	s.releases = nil
+	for _, b := range []*growBuf{&s.in, &s.rows, &s.info, &s.counts, &s.index, &s.items} {
 		b.free(s.dev)
 	}
 	if s.k != nil {

@@ -97,31 +97,75 @@ func packedBases(counts []int32) ([]int64, int64) {
 // row's packed row, and moe_staged_expand lays them out in out.X.
 func (s *stagedEngine) expandOnDevice(cpu *cpuEngine, out Rows, held int64, stream uintptr) error {
 	p, k := s.p, s.k
-	if err := s.reserveMeta(held); err != nil {
+	s.hostMu.Lock()
+	items, total, err := s.packForExpand(cpu, held)
+	s.hostMu.Unlock()
+	if err != nil {
 		return err
+	}
+	rb := p.rowBytes()
+	if err := k.rows.reserve(s.dev, uint64(max(total, 1)*rb), s.mostPacked(), "the received rows"); err != nil {
+		return err
+	}
+	if err := k.index.reserve(s.dev, uint64(max(items, 1))*4, 8*uint64(p.maxRecvRows), "the rows' order"); err != nil {
+		return err
+	}
+	if total > 0 {
+		err = s.dev.MemcpyAsync(k.rows.p, s.rows.addr(), uint64(total*rb), stream)
+	}
+	if err == nil && items > 0 {
+		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), uint64(items)*4, stream)
+	}
+	if err == nil {
+		sp := &stagedParams{Src: uint64(k.rows.p), Dst: uint64(out.X), Index: uint64(k.index.p),
+			Items: items, RowPacks: int32(rb / 16)}
+		err = k.launch(s.dev, k.expand, items, sp, stream)
+	}
+	if err != nil {
+		s.dev.StreamSynchronize(stream) // copies may have been queued
+		return err
+	}
+	return s.upload(out, held, false, stream)
+}
+
+// mostPacked is the most bytes of received rows, or of partials, a call
+// packs: one per token and source.
+func (s *stagedEngine) mostPacked() uint64 {
+	p := s.p
+	return uint64(p.world) * uint64(p.maxTokens) * uint64(max(p.rowBytes(), int64(p.hidden*p.transit.Size())))
+}
+
+// packForExpand is the host's half of a dispatch's expand: it settles the
+// order (info and counts, laid out for held rows) into the pinned buffers,
+// packs the received rows in source order into s.rows and each output
+// row's packed row into s.index, and returns the output rows and the
+// packed ones. No CUDA call: it also runs as a host function.
+func (s *stagedEngine) packForExpand(cpu *cpuEngine, held int64) (items, packed int64, err error) {
+	p := s.p
+	if err := s.reserveMeta(held); err != nil {
+		return 0, 0, err
 	}
 	moves, err := cpu.order(Rows{Info: s.info.addr(), Counts: s.counts.addr(), Rows: held})
 	if err != nil {
-		return err
+		return 0, 0, err
 	}
 	s.lastRows = int64(len(moves))
 	rb, Tm := p.rowBytes(), int64(p.maxTokens)
 	counts := cpu.counts[p.rank]
 	bases, total := packedBases(counts)
-	most := uint64(p.world) * uint64(Tm) * uint64(max(rb, int64(p.hidden*p.transit.Size())))
-	if err := s.rows.reserve(s.dev, uint64(max(total, 1)*rb), most, "the received rows"); err != nil {
-		return err
+	if err := s.rows.reserve(s.dev, uint64(max(total, 1)*rb), s.mostPacked(), "the received rows"); err != nil {
+		return 0, 0, err
 	}
 	if err := s.index.reserve(s.dev, uint64(max(len(moves), 1))*4, 8*uint64(p.maxRecvRows), "the rows' order"); err != nil {
-		return err
+		return 0, 0, err
 	}
 	own := cpu.recvX[p.rank]
-	packed := bytesAt(s.rows.addr(), total*rb)
+	packedRows := bytesAt(s.rows.addr(), total*rb)
 	for src, c := range counts {
 		n := int(c)
 		from, to := int64(src)*Tm*rb, bases[src]*rb
 		split(n, workers(n, rb), func(_, lo, hi int) {
-			copy(packed[to+int64(lo)*rb:to+int64(hi)*rb], own[from+int64(lo)*rb:from+int64(hi)*rb])
+			copy(packedRows[to+int64(lo)*rb:to+int64(hi)*rb], own[from+int64(lo)*rb:from+int64(hi)*rb])
 		})
 	}
 	index := int32sAt(s.index.addr(), int64(len(moves)))
@@ -129,28 +173,7 @@ func (s *stagedEngine) expandOnDevice(cpu *cpuEngine, out Rows, held int64, stre
 		q := m.src / rb // s*Tm + slot
 		index[m.dst] = int32(bases[q/Tm] + q%Tm)
 	}
-	if err := k.rows.reserve(s.dev, uint64(max(total, 1)*rb), most, "the received rows"); err != nil {
-		return err
-	}
-	if err := k.index.reserve(s.dev, uint64(max(len(moves), 1))*4, 8*uint64(p.maxRecvRows), "the rows' order"); err != nil {
-		return err
-	}
-	if total > 0 {
-		err = s.dev.MemcpyAsync(k.rows.p, s.rows.addr(), uint64(total*rb), stream)
-	}
-	if err == nil && len(moves) > 0 {
-		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), uint64(len(moves))*4, stream)
-	}
-	if err == nil {
-		sp := &stagedParams{Src: uint64(k.rows.p), Dst: uint64(out.X), Index: uint64(k.index.p),
-			Items: int64(len(moves)), RowPacks: int32(rb / 16)}
-		err = k.launch(s.dev, k.expand, int64(len(moves)), sp, stream)
-	}
-	if err != nil {
-		s.dev.StreamSynchronize(stream) // copies may have been queued
-		return err
-	}
-	return s.upload(out, held, false, stream)
+	return int64(len(moves)), total, nil
 }
 
 // partialsOnDevice computes, from the expertRows rows at expertOut
@@ -161,16 +184,58 @@ func (s *stagedEngine) expandOnDevice(cpu *cpuEngine, out Rows, held int64, stre
 // the stream before reading.
 func (s *stagedEngine) partialsOnDevice(cpu *cpuEngine, expertOut uintptr, expertRows int64, stream uintptr) ([]int64, error) {
 	p, k := s.p, s.k
+	s.hostMu.Lock()
+	bases, n, err := s.pairsForPartials(cpu, expertRows, false)
+	s.hostMu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	pairs := uint64(n) * uint64(p.topK)
+	cb := int64(p.hidden * p.transit.Size())
+	if err := k.index.reserve(s.dev, max(pairs, 1)*8, 8*uint64(p.maxRecvRows), "the pairs' rows and weights"); err != nil {
+		return nil, err
+	}
+	if err := k.rows.reserve(s.dev, uint64(max(n, 1)*cb), s.mostPacked(), "the partials"); err != nil {
+		return nil, err
+	}
+	if err := s.rows.reserve(s.dev, uint64(max(n, 1)*cb), s.mostPacked(), "the partials"); err != nil {
+		return nil, err
+	}
+	if pairs > 0 {
+		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), pairs*8, stream)
+	}
+	if err == nil {
+		sp := &stagedParams{Src: uint64(expertOut), Dst: uint64(k.rows.p), Index: uint64(k.index.p),
+			Weights: uint64(k.index.p) + pairs*4, Items: n, RowPacks: int32(p.rowBytes() / 16), TopK: int32(p.topK)}
+		err = k.launch(s.dev, k.partials, n, sp, stream)
+	}
+	if err == nil {
+		err = s.download(s.rows.addr(), k.rows.p, uint64(n*cb), stream)
+	}
+	return bases, err
+}
+
+// pairsForPartials is the host's half of a combine's partials: for every
+// token this rank received, packed in source order, the expert rows of its
+// K pairs (-1: none, or past expertRows) into s.index, then their weights,
+// right after the rows or (fixedWeights) at weightsAt, where a launch
+// recorded before the count was known finds them. It returns where each
+// source's tokens begin and their number. No CUDA call: it also runs as a
+// host function.
+func (s *stagedEngine) pairsForPartials(cpu *cpuEngine, expertRows int64, fixedWeights bool) ([]int64, int64, error) {
+	p := s.p
 	K, Tm, MW := p.topK, p.maxTokens, 2*p.topK+1
 	counts, meta := cpu.counts[p.rank], cpu.meta[p.rank]
 	bases, n := packedBases(counts)
-	cb := int64(p.hidden * p.transit.Size())
-	most := uint64(p.world) * uint64(Tm) * uint64(max(p.rowBytes(), cb))
 	pairs := uint64(n) * uint64(K)
 	if err := s.index.reserve(s.dev, max(pairs, 1)*8, 8*uint64(p.maxRecvRows), "the pairs' rows and weights"); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	rows := int32sAt(s.index.addr(), int64(2*pairs))
+	wAt := int64(pairs)
+	if fixedWeights {
+		wAt = s.weightsAt() / 4
+	}
+	rows := int32sAt(s.index.addr(), wAt+int64(pairs))
 	for src, c := range counts {
 		for slot := range int(c) {
 			i := (bases[src] + int64(slot)) * int64(K)
@@ -181,29 +246,12 @@ func (s *stagedEngine) partialsOnDevice(cpu *cpuEngine, expertOut uintptr, exper
 				}
 				rows[i+int64(k)] = row
 			}
-			copy(rows[int64(pairs)+i:int64(pairs)+i+int64(K)], meta[(src*Tm+slot)*MW+K:(src*Tm+slot)*MW+2*K])
+			copy(rows[wAt+i:wAt+i+int64(K)], meta[(src*Tm+slot)*MW+K:(src*Tm+slot)*MW+2*K])
 		}
 	}
-	if err := k.index.reserve(s.dev, max(pairs, 1)*8, 8*uint64(p.maxRecvRows), "the pairs' rows and weights"); err != nil {
-		return nil, err
-	}
-	if err := k.rows.reserve(s.dev, uint64(max(n, 1)*cb), most, "the partials"); err != nil {
-		return nil, err
-	}
-	if err := s.rows.reserve(s.dev, uint64(max(n, 1)*cb), most, "the partials"); err != nil {
-		return nil, err
-	}
-	var err error
-	if pairs > 0 {
-		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), pairs*8, stream)
-	}
-	if err == nil {
-		sp := &stagedParams{Src: uint64(expertOut), Dst: uint64(k.rows.p), Index: uint64(k.index.p),
-			Weights: uint64(k.index.p) + pairs*4, Items: n, RowPacks: int32(p.rowBytes() / 16), TopK: int32(K)}
-		err = k.launch(s.dev, k.partials, n, sp, stream)
-	}
-	if err == nil {
-		err = s.download(s.rows.addr(), k.rows.p, uint64(n*cb), stream)
-	}
-	return bases, err
+	return bases, n, nil
 }
+
+// weightsAt is where the pairs' weights begin in s.index for launches
+// recorded before the count is known: past room for every pair's row.
+func (s *stagedEngine) weightsAt() int64 { return 4 * s.p.maxRecvRows }

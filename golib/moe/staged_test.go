@@ -6,6 +6,7 @@ import (
 	"math/rand"
 	"sync"
 	"testing"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -30,6 +31,8 @@ type hostDevice struct {
 	launched  []string // every launch's kernel
 	copied    uint64   // bytes of every copy
 	capturing bool
+	hostFuncs int      // host functions launched
+	graph     []func() // the steps recorded while capturing
 }
 
 func newHostDevice() *hostDevice { return &hostDevice{pinned: map[unsafe.Pointer][]byte{}} }
@@ -39,10 +42,36 @@ func (d *hostDevice) MemcpyAsync(dst, src uintptr, n uint64, _ uintptr) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.copied += n
-	d.queued = append(d.queued, func() {
+	d.enqueue(func() {
 		copy(unsafe.Slice((*byte)(hostPtr(dst)), n), unsafe.Slice((*byte)(hostPtr(src)), n))
 	})
 	return nil
+}
+
+// enqueue queues f in stream order, or records it in the graph while
+// capturing. The caller holds d.mu.
+func (d *hostDevice) enqueue(f func()) {
+	if d.capturing {
+		d.graph = append(d.graph, f)
+	} else {
+		d.queued = append(d.queued, f)
+	}
+}
+
+// record adds f (the test's own step, as an expert kernel) to the graph.
+func (d *hostDevice) record(f func()) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.graph = append(d.graph, f)
+}
+
+// replay runs the graph's steps once, in order.
+func (d *hostDevice) replay() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, f := range d.graph {
+		f()
+	}
 }
 
 // run carries out the queued copies, in order.
@@ -78,6 +107,20 @@ func (d *hostDevice) MemAlloc(n uint64) (uintptr, error) {
 
 func (d *hostDevice) MemFree(p uintptr) error { return d.MemFreeHost(hostPtr(p)) }
 
+func (d *hostDevice) MemHostDevicePointer(p unsafe.Pointer) (uintptr, error) { return uintptr(p), nil }
+
+// LaunchHostFunc queues fn with the copies and kernels, or records it.
+func (d *hostDevice) LaunchHostFunc(_ uintptr, fn func(), once bool) (func(), error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.hostFuncs++
+	if once == d.capturing {
+		return nil, fmt.Errorf("a host function launched with once=%v while capturing=%v", once, d.capturing)
+	}
+	d.enqueue(fn)
+	return func() {}, nil
+}
+
 // KernelFunction hands out moe_staged.cu's kernels, which LaunchFunction
 // runs on the host (in stream order, like the copies).
 func (d *hostDevice) KernelFunction(file, expr string) (cuda.Function, error) {
@@ -97,13 +140,16 @@ func (d *hostDevice) LaunchFunction(fn cuda.Function, _, _, _ uint32, _ uintptr,
 	defer d.mu.Unlock()
 	expr := d.kernels[fn-1]
 	d.launched = append(d.launched, expr)
-	d.queued = append(d.queued, func() { runStagedKernel(expr, sp) })
+	d.enqueue(func() { runStagedKernel(expr, sp) })
 	return nil
 }
 
 // runStagedKernel does on the host what moe_staged.cu's kernel expr does.
 func runStagedKernel(expr string, sp stagedParams) {
 	rb := int64(sp.RowPacks) * 16
+	if sp.ItemsAt != 0 {
+		sp.Items = min(max(*(*int64)(hostPtr(uintptr(sp.ItemsAt))), 0), sp.Items)
+	}
 	index := unsafe.Slice((*int32)(hostPtr(uintptr(sp.Index))), max(sp.Items*int64(max(sp.TopK, 1)), 1))
 	if expr == "moe_staged_expand" {
 		for r := range sp.Items {
@@ -166,13 +212,23 @@ func (d *hostDevice) MemFreeHost(p unsafe.Pointer) error {
 // onStagedNodes is a runner of staged EPs over simulated nodes of
 // localSize ranks, each rank's EP on its own hostDevice (devs[rank]).
 func onStagedNodes(localSize int, devs *[]*hostDevice) runner {
+	return onStagedNodesOf(localSize, 0, devs)
+}
+
+// onStagedNodesWithin is onStagedNodes of one rank per node with waits
+// bounded by timeout.
+func onStagedNodesWithin(timeout time.Duration, devs *[]*hostDevice) runner {
+	return onStagedNodesOf(1, timeout, devs)
+}
+
+func onStagedNodesOf(localSize int, timeout time.Duration, devs *[]*hostDevice) runner {
 	return func(t *testing.T, world int, cfg func(rank int) Config, f func(rank int, ep *EP) error) []error {
 		t.Helper()
 		*devs = make([]*hostDevice, world)
 		for r := range world {
 			(*devs)[r] = newHostDevice()
 		}
-		return ranksWith(t, world, localSize, 0, func(r int, g Group, c *hostcoll.Comm, cfg Config) (*EP, error) {
+		return ranksWith(t, world, localSize, timeout, func(r int, g Group, c *hostcoll.Comm, cfg Config) (*EP, error) {
 			return NewStaged(g, c, (*devs)[r], cfg)
 		}, cfg, f)
 	}
@@ -203,6 +259,10 @@ func TestStagedAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 					if kernels := len(d.launched) > 0; kernels != (c.dt != reduce.Float64) {
 						t.Errorf("%s: rank %d launched %v", c.dt, r, d.launched)
 					}
+					// Outside a capture every call waits for the host on the caller's thread.
+					if d.hostFuncs != 0 {
+						t.Errorf("%s: rank %d launched %d host functions", c.dt, r, d.hostFuncs)
+					}
 					if len(d.pinned) != 0 {
 						t.Errorf("%s: rank %d: %d pinned or device buffers left after close", c.dt, r, len(d.pinned))
 					}
@@ -220,23 +280,166 @@ func TestStagedRejectedCallsMoveNothing(t *testing.T) {
 	checkRejected(t, onStagedNodes(1, &devs))
 }
 
-// A call recorded into a CUDA graph is refused on the rank that records
-// it, before any exchange, and the EP goes on.
-func TestStagedRefusesCapture(t *testing.T) {
+// A capturable dispatch, the experts and a capturable combine recorded in
+// a CUDA graph give, at each replay, the rows and bits of the inputs the
+// buffers hold then: new routing, new rows, uneven T (one rank none) and -1
+// ids; 2 nodes of 1 and of 2. Nothing runs while recording.
+func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
+	ucxtest.Need(t)
+	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
+		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) {
+			W, E, K, H, Tm := l.world, 2*l.world, 3, 24, 9
+			dt, tr := reduce.BFloat16, reduce.Float32
+			sizes := make([]int, W)
+			for q := range sizes {
+				sizes[q] = []int{Tm, 0, 1 + (5*q)%Tm}[min(q, 2)]
+			}
+			rounds := make([][]tokens, 3)
+			for i := range rounds {
+				for q := range W {
+					rounds[i] = append(rounds[i], makeTokens(rand.New(rand.NewSource(int64(300+10*i+q))), sizes[q], H, E, K, dt, 0.2))
+				}
+			}
+			cfg := func(int) Config {
+				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
+			}
+			var devs []*hostDevice
+			errs := onStagedNodes(l.local, &devs)(t, W, cfg, func(r int, ep *EP) error {
+				d, T := devs[r], sizes[r]
+				in := makeTokens(rand.New(rand.NewSource(1)), T, H, E, K, dt, 0) // the graph's input buffers
+				y := make([]byte, T*H*dt.Size())
+				// A capturable round outside the capture first (it waits for the host), as a warm-up would.
+				warm, err := dispatch(ep, in, T, true, 0)
+				if err == nil {
+					err = ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(warm, H, dt)), ExpertRows: warm.rows, Y: addr(y),
+						NumTokens: T, Capturable: true})
+				}
+				if err != nil {
+					return fmt.Errorf("warm-up: %w", err)
+				}
+				d.capturing = true
+				res, err := dispatch(ep, in, T, true, 0)
+				var out []byte
+				if err == nil {
+					out = make([]byte, len(res.x))
+					d.record(func() { copy(out, expertOut(res, H, dt)) })
+					err = ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y), NumTokens: T, Capturable: true})
+				}
+				d.capturing = false
+				if err != nil {
+					return fmt.Errorf("recording: %w", err)
+				}
+				if len(d.queued) != 0 {
+					return fmt.Errorf("%d steps ran outside the graph", len(d.queued))
+				}
+				for i, all := range rounds {
+					copy(in.x, all[r].x)
+					copy(in.idx, all[r].idx)
+					copy(in.w, all[r].w)
+					for j := range res.x {
+						res.x[j] = 0xff // rows a replay does not write show up
+					}
+					d.replay()
+					if err := ep.staged.failure(); err != nil {
+						return fmt.Errorf("replay %d: %w", i, err)
+					}
+					if err := checkDispatch(res, all, r, W, E, K, H, dt); err != nil {
+						return fmt.Errorf("replay %d: %w", i, err)
+					}
+					if want := emulate(all[r], r, W, E, K, H, dt, tr); string(y) != string(want) {
+						return fmt.Errorf("replay %d: combine differs from the emulation", i)
+					}
+				}
+				return nil
+			})
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// Calls a CUDA graph cannot hold are refused on the rank that records
+// them, before any exchange, and the EP goes on: an eager call, a
+// capturable call of rows the kernels do not take (float64), and the first
+// capturable call of an EP built eager (it makes the buffers).
+func TestStagedRefusesWhatAGraphCannotHold(t *testing.T) {
 	ucxtest.Need(t)
 	const W, E, K, H, Tm = 2, 4, 2, 8, 4
-	cfg := sameConfig(E, H, Tm, K, reduce.Float32)
+	for _, c := range []struct {
+		name       string
+		dt         reduce.DType
+		capturable bool // the call's mode (the EP is built eager)
+		want       string
+	}{
+		{"eager", reduce.Float32, false, "CUDA graph"},
+		{"float64", reduce.Float64, true, "CUDA graph"},
+		{"first_capturable", reduce.Float32, true, "first capturable call"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var devs []*hostDevice
+			errs := onStagedNodes(1, &devs)(t, W, sameConfig(E, H, Tm, K, c.dt), func(r int, ep *EP) error {
+				tk := makeTokens(rand.New(rand.NewSource(int64(r))), Tm, H, E, K, c.dt, 0)
+				devs[r].capturing = true
+				_, err := dispatch(ep, tk, Tm, c.capturable, 0)
+				devs[r].capturing = false
+				if status.CodeOf(err) != status.Unsupported || !contains(err, c.want) {
+					return fmt.Errorf("dispatch while capturing = %v, want Unsupported saying %q", err, c.want)
+				}
+				if len(devs[r].graph) != 0 {
+					return fmt.Errorf("%d steps recorded before the refusal", len(devs[r].graph))
+				}
+				if _, err := dispatch(ep, tk, Tm, false, 0); err != nil {
+					return fmt.Errorf("dispatch after the refusal: %w", err)
+				}
+				return nil
+			})
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// A rank that never comes to a replayed call: on the others its host
+// function fails (the rank's endpoint closed, or the timeout), the result
+// says no row arrived, and the next call raises the failure naming the
+// rank.
+func TestStagedReplayNamesAnAbsentRank(t *testing.T) {
+	ucxtest.Need(t)
+	const W, E, K, H, Tm = 2, 4, 2, 8, 4
+	cfg := func(int) Config {
+		return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: reduce.Float32, CombineDType: reduce.Float32,
+			Capturable: true}
+	}
+	const absent = 1
 	var devs []*hostDevice
-	errs := onStagedNodes(1, &devs)(t, W, cfg, func(r int, ep *EP) error {
+	errs := onStagedNodesWithin(1500*time.Millisecond, &devs)(t, W, cfg, func(r int, ep *EP) error {
 		tk := makeTokens(rand.New(rand.NewSource(int64(r))), Tm, H, E, K, reduce.Float32, 0)
-		devs[r].capturing = true
-		_, err := dispatch(ep, tk, Tm, true, 0)
-		devs[r].capturing = false
-		if status.CodeOf(err) != status.Unsupported || !contains(err, "CUDA graph") {
-			return fmt.Errorf("dispatch while capturing = %v, want Unsupported naming CUDA graphs", err)
+		if _, err := dispatch(ep, tk, Tm, true, 0); err != nil {
+			return fmt.Errorf("first dispatch: %w", err)
 		}
-		if _, err := dispatch(ep, tk, Tm, false, 0); err != nil {
-			return fmt.Errorf("dispatch after the refusal: %w", err)
+		if r == absent {
+			return nil
+		}
+		d, counts, rows := devs[r], []int32{-1, -1, -1}, ep.maxRecvRows
+		a := &DispatchArgs{X: addr(tk.x), TopkIdx: addr(tk.idx), TopkWeights: addr(tk.w), NumTokens: Tm, IdxBytes: 8,
+			Capturable: true, Out: Rows{X: addr(make([]byte, rows*H*4)), Info: addr(make([]int32, 4*rows)),
+				Counts: addr(counts), Rows: rows}}
+		d.capturing = true
+		_, err := ep.Dispatch(a)
+		d.capturing = false
+		if err != nil {
+			return fmt.Errorf("recording: %w", err)
+		}
+		d.replay()
+		if counts[0] != 0 || counts[1] != 0 || counts[2] != 0 {
+			return fmt.Errorf("counts %v without rank %d, want none", counts, absent)
+		}
+		_, err = dispatch(ep, tk, Tm, true, 0)
+		want := fmt.Sprintf("rank %d", absent)
+		if status.CodeOf(err) != status.Timeout || !contains(err, want) {
+			return fmt.Errorf("the call after = %v, want a timeout naming %q", err, want)
 		}
 		return nil
 	})

@@ -368,10 +368,11 @@ static_assert(sizeof(MoePostParams::peer_status) + 4 * sizeof(void*) + sizeof(u6
 //   16     8    index      expand: [R] i32, the packed row of each output row;
 //                          partials: [items, K] i32, expert_out row of each pair (-1: none)
 //   24     8    weights    partials: [items, K] f32, each pair's weight
-//   32     8    items      expand: R; partials: items
+//   32     8    items      expand: R; partials: items (with items_at: the most there can be)
 //   40     4    row_packs  16-byte packs of one row of T
 //   44     4    topk       K
-//   total  48
+//   48     8    items_at   null, or the item count, in mapped host memory (calls in stream order)
+//   total  56
 struct MoeStagedParams {
   const char* src;
   char* dst;
@@ -380,8 +381,11 @@ struct MoeStagedParams {
   i64 items;
   int row_packs;
   int topk;
+  // Written by the host function ordered before the launch: calls a CUDA
+  // graph records learn their count at each replay.
+  const i64* items_at;
 };
-static_assert(sizeof(MoeStagedParams) == 48, "MoeStagedParams size");
+static_assert(sizeof(MoeStagedParams) == 56, "MoeStagedParams size");
 
 // ---------------------------------------------------------------- helpers
 

@@ -5,7 +5,9 @@
 // out in expert-major order, moe_staged_partials computes each received
 // token's weighted partial from the expert outputs, with the host path's
 // bits (float32 from +0, k ascending, each product and sum rounded, the
-// partial rounded once to C). One block per row or item, any grid.
+// partial rounded once to C). One block per row or item, any grid; the
+// item count comes with the launch or, in calls a CUDA graph replays, from
+// the host function before it (MoeStagedParams::items_at).
 #include "moe_common.cuh"
 
 // p2pcomm:instantiate moe_staged_expand
@@ -15,9 +17,18 @@
 // p2pcomm:instantiate moe_staged_partials<half16, half16>
 // p2pcomm:instantiate moe_staged_partials<float, float>
 
+// staged_items is the launch's item count: p.items, or what the host
+// function before it left at p.items_at (never more than p.items).
+DINLINE i64 staged_items(const MoeStagedParams& p) {
+  if (p.items_at == nullptr) return p.items;
+  const i64 n = *reinterpret_cast<const volatile i64*>(p.items_at);
+  return n < 0 ? 0 : (n > p.items ? p.items : n);
+}
+
 __global__ void __launch_bounds__(kThreads, 1) moe_staged_expand(const MoeStagedParams p) {
   const i64 rb = (i64)p.row_packs * kPackBytes;
-  for (i64 r = blockIdx.x; r < p.items; r += gridDim.x) {
+  const i64 items = staged_items(p);
+  for (i64 r = blockIdx.x; r < items; r += gridDim.x) {
     const char* src = p.src + (i64)p.index[r] * rb;
     char* dst = p.dst + r * rb;
     for (int c = threadIdx.x; c < p.row_packs; c += blockDim.x) st_v16(dst + (i64)c * kPackBytes, ld_v16(src + (i64)c * kPackBytes));
@@ -28,7 +39,8 @@ template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads, 1) moe_staged_partials(const MoeStagedParams p) {
   constexpr int P = PackOf<T>::kElems;
   const int K = p.topk;
-  for (i64 i = blockIdx.x; i < p.items; i += gridDim.x) {
+  const i64 items = staged_items(p);
+  for (i64 i = blockIdx.x; i < items; i += gridDim.x) {
     const int* rows = p.index + i * K;
     const float* w = p.weights + i * K;
     C* dst = reinterpret_cast<C*>(p.dst) + i * p.row_packs * P;

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import p2pcomm
 from conftest import DEVICES
-from test_moe import (CASES, TRANSITS, assert_same_bits, check_combine, check_dispatch, emulate_combine, experts_for,
-                      expert_fn, make_inputs, run_round, transit_dtype)
+from test_moe import (CASES, TRANSITS, assert_same_bits, capture_step, check_combine, check_dispatch, emulate_combine,
+                      experts_for, expert_fn, make_inputs, run_round, transit_dtype)
 from test_nodes import Nodes
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libucx") is None and not os.environ.get("P2PCOMM_UCX_LIB"),
@@ -130,8 +130,24 @@ def test_capturable_across_nodes(nodes, transit):
             out = expert_fn(recv.x, recv.local_expert, recv.src_rank)
             out[int(recv.num_rows.item()):] = float("nan")
             y = ep.combine(out, recv)
+            assert_no_failure(ep, y)
             check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
             assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype), "capturable combine")
+
+
+def assert_no_failure(ep, y):
+    """A capturable call across nodes that failed on the GPU's side leaves y NaN and raises at the next call:
+    make that call (no tokens) to say why."""
+    if not bool(y.isnan().any()):
+        return
+    try:
+        ep.dispatch(torch.empty(0, ep.hidden, dtype=ep.dtype, device=y.device),
+                    torch.empty(0, ep.topk, dtype=torch.int64, device=y.device),
+                    torch.empty(0, ep.topk, dtype=torch.float32, device=y.device))
+        torch.cuda.synchronize()
+    except p2pcomm.P2PCommError as e:
+        raise AssertionError(f"the call failed: {e}") from e
+    raise AssertionError("combine's output holds NaN, and the next call raised nothing")
 
 
 def still_works(ep, comm):
@@ -199,16 +215,49 @@ def test_communicator_closed_before_its_ep(group, device):
     again.comm.close()
 
 
-def test_cuda_graph_capture_is_refused(nodes):
-    """On GPUs across nodes the rows go through the host between copies, which a CUDA graph cannot hold:
-    recording a dispatch raises UnsupportedError on every rank before anything is recorded, and the ep goes
-    on."""
+@pytest.mark.parametrize("transit", TRANSITS)
+def test_cuda_graph_replays_across_nodes(nodes, transit):
+    """On GPUs across nodes, capturable dispatch + expert + combine recorded in one CUDA graph (the host's
+    exchanges run as host functions on the stream) and replayed with new routing and data: uneven T (one rank
+    none), -1 ids, recv.x poisoned before every replay; every row in the documented order, combine within the
+    float64 reference's bound and bit for bit the emulation's."""
+    if nodes.device != "cuda":
+        pytest.skip("CUDA graphs: GPU tensors only")
+    comm = nodes.comm
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 48, 12, torch.bfloat16
+    sizes = [(Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
+    combine_dtype = transit_dtype(transit, dtype)
+    rounds = [[make_inputs(400 + i, q, sizes[q], H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype, capturable=True,
+               combine_dtype=combine_dtype) as ep:
+        static_x = torch.zeros(sizes[r], H, dtype=dtype, device="cuda")
+        graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
+        for inputs in rounds[1:] + rounds[:1]:
+            load(inputs)
+            recv.x.fill_(float("nan"))  # rows this replay's dispatch does not write show up
+            graph.replay()
+            torch.cuda.synchronize()
+            assert_no_failure(ep, y)
+            check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
+            check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
+            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype), "replayed combine")
+        # An eager round after the replays.
+        recv, out, y = run_round(ep, rounds[1], r, "cuda")
+        check_dispatch(recv, rounds[1], r, W, E, K, dtype)
+        assert_same_bits(y, emulate_combine(rounds[1], r, W, E, K, dtype, combine_dtype), "eager combine after replays")
+    comm.check()
+
+
+def test_eager_call_in_a_cuda_graph_is_refused(nodes):
+    """An eager call across nodes waits for the host between its copies, which a CUDA graph cannot hold:
+    recording one raises UnsupportedError on every rank before anything is recorded, and the ep goes on."""
     if nodes.device != "cuda":
         pytest.skip("CUDA graphs: GPU tensors only")
     comm = nodes.comm
     W, r = comm.world_size, comm.rank
     E, K, H, Tm = 2 * W, 2, 64, 8
-    with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, capturable=True) as ep:
+    with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K) as ep:
         inp = make_inputs(11, r, 4, H, E, K, torch.bfloat16)
         x, idx, w = inp.x.cuda(), inp.idx.cuda(), inp.w.cuda()
         graph, raised = torch.cuda.CUDAGraph(), None

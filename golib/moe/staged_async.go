@@ -1,0 +1,244 @@
+package moe
+
+import (
+	"fmt"
+
+	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/status"
+)
+
+// Calls in stream order. A capturable call being recorded in a CUDA graph,
+// whose rows the kernels take, runs its host work (the host path's
+// exchanges, the rows' order and packing, the pairs of a combine) in host
+// functions ordered on the caller's stream between its copies and its
+// kernels: recording queues everything and waits for nothing, and each
+// replay runs the host functions again with the same arguments. The
+// kernels read what the host work made (the packed rows, the pairs' rows
+// and weights, how many) from mapped pinned memory that never moves: those
+// buffers are made at their largest once, and the item count travels in a
+// mapped word. A host function that fails (a peer that never came) records
+// why; the kernels after it then find no items, the counts say nothing
+// arrived, a combine's y is NaN, and the EP's next call raises the failure.
+// Outside a capture the same calls wait for the host on the caller's
+// thread (staged.go), which measured faster than host functions.
+
+// asyncReady makes the buffers of stream-ordered calls at their largest,
+// mapped into the device (once per EP; at construction for a capturable
+// EP). Not while capturing: allocations and waits do not belong in a graph.
+func (s *stagedEngine) asyncReady(capturing bool) error {
+	if s.items.p != 0 {
+		return nil
+	}
+	if capturing {
+		return status.Errorf(status.Unsupported, "ExpertParallel across nodes: the first capturable call must run outside "+
+			"a CUDA graph capture (it makes the call's buffers); or build the ExpertParallel with capturable=True")
+	}
+	if err := s.settle(); err != nil {
+		return err
+	}
+	p := s.p
+	for _, b := range []struct {
+		buf  *growBuf
+		n    uint64
+		what string
+	}{
+		{&s.rows, s.mostPacked(), "the received rows and partials"},
+		{&s.index, 8 * uint64(p.maxRecvRows), "the rows' order and the pairs"},
+		{&s.info, 16 * uint64(p.maxRecvRows), "the rows' metadata"},
+		{&s.items, 8, "the item count"},
+	} {
+		if !b.buf.mapped || b.buf.cap < b.n {
+			b.buf.free(s.dev)
+			b.buf.mapped = true
+			if err := b.buf.reserve(s.dev, b.n, b.n, b.what); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func (s *stagedEngine) capturing(stream uintptr) (bool, error) {
+	st, err := s.dev.StreamCaptureStatus(stream)
+	return st != cuda.CaptureNone, err
+}
+
+// fail records a host function's failure (the first one stays).
+func (s *stagedEngine) fail(err error) { s.failed.CompareAndSwap(nil, &err) }
+
+// failure is the recorded failure, or nil.
+func (s *stagedEngine) failure() error {
+	if e := s.failed.Load(); e != nil {
+		return *e
+	}
+	return nil
+}
+
+// hostStep orders fn on stream as a host function: run once, or while
+// capturing kept for the graph's replays until the EP closes.
+func (s *stagedEngine) hostStep(stream uintptr, capturing bool, fn func()) error {
+	release, err := s.dev.LaunchHostFunc(stream, fn, !capturing)
+	if err != nil {
+		return fmt.Errorf("ExpertParallel across nodes: order the host's work on the stream: %w", err)
+	}
+	if capturing {
+		s.releases = append(s.releases, release)
+	}
+	return nil
+}
+
+// setItems leaves n for the next kernel's launch (items_at).
+func (s *stagedEngine) setItems(n int64) { *(*int64)(hostPtr(s.items.p)) = n }
+
+// ordered ends a stream-ordered call: outside a capture, closing the EP
+// and eager calls wait for its host functions and copies through done.
+func (s *stagedEngine) ordered(stream uintptr, capturing bool, err error) error {
+	if err != nil {
+		// Work queued before the failure may still run: nothing after it is sound.
+		s.fail(err)
+		return err
+	}
+	if capturing {
+		return nil
+	}
+	return s.uploaded(stream)
+}
+
+// dispatchAsync is a capturable dispatch in stream order: x, the ids and
+// the weights come down, a host function runs the host path's dispatch
+// and packs what arrived, moe_staged_expand lays the rows out in a.Out.X,
+// and the metadata (laid out for a.Out.Rows rows) and counts go up.
+func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, error) {
+	p := s.p
+	capturing, err := s.capturing(a.Stream)
+	if err != nil {
+		return 0, err
+	}
+	if err = s.asyncReady(capturing); err != nil {
+		return 0, err
+	}
+	h := *a
+	T, K, rb := uint64(a.NumTokens), uint64(p.topK), uint64(p.rowBytes())
+	idxAt, wAt, _ := s.inLayout(a.NumTokens)
+	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(idxAt), s.in.addr()+uintptr(wAt)
+	if a.X == 0 {
+		h.X, h.TopkIdx, h.TopkWeights = 0, 0, 0
+	}
+	h.orderOnly = true
+	err = s.download(h.X, a.X, T*rb, a.Stream)
+	if err == nil {
+		err = s.download(h.TopkIdx, a.TopkIdx, T*K*uint64(a.IdxBytes), a.Stream)
+	}
+	if err == nil {
+		err = s.download(h.TopkWeights, a.TopkWeights, T*K*4, a.Stream)
+	}
+	if err == nil {
+		err = s.hostStep(a.Stream, capturing, func() {
+			s.hostMu.Lock()
+			defer s.hostMu.Unlock()
+			var items int64
+			if s.failure() == nil {
+				_, err := cpu.dispatch(&h, nil)
+				if err == nil {
+					items, _, err = s.packForExpand(cpu, p.maxRecvRows)
+				}
+				if err != nil {
+					s.fail(err)
+					items = 0
+				}
+			}
+			if s.failure() != nil {
+				clear(int32sAt(s.counts.addr(), int64(p.numLocal+1)))
+			}
+			s.setItems(items)
+		})
+	}
+	if err == nil {
+		sp := &stagedParams{Src: uint64(s.rows.dp), Dst: uint64(a.Out.X), Index: uint64(s.index.dp), Items: p.maxRecvRows,
+			RowPacks: int32(rb / 16), ItemsAt: uint64(s.items.dp)}
+		err = s.k.launch(s.dev, s.k.expand, p.maxRecvRows, sp, a.Stream)
+	}
+	if err == nil {
+		// info holds 4 arrays of held = a.Out.Rows entries, as cpuEngine.order lays them out.
+		err = s.dev.MemcpyAsync(a.Out.Info, s.info.addr(), 16*uint64(a.Out.Rows), a.Stream)
+	}
+	if err == nil {
+		err = s.dev.MemcpyAsync(a.Out.Counts, s.counts.addr(), 4*uint64(p.numLocal+1), a.Stream)
+	}
+	return p.maxRecvRows, s.ordered(a.Stream, capturing, err)
+}
+
+// combineAsync is a capturable combine in stream order: a host function
+// writes the pairs of every token this rank received, moe_staged_partials
+// computes their partials into mapped pinned memory, a second host
+// function runs the host path's combine on them, and y goes up.
+func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
+	p, k := s.p, s.k
+	capturing, err := s.capturing(a.Stream)
+	if err != nil {
+		return err
+	}
+	if err := s.asyncReady(capturing); err != nil {
+		return err
+	}
+	h := *a
+	h.ExpertOut, h.ExpertRows = 0, 0
+	if a.Y != 0 {
+		h.Y = s.in.addr()
+	}
+	expertRows := a.ExpertRows
+	if a.ExpertOut == 0 {
+		expertRows = 0 // every pair counts as none
+	}
+	rb, cb := p.rowBytes(), int64(p.hidden*p.transit.Size())
+	yBytes := int64(a.NumTokens) * rb
+	err = s.hostStep(a.Stream, capturing, func() {
+		s.hostMu.Lock()
+		defer s.hostMu.Unlock()
+		var n int64
+		if s.failure() == nil {
+			bases, m, err := s.pairsForPartials(cpu, expertRows, true)
+			if err != nil {
+				s.fail(err)
+			} else {
+				s.bases, n = bases, m
+			}
+		}
+		s.setItems(n)
+	})
+	if err == nil {
+		most := int64(p.world) * int64(p.maxTokens) // tokens received at most
+		sp := &stagedParams{Src: uint64(a.ExpertOut), Dst: uint64(s.rows.dp), Index: uint64(s.index.dp),
+			Weights: uint64(s.index.dp) + uint64(s.weightsAt()), Items: most, RowPacks: int32(rb / 16), TopK: int32(p.topK),
+			ItemsAt: uint64(s.items.dp)}
+		err = k.launch(s.dev, k.partials, most, sp, a.Stream)
+	}
+	if err == nil {
+		err = s.hostStep(a.Stream, capturing, func() {
+			s.hostMu.Lock()
+			defer s.hostMu.Unlock()
+			if s.failure() == nil {
+				parts, bases := bytesAt(s.rows.addr(), int64(s.rows.cap)), s.bases
+				fill := func(src, n int, dst []byte) {
+					from := bases[src] * cb
+					split(n, workers(n, cb), func(_, lo, hi int) {
+						copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
+					})
+				}
+				if err := cpu.combineWith(&h, nil, fill); err != nil {
+					s.fail(err)
+				}
+			}
+			if s.failure() != nil && h.Y != 0 {
+				y := bytesAt(h.Y, yBytes)
+				for i := range y {
+					y[i] = 0xff // NaN in every float type
+				}
+			}
+		})
+	}
+	if err == nil && a.Y != 0 && yBytes > 0 {
+		err = s.dev.MemcpyAsync(a.Y, h.Y, uint64(yBytes), a.Stream)
+	}
+	return s.ordered(a.Stream, capturing, err)
+}
