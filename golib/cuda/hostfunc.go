@@ -3,10 +3,7 @@ package cuda
 /*
 #include <stdint.h>
 
-void p2p_host_func(void* id);
-static inline int p2p_launch_host_func(void* f, void* stream, uintptr_t id) {
-	return ((int (*)(void*, void (*)(void*), void*))f)(stream, p2p_host_func, (void*)id);
-}
+int p2p_launch_host_func(void* f, void* stream, uintptr_t id);
 */
 import "C"
 

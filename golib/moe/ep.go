@@ -347,6 +347,9 @@ func (e *EP) Close() error {
 	if e.gpu != nil {
 		return e.gpu.close()
 	}
+	if e.staged != nil {
+		e.staged.quiesce()
+	}
 	err := e.cpu.close()
 	if e.staged != nil {
 		if serr := e.staged.close(); err == nil {

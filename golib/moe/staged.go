@@ -31,6 +31,8 @@ type StagedDevice interface {
 	MemFree(p uintptr) error
 	KernelFunction(file, expr string) (cuda.Function, error)
 	LaunchFunction(fn cuda.Function, grid, block, sharedBytes uint32, stream uintptr, params []byte) error
+	// CtxSynchronize waits for all of the device's work of this context.
+	CtxSynchronize() error
 	// MemHostDevicePointer is the device address of mapped pinned memory.
 	MemHostDevicePointer(host unsafe.Pointer) (uintptr, error)
 	// LaunchHostFunc orders fn, which makes no CUDA call, on stream: run
@@ -55,6 +57,10 @@ func (b *growBuf) addr() uintptr { return b.p }
 func (b *growBuf) reserve(dev StagedDevice, n, most uint64, what string) error {
 	if n <= b.cap {
 		return nil
+	}
+	if b.mapped && b.p != 0 {
+		// A CUDA graph may hold its address: made at its largest, it never moves.
+		return status.Errorf(status.Internal, "ExpertParallel across nodes: %d bytes for %s outgrow its mapped buffer of %d", n, what, b.cap)
 	}
 	n = max(n, min(2*b.cap, most))
 	b.free(dev)
@@ -102,14 +108,15 @@ type stagedEngine struct {
 	host io.Closer // the host backend this EP made for itself
 	p    *plan
 	// in: a dispatch's x, then its ids and weights; a combine's y.
-	// rows: dispatched rows out, then a combine's expert rows in (with
-	// kernels: the received rows up, then the partials down).
-	// index: the kernels' row indices and weights.
-	in, rows, info, counts, index growBuf        // pinned
-	k                             *stagedKernels // nil: the host does the kernels' work
-	done                          cuda.Event     // recorded after the latest upload
-	uploading                     bool           // done awaits a wait before the buffers are reused
-	lastRows                      int64          // rows of the latest result laid out (what combine reads)
+	// rows: with kernels, the received rows up, then the partials down.
+	// laid: where the host lays out rows: dispatched rows out, a
+	// combine's expert rows in (configurations or outputs the kernels do
+	// not take). index: the kernels' row indices and weights.
+	in, rows, laid, info, counts, index growBuf        // pinned
+	k                                   *stagedKernels // nil: the host does the kernels' work
+	done                                cuda.Event     // recorded after the latest upload
+	uploading                           bool           // done awaits a wait before the buffers are reused
+	lastRows                            int64          // rows of the latest result laid out (what combine reads)
 
 	// Calls in stream order (staged_async.go): capturable calls being
 	// recorded in a CUDA graph run their host work in host functions.
@@ -123,7 +130,7 @@ type stagedEngine struct {
 // reserveRows makes room for n dispatched rows and their metadata.
 func (s *stagedEngine) reserveRows(n int64) error {
 	rb, most := uint64(s.p.rowBytes()), uint64(s.p.maxRecvRows)
-	if err := s.rows.reserve(s.dev, uint64(max(n, 1))*rb, most*rb, "the dispatched rows"); err != nil {
+	if err := s.laid.reserve(s.dev, uint64(max(n, 1))*rb, most*rb, "the dispatched rows"); err != nil {
 		return err
 	}
 	return s.reserveMeta(n)
@@ -257,12 +264,15 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 		return 0, err
 	}
 	if a.Capturable && s.kernelsFor(a.Out.X) {
-		h.orderOnly = true // expandOnDevice lays the rows out
+		h.orderOnly = true                          // expandOnDevice lays the rows out
+		if err := s.asyncReady(false); err != nil { // for captures to come
+			return 0, err
+		}
 	} else if a.Capturable {
 		if err := s.reserveRows(p.maxRecvRows); err != nil {
 			return 0, err
 		}
-		h.Out = Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: p.maxRecvRows}
+		h.Out = Rows{X: s.laid.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: p.maxRecvRows}
 	}
 	s.hostMu.Lock()
 	rows, err := cpu.dispatch(&h, checks)
@@ -292,7 +302,7 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 		return err
 	}
 	s.hostMu.Lock()
-	err := cpu.expand(Rows{X: s.rows.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows})
+	err := cpu.expand(Rows{X: s.laid.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows})
 	s.hostMu.Unlock()
 	if err != nil {
 		return err
@@ -312,7 +322,7 @@ func (s *stagedEngine) upload(out Rows, held int64, rows bool, stream uintptr) e
 	var err error
 	if n > 0 {
 		if rows {
-			err = s.dev.MemcpyAsync(out.X, s.rows.addr(), n*rb, stream)
+			err = s.dev.MemcpyAsync(out.X, s.laid.addr(), n*rb, stream)
 		}
 		for j := uint64(0); j < 4 && err == nil; j++ {
 			err = s.dev.MemcpyAsync(out.Info+uintptr(4*j*uint64(out.Rows)), s.info.addr()+uintptr(4*j*uint64(held)), 4*n, stream)
@@ -347,6 +357,13 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	if err := s.settle(); err != nil {
 		return err
 	}
+	if len(s.releases) > 0 {
+		// A graph replayed before this call may still be running its host
+		// functions, the dispatch whose rows this combine sums among them.
+		if err := s.dev.StreamSynchronize(a.Stream); err != nil {
+			return err
+		}
+	}
 	rb := uint64(p.rowBytes())
 	h := *a
 	var fill func(src, n int, dst []byte) // nil: the host path computes the partials
@@ -369,12 +386,12 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 		// Only rows the latest dispatch filled are read (a capturable
 		// call's tail is the caller's).
 		n := uint64(min(a.ExpertRows, s.lastRows))
-		if err := s.rows.reserve(s.dev, max(n, 1)*rb, uint64(p.maxRecvRows)*rb, "the expert rows"); err != nil {
+		if err := s.laid.reserve(s.dev, max(n, 1)*rb, uint64(p.maxRecvRows)*rb, "the expert rows"); err != nil {
 			return err
 		}
 		// Rows past n are never read, but the host path's view spans them.
 		h.ExpertRows = int64(n)
-		h.ExpertOut = s.rows.addr()
+		h.ExpertOut = s.laid.addr()
 		if err := s.download(h.ExpertOut, a.ExpertOut, n*rb, a.Stream); err != nil {
 			return err
 		}
@@ -409,6 +426,24 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	return err
 }
 
+// quiesce makes the EP's host functions run nothing from here on, waits
+// for one that is running, and waits for the device, whose replays may
+// still read the mapped buffers: before the host path and the buffers go.
+func (s *stagedEngine) quiesce() {
+	if len(s.releases) == 0 {
+		return
+	}
+	for _, r := range s.releases {
+		r()
+	}
+	s.releases = nil
+	s.hostMu.Lock() // a host function that is running holds it
+	s.hostMu.Unlock()
+	if err := s.dev.EnsureContext(); err == nil {
+		s.dev.CtxSynchronize()
+	}
+}
+
 // release frees the pinned buffers and the event (after the latest upload).
 func (s *stagedEngine) release() {
 	if s.uploading {
@@ -423,7 +458,7 @@ func (s *stagedEngine) release() {
 		r()
 	}
 	s.releases = nil
-	for _, b := range []*growBuf{&s.in, &s.rows, &s.info, &s.counts, &s.index, &s.items} {
+	for _, b := range []*growBuf{&s.in, &s.rows, &s.laid, &s.info, &s.counts, &s.index, &s.items} {
 		b.free(s.dev)
 	}
 	if s.k != nil {

@@ -75,9 +75,21 @@ func (s *stagedEngine) failure() error {
 }
 
 // hostStep orders fn on stream as a host function: run once, or while
-// capturing kept for the graph's replays until the EP closes.
+// capturing kept for the graph's replays until the EP closes. A panic in
+// fn is a failure like any other: the kernels after it find no item and
+// the counts no row.
 func (s *stagedEngine) hostStep(stream uintptr, capturing bool, fn func()) error {
-	release, err := s.dev.LaunchHostFunc(stream, fn, !capturing)
+	guarded := func() {
+		defer func() {
+			if v := recover(); v != nil {
+				s.fail(status.Errorf(status.Internal, "ExpertParallel across nodes: the host's part of a call panicked: %v", v))
+				clear(int32sAt(s.counts.addr(), int64(s.p.numLocal+1)))
+				s.setItems(0)
+			}
+		}()
+		fn()
+	}
+	release, err := s.dev.LaunchHostFunc(stream, guarded, !capturing)
 	if err != nil {
 		return fmt.Errorf("ExpertParallel across nodes: order the host's work on the stream: %w", err)
 	}

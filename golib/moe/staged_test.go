@@ -108,6 +108,7 @@ func (d *hostDevice) MemAlloc(n uint64) (uintptr, error) {
 func (d *hostDevice) MemFree(p uintptr) error { return d.MemFreeHost(hostPtr(p)) }
 
 func (d *hostDevice) MemHostDevicePointer(p unsafe.Pointer) (uintptr, error) { return uintptr(p), nil }
+func (d *hostDevice) CtxSynchronize() error                                  { d.run(); return nil }
 
 // LaunchHostFunc queues fn with the copies and kernels, or records it.
 func (d *hostDevice) LaunchHostFunc(_ uintptr, fn func(), once bool) (func(), error) {
@@ -332,6 +333,16 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 				if len(d.queued) != 0 {
 					return fmt.Errorf("%d steps ran outside the graph", len(d.queued))
 				}
+				// An eager round between recording and replays, its rows laid out by
+				// the host (an output the kernels cannot address): the graph's
+				// mapped buffers stay where it recorded them.
+				rows, mapped := ep.staged.rows.dp, ep.staged.index.dp
+				if err := eagerMisalignedRound(ep, in, T, H, dt); err != nil {
+					return fmt.Errorf("eager round: %w", err)
+				}
+				if ep.staged.rows.dp != rows || ep.staged.index.dp != mapped {
+					return fmt.Errorf("a mapped buffer moved after the capture")
+				}
 				for i, all := range rounds {
 					copy(in.x, all[r].x)
 					copy(in.idx, all[r].idx)
@@ -357,6 +368,26 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 			}
 		})
 	}
+}
+
+// eagerMisalignedRound is an eager dispatch and combine of tk whose rows
+// sit 8 bytes off 16-byte alignment, which the host lays out.
+func eagerMisalignedRound(ep *EP, tk tokens, T, H int, dt reduce.DType) error {
+	rb := H * dt.Size()
+	rows, err := ep.Dispatch(&DispatchArgs{X: addr(tk.x), TopkIdx: addr(tk.idx), TopkWeights: addr(tk.w), NumTokens: T, IdxBytes: 8})
+	if err != nil {
+		return err
+	}
+	x := make([]byte, rows*int64(rb)+8)
+	res := result{x: x[8:], info: make([]int32, 4*rows), counts: make([]int32, ep.numLocal+1), rows: rows}
+	if err := ep.Expand(Rows{X: addr(res.x), Info: addr(res.info), Counts: addr(res.counts), Rows: rows}, 0); err != nil {
+		return err
+	}
+	out := expertOut(res, H, dt)
+	shifted := make([]byte, len(out)+8)
+	copy(shifted[8:], out)
+	y := make([]byte, T*rb)
+	return ep.Combine(&CombineArgs{ExpertOut: addr(shifted) + 8, ExpertRows: rows, Y: addr(y), NumTokens: T})
 }
 
 // Calls a CUDA graph cannot hold are refused on the rank that records
@@ -391,6 +422,21 @@ func TestStagedRefusesWhatAGraphCannotHold(t *testing.T) {
 				}
 				if _, err := dispatch(ep, tk, Tm, false, 0); err != nil {
 					return fmt.Errorf("dispatch after the refusal: %w", err)
+				}
+				if c.name == "first_capturable" {
+					// Made outside a capture once, the buffers let the next capture through.
+					if _, err := dispatch(ep, tk, Tm, true, 0); err != nil {
+						return fmt.Errorf("a capturable dispatch outside the capture: %w", err)
+					}
+					devs[r].capturing = true
+					_, err := dispatch(ep, tk, Tm, true, 0)
+					devs[r].capturing = false
+					if err != nil {
+						return fmt.Errorf("capture after a capturable call: %w", err)
+					}
+					if devs[r].hostFuncs == 0 {
+						return fmt.Errorf("the capture recorded no host function")
+					}
 				}
 				return nil
 			})
@@ -436,10 +482,18 @@ func TestStagedReplayNamesAnAbsentRank(t *testing.T) {
 		if counts[0] != 0 || counts[1] != 0 || counts[2] != 0 {
 			return fmt.Errorf("counts %v without rank %d, want none", counts, absent)
 		}
+		if ep.staged.failure() == nil {
+			return fmt.Errorf("the replay's failure was not recorded")
+		}
+		// The next call raises the recorded failure at once, before any wait.
+		begin := time.Now()
 		_, err = dispatch(ep, tk, Tm, true, 0)
 		want := fmt.Sprintf("rank %d", absent)
 		if status.CodeOf(err) != status.Timeout || !contains(err, want) {
 			return fmt.Errorf("the call after = %v, want a timeout naming %q", err, want)
+		}
+		if took := time.Since(begin); took > 500*time.Millisecond {
+			return fmt.Errorf("the call after took %v: it waited instead of raising the recorded failure", took)
 		}
 		return nil
 	})
@@ -496,4 +550,30 @@ func TestStagedMisalignedRowsTakeTheHostPath(t *testing.T) {
 	if err := errors.Join(errs...); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// A mapped buffer, whose address a CUDA graph may hold, refuses to grow
+// instead of moving; unmapped ones grow.
+func TestMappedBufferNeverMoves(t *testing.T) {
+	d := newHostDevice()
+	b := growBuf{mapped: true}
+	if err := b.reserve(d, 4096, 4096, "test"); err != nil {
+		t.Fatal(err)
+	}
+	p, dp := b.p, b.dp
+	if err := b.reserve(d, 8192, 8192, "test"); status.CodeOf(err) != status.Internal {
+		t.Errorf("growing a mapped buffer = %v, want an internal error", err)
+	}
+	if b.p != p || b.dp != dp || dp == 0 {
+		t.Errorf("the mapped buffer moved: %#x/%#x -> %#x/%#x", p, dp, b.p, b.dp)
+	}
+	u := growBuf{}
+	if err := u.reserve(d, 4096, 8192, "test"); err != nil {
+		t.Fatal(err)
+	}
+	if err := u.reserve(d, 8192, 8192, "test"); err != nil || u.cap < 8192 {
+		t.Errorf("an unmapped buffer did not grow: %v, %d bytes", err, u.cap)
+	}
+	b.free(d)
+	u.free(d)
 }

@@ -162,7 +162,9 @@ def _fast(comm, x, residual, weight, eps, residual_out, normed_out, algorithm):
     if weight.shape != (hidden,):
         return None
     if i >= 0:
-        if x.get_device() != i or residual.get_device() != i or weight.get_device() != i:
+        # get_device() is the index on any device type: is_cuda says which.
+        if not (x.is_cuda and residual.is_cuda and weight.is_cuda
+                and x.get_device() == i and residual.get_device() == i and weight.get_device() == i):
             return None
     elif not (x.is_cpu and residual.is_cpu and weight.is_cpu):
         return None
@@ -202,7 +204,7 @@ def _plain_out(t, i, dtype, shape):
     """t's data pointer when it is plainly a valid output (an exact tensor of
     the call's dtype and shape, contiguous, on this device), else None."""
     if (type(t) is not torch.Tensor or t.dtype is not dtype or t.shape != shape or not t.is_contiguous()
-            or (t.get_device() != i if i >= 0 else not t.is_cpu)):
+            or (not t.is_cuda or t.get_device() != i if i >= 0 else not t.is_cpu)):
         return None
     return t.data_ptr()
 

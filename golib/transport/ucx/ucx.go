@@ -69,21 +69,24 @@ type Options struct {
 // SeparateHostsTLS is UCX_TLS for ranks that must behave as separate hosts.
 const SeparateHostsTLS = "^cuda_ipc,sm"
 
-// cudaTLs are UCX's transports over CUDA memory, and their alias.
-var cudaTLs = []string{"cuda_copy", "cuda_ipc", "gdr_copy", "cuda"}
+// cudaTLs are UCX's transports whose memory domains look up pointers'
+// memory types through CUDA, and the alias that names them. (gdr_copy's
+// domain looks nothing up, and registers CUDA memory only.)
+var cudaTLs = []string{"cuda_copy", "cuda_ipc", "cuda"}
 
 // hostOnlyTLS is UCX_TLS without the CUDA transports: the user's list
 // (user, set or not) less them, or with them among its exclusions; and
 // without shared memory too when separate (see SeparateHosts).
 func hostOnlyTLS(user string, set, separate bool) string {
-	if !set || strings.TrimSpace(user) == "" || strings.TrimSpace(user) == "all" {
+	user = strings.TrimSpace(user)
+	if !set || user == "" || user == "all" {
 		if separate {
-			return "^cuda_copy,cuda_ipc,gdr_copy,sm"
+			return "^cuda_copy,cuda_ipc,sm"
 		}
-		return "^cuda_copy,cuda_ipc,gdr_copy"
+		return "^cuda_copy,cuda_ipc"
 	}
 	if strings.HasPrefix(user, "^") {
-		return user + ",cuda_copy,cuda_ipc,gdr_copy"
+		return user + ",cuda_copy,cuda_ipc"
 	}
 	var kept []string
 	for _, tl := range strings.Split(user, ",") {

@@ -517,13 +517,14 @@ func TestHostOnlyTLS(t *testing.T) {
 		separate bool
 		want     string
 	}{
-		{"", false, false, "^cuda_copy,cuda_ipc,gdr_copy"},
-		{"", false, true, "^cuda_copy,cuda_ipc,gdr_copy,sm"},
-		{"all", true, false, "^cuda_copy,cuda_ipc,gdr_copy"},
+		{"", false, false, "^cuda_copy,cuda_ipc"},
+		{"", false, true, "^cuda_copy,cuda_ipc,sm"},
+		{"all", true, false, "^cuda_copy,cuda_ipc"},
 		{"tcp,cuda_copy,self", true, true, "tcp,self"},
 		{"tcp, cuda ,sm", true, false, "tcp,sm"},
-		{"^sm", true, false, "^sm,cuda_copy,cuda_ipc,gdr_copy"},
-		{"cuda_copy", true, true, "^cuda_copy,cuda_ipc,gdr_copy,sm"},
+		{"^sm", true, false, "^sm,cuda_copy,cuda_ipc"},
+		{" ^sm ", true, false, "^sm,cuda_copy,cuda_ipc"},
+		{"cuda_copy", true, true, "^cuda_copy,cuda_ipc,sm"},
 	} {
 		if got := hostOnlyTLS(c.user, c.set, c.separate); got != c.want {
 			t.Errorf("hostOnlyTLS(%q, %v, %v) = %q, want %q", c.user, c.set, c.separate, got, c.want)
