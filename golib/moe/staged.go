@@ -243,20 +243,7 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	if err := s.settle(); err != nil {
 		return 0, err
 	}
-	h := *a
-	T, K, rb := uint64(a.NumTokens), uint64(p.topK), uint64(p.rowBytes())
-	idxAt, wAt, _ := s.inLayout(a.NumTokens)
-	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(idxAt), s.in.addr()+uintptr(wAt)
-	if a.X == 0 {
-		h.X, h.TopkIdx, h.TopkWeights = 0, 0, 0
-	}
-	err := s.download(h.X, a.X, T*rb, a.Stream)
-	if err == nil {
-		err = s.download(h.TopkIdx, a.TopkIdx, T*K*uint64(a.IdxBytes), a.Stream)
-	}
-	if err == nil {
-		err = s.download(h.TopkWeights, a.TopkWeights, T*K*4, a.Stream)
-	}
+	h, err := s.downloadInputs(a)
 	if err == nil {
 		err = s.dev.StreamSynchronize(a.Stream)
 	}
@@ -285,6 +272,26 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	}
 	s.lastRows = cpu.received()
 	return rows, s.upload(a.Out, p.maxRecvRows, true, a.Stream)
+}
+
+// downloadInputs queues the copies of a dispatch's x, ids and weights
+// into s.in on a.Stream, and returns a's arguments pointing there.
+func (s *stagedEngine) downloadInputs(a *DispatchArgs) (DispatchArgs, error) {
+	h := *a
+	T, K, rb := uint64(a.NumTokens), uint64(s.p.topK), uint64(s.p.rowBytes())
+	idxAt, wAt, _ := s.inLayout(a.NumTokens)
+	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(idxAt), s.in.addr()+uintptr(wAt)
+	if a.X == 0 {
+		h.X, h.TopkIdx, h.TopkWeights = 0, 0, 0
+	}
+	err := s.download(h.X, a.X, T*rb, a.Stream)
+	if err == nil {
+		err = s.download(h.TopkIdx, a.TopkIdx, T*K*uint64(a.IdxBytes), a.Stream)
+	}
+	if err == nil {
+		err = s.download(h.TopkWeights, a.TopkWeights, T*K*4, a.Stream)
+	}
+	return h, err
 }
 
 // expand finishes an eager dispatch of out.Rows rows into out.

@@ -129,21 +129,9 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, er
 	if err = s.asyncReady(capturing); err != nil {
 		return 0, err
 	}
-	h := *a
-	T, K, rb := uint64(a.NumTokens), uint64(p.topK), uint64(p.rowBytes())
-	idxAt, wAt, _ := s.inLayout(a.NumTokens)
-	h.X, h.TopkIdx, h.TopkWeights = s.in.addr(), s.in.addr()+uintptr(idxAt), s.in.addr()+uintptr(wAt)
-	if a.X == 0 {
-		h.X, h.TopkIdx, h.TopkWeights = 0, 0, 0
-	}
+	rb := uint64(p.rowBytes())
+	h, err := s.downloadInputs(a)
 	h.orderOnly = true
-	err = s.download(h.X, a.X, T*rb, a.Stream)
-	if err == nil {
-		err = s.download(h.TopkIdx, a.TopkIdx, T*K*uint64(a.IdxBytes), a.Stream)
-	}
-	if err == nil {
-		err = s.download(h.TopkWeights, a.TopkWeights, T*K*4, a.Stream)
-	}
 	if err == nil {
 		err = s.hostStep(a.Stream, capturing, func() {
 			s.hostMu.Lock()
