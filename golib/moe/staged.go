@@ -261,9 +261,11 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 		}
 		h.Out = Rows{X: s.laid.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: p.maxRecvRows}
 	}
-	s.hostMu.Lock()
-	rows, err := cpu.dispatch(&h, checks)
-	s.hostMu.Unlock()
+	var rows int64
+	err = s.onHost(func() (err error) {
+		rows, err = cpu.dispatch(&h, checks)
+		return err
+	})
 	if err != nil || !a.Capturable {
 		return rows, err
 	}
@@ -272,6 +274,14 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	}
 	s.lastRows = cpu.received()
 	return rows, s.upload(a.Out, p.maxRecvRows, true, a.Stream)
+}
+
+// onHost runs f, the host path's work of a call on the caller's thread,
+// under the lock host functions take (released even if f panics).
+func (s *stagedEngine) onHost(f func() error) error {
+	s.hostMu.Lock()
+	defer s.hostMu.Unlock()
+	return f()
 }
 
 // downloadInputs queues the copies of a dispatch's x, ids and weights
@@ -308,9 +318,9 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	if err := s.reserveRows(out.Rows); err != nil {
 		return err
 	}
-	s.hostMu.Lock()
-	err := cpu.expand(Rows{X: s.laid.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows})
-	s.hostMu.Unlock()
+	err := s.onHost(func() error {
+		return cpu.expand(Rows{X: s.laid.addr(), Info: s.info.addr(), Counts: s.counts.addr(), Rows: out.Rows})
+	})
 	if err != nil {
 		return err
 	}
@@ -409,9 +419,7 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	if err := s.dev.StreamSynchronize(a.Stream); err != nil {
 		return err
 	}
-	s.hostMu.Lock()
-	err := cpu.combineWith(&h, checks, fill)
-	s.hostMu.Unlock()
+	err := s.onHost(func() error { return cpu.combineWith(&h, checks, fill) })
 	if err != nil {
 		return err
 	}

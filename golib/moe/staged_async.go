@@ -74,20 +74,36 @@ func (s *stagedEngine) failure() error {
 	return nil
 }
 
+// hostStepHook, when set (tests), runs before the work of each host
+// function, given the rank and the step: dispatch, pairs or combine.
+var hostStepHook func(rank int, step string)
+
 // hostStep orders fn on stream as a host function: run once, or while
-// capturing kept for the graph's replays until the EP closes. A panic in
-// fn is a failure like any other: the kernels after it find no item and
-// the counts no row.
-func (s *stagedEngine) hostStep(stream uintptr, capturing bool, fn func()) error {
+// capturing kept for the graph's replays until the EP closes. fn runs under
+// hostMu, and not at all once a host function has failed; a failure (an
+// error from fn, or a panic) is recorded, and onFail then leaves the
+// step's outputs saying so.
+func (s *stagedEngine) hostStep(stream uintptr, capturing bool, step string, fn func() error, onFail func()) error {
 	guarded := func() {
+		s.hostMu.Lock()
+		defer s.hostMu.Unlock()
 		defer func() {
 			if v := recover(); v != nil {
-				s.fail(status.Errorf(status.Internal, "ExpertParallel across nodes: the host's part of a call panicked: %v", v))
-				clear(int32sAt(s.counts.addr(), int64(s.p.numLocal+1)))
-				s.setItems(0)
+				s.fail(status.Errorf(status.Internal, "ExpertParallel across nodes: the host's part of a call (%s) panicked: %v", step, v))
+			}
+			if s.failure() != nil {
+				onFail()
 			}
 		}()
-		fn()
+		if s.failure() != nil {
+			return
+		}
+		if hostStepHook != nil {
+			hostStepHook(s.p.rank, step)
+		}
+		if err := fn(); err != nil {
+			s.fail(err)
+		}
 	}
 	release, err := s.dev.LaunchHostFunc(stream, guarded, !capturing)
 	if err != nil {
@@ -133,24 +149,19 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, er
 	h, err := s.downloadInputs(a)
 	h.orderOnly = true
 	if err == nil {
-		err = s.hostStep(a.Stream, capturing, func() {
-			s.hostMu.Lock()
-			defer s.hostMu.Unlock()
+		err = s.hostStep(a.Stream, capturing, "dispatch", func() error {
+			_, err := cpu.dispatch(&h, nil)
 			var items int64
-			if s.failure() == nil {
-				_, err := cpu.dispatch(&h, nil)
-				if err == nil {
-					items, _, err = s.packForExpand(cpu, p.maxRecvRows)
-				}
-				if err != nil {
-					s.fail(err)
-					items = 0
-				}
+			if err == nil {
+				items, _, err = s.packForExpand(cpu, p.maxRecvRows)
 			}
-			if s.failure() != nil {
-				clear(int32sAt(s.counts.addr(), int64(p.numLocal+1)))
+			if err == nil {
+				s.setItems(items)
 			}
-			s.setItems(items)
+			return err
+		}, func() {
+			clear(int32sAt(s.counts.addr(), int64(p.numLocal+1)))
+			s.setItems(0)
 		})
 	}
 	if err == nil {
@@ -192,20 +203,14 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 	}
 	rb, cb := p.rowBytes(), int64(p.hidden*p.transit.Size())
 	yBytes := int64(a.NumTokens) * rb
-	err = s.hostStep(a.Stream, capturing, func() {
-		s.hostMu.Lock()
-		defer s.hostMu.Unlock()
-		var n int64
-		if s.failure() == nil {
-			bases, m, err := s.pairsForPartials(cpu, expertRows, true)
-			if err != nil {
-				s.fail(err)
-			} else {
-				s.bases, n = bases, m
-			}
+	err = s.hostStep(a.Stream, capturing, "pairs", func() error {
+		bases, n, err := s.pairsForPartials(cpu, expertRows, true)
+		if err == nil {
+			s.bases = bases
+			s.setItems(n)
 		}
-		s.setItems(n)
-	})
+		return err
+	}, func() { s.setItems(0) })
 	if err == nil {
 		most := int64(p.world) * int64(p.maxTokens) // tokens received at most
 		sp := &stagedParams{Src: uint64(a.ExpertOut), Dst: uint64(s.rows.dp), Index: uint64(s.index.dp),
@@ -214,26 +219,22 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 		err = k.launch(s.dev, k.partials, most, sp, a.Stream)
 	}
 	if err == nil {
-		err = s.hostStep(a.Stream, capturing, func() {
-			s.hostMu.Lock()
-			defer s.hostMu.Unlock()
-			if s.failure() == nil {
-				parts, bases := bytesAt(s.rows.addr(), int64(s.rows.cap)), s.bases
-				fill := func(src, n int, dst []byte) {
-					from := bases[src] * cb
-					split(n, workers(n, cb), func(_, lo, hi int) {
-						copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
-					})
-				}
-				if err := cpu.combineWith(&h, nil, fill); err != nil {
-					s.fail(err)
-				}
+		err = s.hostStep(a.Stream, capturing, "combine", func() error {
+			parts, bases := bytesAt(s.rows.addr(), int64(s.rows.cap)), s.bases
+			fill := func(src, n int, dst []byte) {
+				from := bases[src] * cb
+				split(n, workers(n, cb), func(_, lo, hi int) {
+					copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
+				})
 			}
-			if s.failure() != nil && h.Y != 0 {
-				y := bytesAt(h.Y, yBytes)
-				for i := range y {
-					y[i] = 0xff // NaN in every float type
-				}
+			return cpu.combineWith(&h, nil, fill)
+		}, func() {
+			if h.Y == 0 {
+				return
+			}
+			y := bytesAt(h.Y, yBytes)
+			for i := range y {
+				y[i] = 0xff // NaN in every float type
 			}
 		})
 	}

@@ -97,9 +97,11 @@ func packedBases(counts []int32) ([]int64, int64) {
 // row's packed row, and moe_staged_expand lays them out in out.X.
 func (s *stagedEngine) expandOnDevice(cpu *cpuEngine, out Rows, held int64, stream uintptr) error {
 	p, k := s.p, s.k
-	s.hostMu.Lock()
-	items, total, err := s.packForExpand(cpu, held)
-	s.hostMu.Unlock()
+	var items, total int64
+	err := s.onHost(func() (err error) {
+		items, total, err = s.packForExpand(cpu, held)
+		return err
+	})
 	if err != nil {
 		return err
 	}
@@ -184,9 +186,12 @@ func (s *stagedEngine) packForExpand(cpu *cpuEngine, held int64) (items, packed 
 // the stream before reading.
 func (s *stagedEngine) partialsOnDevice(cpu *cpuEngine, expertOut uintptr, expertRows int64, stream uintptr) ([]int64, error) {
 	p, k := s.p, s.k
-	s.hostMu.Lock()
-	bases, n, err := s.pairsForPartials(cpu, expertRows, false)
-	s.hostMu.Unlock()
+	var bases []int64
+	var n int64
+	err := s.onHost(func() (err error) {
+		bases, n, err = s.pairsForPartials(cpu, expertRows, false)
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
