@@ -7,7 +7,9 @@ Each process that ran a proxy writes PREFIX.<pid> as its services close: wall-cl
 popped (p), its put and its signal handed to the transport (u, s) and finished (d), with its FIFO, position, type
 bits (1 put, 2 signal, 4 flush), channel and bytes,
 and the moments the library marked (m: a launch of the all-reduce across nodes, UCX progress that found
-something arriving or completing, a staged entry taken in, the staged copies' completion advancing). This prints the last
+something arriving or completing, a staged entry taken in, the staged copies' completion advancing; for MoE
+across nodes, the host's work of a call on the caller's thread or in a host function, and each barrier).
+ExpertParallel writes its process's file as it closes too. This prints the last
 EVENTS (default 80) before the last launch's calls ended, in µs from the first shown, with the gap to the
 previous event and the file (r0, r1, ... in pid order) each came from.
 """

@@ -5,6 +5,7 @@ import (
 	"sync"
 
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	timeline "github.com/p2pcomm/p2pcomm/golib/trace"
 )
 
 // EP is one rank's expert-parallel engine: built collectively by NewGPU
@@ -350,6 +351,7 @@ func (e *EP) Close() error {
 	if e.staged != nil {
 		e.staged.quiesce()
 	}
+	_ = timeline.Write() // a diagnostic (P2PCOMM_PROXY_TRACE): a prefix that cannot be written does not fail Close
 	err := e.cpu.close()
 	if e.staged != nil {
 		if serr := e.staged.close(); err == nil {

@@ -17,6 +17,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/shm"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/topo"
+	timeline "github.com/p2pcomm/p2pcomm/golib/trace"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
 )
@@ -351,6 +352,10 @@ func (n *netPeers) barrier(call collective.Call, phase string) error {
 	}
 	n.bg.Enter()
 	defer n.bg.Leave()
+	if timeline.On() {
+		timeline.Mark("moe barrier " + phase)
+		defer timeline.Mark("moe barrier " + phase + " passed")
+	}
 	n.entered++
 	want := n.entered
 	mine := n.flagOff + 8*uint64(n.rank)

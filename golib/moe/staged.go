@@ -9,6 +9,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	timeline "github.com/p2pcomm/p2pcomm/golib/trace"
 )
 
 // The staged path: an EP of GPU tensors whose ranks span nodes. Without a
@@ -281,6 +282,10 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 func (s *stagedEngine) onHost(f func() error) error {
 	s.hostMu.Lock()
 	defer s.hostMu.Unlock()
+	if timeline.On() {
+		timeline.Mark("moe host work")
+		defer timeline.Mark("moe host work done")
+	}
 	return f()
 }
 

@@ -5,6 +5,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	timeline "github.com/p2pcomm/p2pcomm/golib/trace"
 )
 
 // Calls in stream order. A capturable call being recorded in a CUDA graph,
@@ -100,6 +101,10 @@ func (s *stagedEngine) hostStep(stream uintptr, capturing bool, step string, fn 
 		}
 		if hostStepHook != nil {
 			hostStepHook(s.p.rank, step)
+		}
+		if timeline.On() {
+			timeline.Mark("moe host function " + step)
+			defer timeline.Mark("moe host function " + step + " done")
 		}
 		if err := fn(); err != nil {
 			s.fail(err)
