@@ -18,32 +18,26 @@ import (
 var hostFuncs struct {
 	mu   sync.Mutex
 	next uintptr
-	fns  map[uintptr]hostFunc
-}
-
-type hostFunc struct {
-	fn   func()
-	once bool // forgotten as it runs
+	fns  map[uintptr]func()
 }
 
 // LaunchHostFunc orders fn on stream: the driver runs it once the work
 // before it on stream has completed, and the work after it waits for it to
-// return. fn must make no CUDA call (the driver forbids it) and should not
-// panic (a panic is recovered and dropped). A launch with once runs fn one
-// time and forgets it; without, fn stays until release, for a stream that
-// is capturing (the graph runs fn at each replay). After release a launch
-// or replay that reaches fn runs nothing.
-func (d *Driver) LaunchHostFunc(stream uintptr, fn func(), once bool) (release func(), err error) {
+// return; a graph that captured it runs it at each replay. fn must make no
+// CUDA call (the driver forbids it) and should not panic (a panic is
+// recovered and dropped). fn stays registered until release; a launch or
+// replay that reaches it afterwards runs nothing.
+func (d *Driver) LaunchHostFunc(stream uintptr, fn func()) (release func(), err error) {
 	if d.fn.launchHostFunc == nil {
 		return nil, fmt.Errorf("cuLaunchHostFunc: %w", ErrNotSupported)
 	}
 	hostFuncs.mu.Lock()
 	if hostFuncs.fns == nil {
-		hostFuncs.fns = map[uintptr]hostFunc{}
+		hostFuncs.fns = map[uintptr]func(){}
 	}
 	hostFuncs.next++
 	id := hostFuncs.next
-	hostFuncs.fns[id] = hostFunc{fn, once}
+	hostFuncs.fns[id] = fn
 	hostFuncs.mu.Unlock()
 	release = func() {
 		hostFuncs.mu.Lock()
@@ -60,14 +54,11 @@ func (d *Driver) LaunchHostFunc(stream uintptr, fn func(), once bool) (release f
 //export p2pRunHostFunc
 func p2pRunHostFunc(id C.uintptr_t) {
 	hostFuncs.mu.Lock()
-	h, ok := hostFuncs.fns[uintptr(id)]
-	if h.once {
-		delete(hostFuncs.fns, uintptr(id))
-	}
+	fn := hostFuncs.fns[uintptr(id)]
 	hostFuncs.mu.Unlock()
-	if !ok {
+	if fn == nil {
 		return
 	}
 	defer func() { recover() }() // nothing may unwind into the driver's thread
-	h.fn()
+	fn()
 }

@@ -36,10 +36,10 @@ type StagedDevice interface {
 	CtxSynchronize() error
 	// MemHostDevicePointer is the device address of mapped pinned memory.
 	MemHostDevicePointer(host unsafe.Pointer) (uintptr, error)
-	// LaunchHostFunc orders fn, which makes no CUDA call, on stream: run
-	// once, or (not once) at every replay of the graph a capturing stream
-	// records, until release (cuda.Driver.LaunchHostFunc).
-	LaunchHostFunc(stream uintptr, fn func(), once bool) (release func(), err error)
+	// LaunchHostFunc orders fn, which makes no CUDA call, on stream (a
+	// graph that records it runs it at each replay) until release
+	// (cuda.Driver.LaunchHostFunc).
+	LaunchHostFunc(stream uintptr, fn func()) (release func(), err error)
 }
 
 // growBuf is pinned host memory, or device memory, that grows on demand.

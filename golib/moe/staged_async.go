@@ -79,12 +79,12 @@ func (s *stagedEngine) failure() error {
 // function, given the rank and the step: dispatch, pairs or combine.
 var hostStepHook func(rank int, step string)
 
-// hostStep orders fn on stream as a host function: run once, or while
-// capturing kept for the graph's replays until the EP closes. fn runs under
+// hostStep orders fn on the capturing stream as a host function, kept for
+// the graph's replays until the EP closes. fn runs under
 // hostMu, and not at all once a host function has failed; a failure (an
 // error from fn, or a panic) is recorded, and onFail then leaves the
 // step's outputs saying so.
-func (s *stagedEngine) hostStep(stream uintptr, capturing bool, step string, fn func() error, onFail func()) error {
+func (s *stagedEngine) hostStep(stream uintptr, step string, fn func() error, onFail func()) error {
 	guarded := func() {
 		s.hostMu.Lock()
 		defer s.hostMu.Unlock()
@@ -110,51 +110,40 @@ func (s *stagedEngine) hostStep(stream uintptr, capturing bool, step string, fn 
 			s.fail(err)
 		}
 	}
-	release, err := s.dev.LaunchHostFunc(stream, guarded, !capturing)
+	release, err := s.dev.LaunchHostFunc(stream, guarded)
 	if err != nil {
 		return fmt.Errorf("ExpertParallel across nodes: order the host's work on the stream: %w", err)
 	}
-	if capturing {
-		s.releases = append(s.releases, release)
-	}
+	s.releases = append(s.releases, release)
 	return nil
 }
 
 // setItems leaves n for the next kernel's launch (items_at).
 func (s *stagedEngine) setItems(n int64) { *(*int64)(hostPtr(s.items.p)) = n }
 
-// ordered ends a stream-ordered call: outside a capture, closing the EP
-// and eager calls wait for its host functions and copies through done.
-func (s *stagedEngine) ordered(stream uintptr, capturing bool, err error) error {
+// recorded ends a recorded call: a failure to record any of it leaves the
+// graph unsound, and the EP with it.
+func (s *stagedEngine) recorded(err error) error {
 	if err != nil {
-		// Work queued before the failure may still run: nothing after it is sound.
 		s.fail(err)
-		return err
 	}
-	if capturing {
-		return nil
-	}
-	return s.uploaded(stream)
+	return err
 }
 
-// dispatchAsync is a capturable dispatch in stream order: x, the ids and
+// dispatchAsync records a capturable dispatch in stream order: x, the ids and
 // the weights come down, a host function runs the host path's dispatch
 // and packs what arrived, moe_staged_expand lays the rows out in a.Out.X,
 // and the metadata (laid out for a.Out.Rows rows) and counts go up.
 func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, error) {
 	p := s.p
-	capturing, err := s.capturing(a.Stream)
-	if err != nil {
-		return 0, err
-	}
-	if err = s.asyncReady(capturing); err != nil {
+	if err := s.asyncReady(true); err != nil {
 		return 0, err
 	}
 	rb := uint64(p.rowBytes())
 	h, err := s.downloadInputs(a)
 	h.orderOnly = true
 	if err == nil {
-		err = s.hostStep(a.Stream, capturing, "dispatch", func() error {
+		err = s.hostStep(a.Stream, "dispatch", func() error {
 			_, err := cpu.dispatch(&h, nil)
 			var items int64
 			if err == nil {
@@ -181,20 +170,16 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, er
 	if err == nil {
 		err = s.dev.MemcpyAsync(a.Out.Counts, s.counts.addr(), 4*uint64(p.numLocal+1), a.Stream)
 	}
-	return p.maxRecvRows, s.ordered(a.Stream, capturing, err)
+	return p.maxRecvRows, s.recorded(err)
 }
 
-// combineAsync is a capturable combine in stream order: a host function
+// combineAsync records a capturable combine in stream order: a host function
 // writes the pairs of every token this rank received, moe_staged_partials
 // computes their partials into mapped pinned memory, a second host
 // function runs the host path's combine on them, and y goes up.
 func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 	p, k := s.p, s.k
-	capturing, err := s.capturing(a.Stream)
-	if err != nil {
-		return err
-	}
-	if err := s.asyncReady(capturing); err != nil {
+	if err := s.asyncReady(true); err != nil {
 		return err
 	}
 	h := *a
@@ -208,7 +193,7 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 	}
 	rb, cb := p.rowBytes(), int64(p.hidden*p.transit.Size())
 	yBytes := int64(a.NumTokens) * rb
-	err = s.hostStep(a.Stream, capturing, "pairs", func() error {
+	err := s.hostStep(a.Stream, "pairs", func() error {
 		bases, n, err := s.pairsForPartials(cpu, expertRows, true)
 		if err == nil {
 			s.bases = bases
@@ -224,7 +209,7 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 		err = k.launch(s.dev, k.partials, most, sp, a.Stream)
 	}
 	if err == nil {
-		err = s.hostStep(a.Stream, capturing, "combine", func() error {
+		err = s.hostStep(a.Stream, "combine", func() error {
 			parts, bases := bytesAt(s.rows.addr(), int64(s.rows.cap)), s.bases
 			fill := func(src, n int, dst []byte) {
 				from := bases[src] * cb
@@ -246,5 +231,5 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 	if err == nil && a.Y != 0 && yBytes > 0 {
 		err = s.dev.MemcpyAsync(a.Y, h.Y, uint64(yBytes), a.Stream)
 	}
-	return s.ordered(a.Stream, capturing, err)
+	return s.recorded(err)
 }

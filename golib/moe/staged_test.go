@@ -111,13 +111,10 @@ func (d *hostDevice) MemHostDevicePointer(p unsafe.Pointer) (uintptr, error) { r
 func (d *hostDevice) CtxSynchronize() error                                  { d.run(); return nil }
 
 // LaunchHostFunc queues fn with the copies and kernels, or records it.
-func (d *hostDevice) LaunchHostFunc(_ uintptr, fn func(), once bool) (func(), error) {
+func (d *hostDevice) LaunchHostFunc(_ uintptr, fn func()) (func(), error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.hostFuncs++
-	if once == d.capturing {
-		return nil, fmt.Errorf("a host function launched with once=%v while capturing=%v", once, d.capturing)
-	}
 	d.enqueue(fn)
 	return func() {}, nil
 }
