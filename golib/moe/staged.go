@@ -47,8 +47,9 @@ type growBuf struct {
 	p      uintptr
 	cap    uint64
 	device bool    // device memory, else pinned host memory
-	mapped bool    // pinned memory the kernels read and write too
+	mapped bool    // pinned memory the kernels read too
 	dp     uintptr // mapped: the device's address of p
+	fixed  bool    // a CUDA graph may hold its address: made at its largest, it never moves
 }
 
 func (b *growBuf) addr() uintptr { return b.p }
@@ -59,9 +60,8 @@ func (b *growBuf) reserve(dev StagedDevice, n, most uint64, what string) error {
 	if n <= b.cap {
 		return nil
 	}
-	if b.mapped && b.p != 0 {
-		// A CUDA graph may hold its address: made at its largest, it never moves.
-		return status.Errorf(status.Internal, "ExpertParallel across nodes: %d bytes for %s outgrow its mapped buffer of %d", n, what, b.cap)
+	if b.fixed && b.p != 0 {
+		return status.Errorf(status.Internal, "ExpertParallel across nodes: %d bytes for %s outgrow its fixed buffer of %d", n, what, b.cap)
 	}
 	n = max(n, min(2*b.cap, most))
 	b.free(dev)

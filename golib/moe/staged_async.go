@@ -13,19 +13,22 @@ import (
 // exchanges, the rows' order and packing, the pairs of a combine) in host
 // functions ordered on the caller's stream between its copies and its
 // kernels: recording queues everything and waits for nothing, and each
-// replay runs the host functions again with the same arguments. The
-// kernels read what the host work made (the packed rows, the pairs' rows
-// and weights, how many) from mapped pinned memory that never moves: those
-// buffers are made at their largest once, and the item count travels in a
-// mapped word. A host function that fails (a peer that never came) records
-// why; the kernels after it then find no items, the counts say nothing
-// arrived, a combine's y is NaN, and the EP's next call raises the failure.
-// Outside a capture the same calls wait for the host on the caller's
-// thread (staged.go), which measured faster than host functions.
+// replay runs the host functions again with the same arguments. What the
+// host work made (the packed rows, the pairs' rows and weights) goes up in
+// copies of the most it can be, and the partials come down the same way,
+// between buffers made at their largest once that never move: a copy
+// moves each packed row over the bus once, where an expand reading it in
+// place reads it once per expert. Only the item count, which the host
+// knows last, is read by the kernels from mapped pinned memory. A host
+// function that fails (a peer that never came) records why; the kernels
+// after it then find no items, the counts say nothing arrived, a combine's
+// y is NaN, and the EP's next call raises the failure. Outside a capture
+// the same calls wait for the host on the caller's thread (staged.go),
+// which measured faster than host functions.
 
-// asyncReady makes the buffers of stream-ordered calls at their largest,
-// mapped into the device (once per EP; at construction for a capturable
-// EP). Not while capturing: allocations and waits do not belong in a graph.
+// asyncReady makes the buffers of stream-ordered calls at their largest
+// (once per EP; at construction for a capturable EP). Not while
+// capturing: allocations and waits do not belong in a graph.
 func (s *stagedEngine) asyncReady(capturing bool) error {
 	if s.items.p != 0 {
 		return nil
@@ -37,7 +40,12 @@ func (s *stagedEngine) asyncReady(capturing bool) error {
 	if err := s.settle(); err != nil {
 		return err
 	}
-	p := s.p
+	if err := s.dev.CtxSynchronize(); err != nil { // earlier calls' kernels may still use buffers remade here
+		return err
+	}
+	p, k := s.p, s.k
+	s.in.fixed, s.counts.fixed = true, true // made at their largest with the EP
+	s.items.mapped = true
 	for _, b := range []struct {
 		buf  *growBuf
 		n    uint64
@@ -46,11 +54,13 @@ func (s *stagedEngine) asyncReady(capturing bool) error {
 		{&s.rows, s.mostPacked(), "the received rows and partials"},
 		{&s.index, 8 * uint64(p.maxRecvRows), "the rows' order and the pairs"},
 		{&s.info, 16 * uint64(p.maxRecvRows), "the rows' metadata"},
+		{&k.rows, s.mostPacked(), "the received rows and partials"},
+		{&k.index, 8 * uint64(p.maxRecvRows), "the rows' order and the pairs"},
 		{&s.items, 8, "the item count"},
 	} {
-		if !b.buf.mapped || b.buf.cap < b.n {
+		if !b.buf.fixed || b.buf.cap < b.n {
 			b.buf.free(s.dev)
-			b.buf.mapped = true
+			b.buf.fixed = true
 			if err := b.buf.reserve(s.dev, b.n, b.n, b.what); err != nil {
 				return err
 			}
@@ -132,8 +142,9 @@ func (s *stagedEngine) recorded(err error) error {
 
 // dispatchAsync records a capturable dispatch in stream order: x, the ids and
 // the weights come down, a host function runs the host path's dispatch
-// and packs what arrived, moe_staged_expand lays the rows out in a.Out.X,
-// and the metadata (laid out for a.Out.Rows rows) and counts go up.
+// and packs what arrived, the packed rows and their order go up,
+// moe_staged_expand lays the rows out in a.Out.X, and the metadata (laid
+// out for a.Out.Rows rows) and counts go up.
 func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, error) {
 	p := s.p
 	if err := s.asyncReady(true); err != nil {
@@ -158,10 +169,17 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, er
 			s.setItems(0)
 		})
 	}
+	k := s.k
+	if err == nil { // the packed rows (one per token and source at most) and each item's row
+		err = s.dev.MemcpyAsync(k.rows.p, s.rows.addr(), uint64(p.world)*uint64(p.maxTokens)*rb, a.Stream)
+	}
 	if err == nil {
-		sp := &stagedParams{Src: uint64(s.rows.dp), Dst: uint64(a.Out.X), Index: uint64(s.index.dp), Items: p.maxRecvRows,
+		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), 4*uint64(p.maxRecvRows), a.Stream)
+	}
+	if err == nil {
+		sp := &stagedParams{Src: uint64(k.rows.p), Dst: uint64(a.Out.X), Index: uint64(k.index.p), Items: p.maxRecvRows,
 			RowPacks: int32(rb / 16), ItemsAt: uint64(s.items.dp)}
-		err = s.k.launch(s.dev, s.k.expand, p.maxRecvRows, sp, a.Stream)
+		err = k.launch(s.dev, k.expand, p.maxRecvRows, sp, a.Stream)
 	}
 	if err == nil {
 		// info holds 4 arrays of held = a.Out.Rows entries, as cpuEngine.order lays them out.
@@ -174,9 +192,9 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, er
 }
 
 // combineAsync records a capturable combine in stream order: a host function
-// writes the pairs of every token this rank received, moe_staged_partials
-// computes their partials into mapped pinned memory, a second host
-// function runs the host path's combine on them, and y goes up.
+// writes the pairs of every token this rank received, they go up,
+// moe_staged_partials computes their partials, which come down, a second
+// host function runs the host path's combine on them, and y goes up.
 func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 	p, k := s.p, s.k
 	if err := s.asyncReady(true); err != nil {
@@ -201,12 +219,18 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 		}
 		return err
 	}, func() { s.setItems(0) })
+	most := int64(p.world) * int64(p.maxTokens) // tokens received at most
+	if err == nil {                             // the pairs' rows, then their weights at weightsAt
+		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), 8*uint64(p.maxRecvRows), a.Stream)
+	}
 	if err == nil {
-		most := int64(p.world) * int64(p.maxTokens) // tokens received at most
-		sp := &stagedParams{Src: uint64(a.ExpertOut), Dst: uint64(s.rows.dp), Index: uint64(s.index.dp),
-			Weights: uint64(s.index.dp) + uint64(s.weightsAt()), Items: most, RowPacks: int32(rb / 16), TopK: int32(p.topK),
+		sp := &stagedParams{Src: uint64(a.ExpertOut), Dst: uint64(k.rows.p), Index: uint64(k.index.p),
+			Weights: uint64(k.index.p) + uint64(s.weightsAt()), Items: most, RowPacks: int32(rb / 16), TopK: int32(p.topK),
 			ItemsAt: uint64(s.items.dp)}
 		err = k.launch(s.dev, k.partials, most, sp, a.Stream)
+	}
+	if err == nil {
+		err = s.dev.MemcpyAsync(s.rows.addr(), k.rows.p, uint64(most*cb), a.Stream)
 	}
 	if err == nil {
 		err = s.hostStep(a.Stream, "combine", func() error {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -331,14 +332,18 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 					return fmt.Errorf("%d steps ran outside the graph", len(d.queued))
 				}
 				// An eager round between recording and replays, its rows laid out by
-				// the host (an output the kernels cannot address): the graph's
-				// mapped buffers stay where it recorded them.
-				rows, mapped := ep.staged.rows.dp, ep.staged.index.dp
+				// the host (an output the kernels cannot address): the buffers the
+				// graph holds stay where it recorded them.
+				held := func() []uintptr {
+					st := ep.staged
+					return []uintptr{st.rows.p, st.index.p, st.info.p, st.in.p, st.counts.p, st.k.rows.p, st.k.index.p, st.items.dp}
+				}
+				before := held()
 				if err := eagerMisalignedRound(ep, in, T, H, dt); err != nil {
 					return fmt.Errorf("eager round: %w", err)
 				}
-				if ep.staged.rows.dp != rows || ep.staged.index.dp != mapped {
-					return fmt.Errorf("a mapped buffer moved after the capture")
+				if after := held(); !slices.Equal(before, after) {
+					return fmt.Errorf("a buffer the graph holds moved after the capture: %#x -> %#x", before, after)
 				}
 				for i, all := range rounds {
 					copy(in.x, all[r].x)
@@ -614,27 +619,27 @@ func TestStagedMisalignedRowsTakeTheHostPath(t *testing.T) {
 	}
 }
 
-// A mapped buffer, whose address a CUDA graph may hold, refuses to grow
-// instead of moving; unmapped ones grow.
-func TestMappedBufferNeverMoves(t *testing.T) {
+// A fixed buffer, whose address a CUDA graph may hold, refuses to grow
+// instead of moving; others grow.
+func TestFixedBufferNeverMoves(t *testing.T) {
 	d := newHostDevice()
-	b := growBuf{mapped: true}
+	b := growBuf{mapped: true, fixed: true}
 	if err := b.reserve(d, 4096, 4096, "test"); err != nil {
 		t.Fatal(err)
 	}
 	p, dp := b.p, b.dp
 	if err := b.reserve(d, 8192, 8192, "test"); status.CodeOf(err) != status.Internal {
-		t.Errorf("growing a mapped buffer = %v, want an internal error", err)
+		t.Errorf("growing a fixed buffer = %v, want an internal error", err)
 	}
 	if b.p != p || b.dp != dp || dp == 0 {
-		t.Errorf("the mapped buffer moved: %#x/%#x -> %#x/%#x", p, dp, b.p, b.dp)
+		t.Errorf("the fixed buffer moved: %#x/%#x -> %#x/%#x", p, dp, b.p, b.dp)
 	}
 	u := growBuf{}
 	if err := u.reserve(d, 4096, 8192, "test"); err != nil {
 		t.Fatal(err)
 	}
 	if err := u.reserve(d, 8192, 8192, "test"); err != nil || u.cap < 8192 {
-		t.Errorf("an unmapped buffer did not grow: %v, %d bytes", err, u.cap)
+		t.Errorf("a buffer not fixed did not grow: %v, %d bytes", err, u.cap)
 	}
 	b.free(d)
 	u.free(d)
