@@ -18,11 +18,18 @@
 // p2pcomm:instantiate moe_staged_partials<float, float>
 
 // staged_items is the launch's item count: p.items, or what the host
-// function before it left at p.items_at (never more than p.items).
+// function before it left at p.items_at (never more than p.items). One
+// thread of each block reads the mapped word: every thread reading it
+// across the bus cost milliseconds per launch. Every thread must call it.
 DINLINE i64 staged_items(const MoeStagedParams& p) {
   if (p.items_at == nullptr) return p.items;
-  const i64 n = *reinterpret_cast<const volatile i64*>(p.items_at);
-  return n < 0 ? 0 : (n > p.items ? p.items : n);
+  __shared__ i64 n;
+  if (threadIdx.x == 0) {
+    const i64 v = *reinterpret_cast<const volatile i64*>(p.items_at);
+    n = v < 0 ? 0 : (v > p.items ? p.items : v);
+  }
+  __syncthreads();
+  return n;
 }
 
 __global__ void __launch_bounds__(kThreads, 1) moe_staged_expand(const MoeStagedParams p) {
