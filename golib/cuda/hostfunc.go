@@ -18,7 +18,12 @@ import (
 var hostFuncs struct {
 	mu   sync.Mutex
 	next uintptr
-	fns  map[uintptr]func()
+	fns  map[uintptr]hostFunc
+}
+
+type hostFunc struct {
+	fn   func()
+	once bool // forgotten as it runs
 }
 
 // LaunchHostFunc orders fn on stream: the driver runs it once the work
@@ -28,16 +33,27 @@ var hostFuncs struct {
 // recovered and dropped). fn stays registered until release; a launch or
 // replay that reaches it afterwards runs nothing.
 func (d *Driver) LaunchHostFunc(stream uintptr, fn func()) (release func(), err error) {
+	return d.launchHostFunc(stream, hostFunc{fn: fn})
+}
+
+// LaunchHostFuncOnce orders fn on stream as LaunchHostFunc does, for a
+// stream that is not capturing: fn runs once and is forgotten as it runs.
+func (d *Driver) LaunchHostFuncOnce(stream uintptr, fn func()) error {
+	_, err := d.launchHostFunc(stream, hostFunc{fn: fn, once: true})
+	return err
+}
+
+func (d *Driver) launchHostFunc(stream uintptr, f hostFunc) (release func(), err error) {
 	if d.fn.launchHostFunc == nil {
 		return nil, fmt.Errorf("cuLaunchHostFunc: %w", ErrNotSupported)
 	}
 	hostFuncs.mu.Lock()
 	if hostFuncs.fns == nil {
-		hostFuncs.fns = map[uintptr]func(){}
+		hostFuncs.fns = map[uintptr]hostFunc{}
 	}
 	hostFuncs.next++
 	id := hostFuncs.next
-	hostFuncs.fns[id] = fn
+	hostFuncs.fns[id] = f
 	hostFuncs.mu.Unlock()
 	release = func() {
 		hostFuncs.mu.Lock()
@@ -54,11 +70,14 @@ func (d *Driver) LaunchHostFunc(stream uintptr, fn func()) (release func(), err 
 //export p2pRunHostFunc
 func p2pRunHostFunc(id C.uintptr_t) {
 	hostFuncs.mu.Lock()
-	fn := hostFuncs.fns[uintptr(id)]
+	f := hostFuncs.fns[uintptr(id)]
+	if f.once {
+		delete(hostFuncs.fns, uintptr(id))
+	}
 	hostFuncs.mu.Unlock()
-	if fn == nil {
+	if f.fn == nil {
 		return
 	}
 	defer func() { recover() }() // nothing may unwind into the driver's thread
-	fn()
+	f.fn()
 }

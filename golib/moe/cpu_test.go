@@ -149,6 +149,9 @@ func dispatch(ep *EP, tk tokens, T int, capturable bool, check int32) (result, e
 	}
 	rows, err := ep.Dispatch(a)
 	runtime.KeepAlive(tk)
+	if err == nil && capturable {
+		err = settled(ep)
+	}
 	if err != nil || capturable {
 		return r, err
 	}
@@ -158,6 +161,19 @@ func dispatch(ep *EP, tk tokens, T int, capturable bool, check int32) (result, e
 		}
 	}
 	return r, ep.Expand(alloc(rows), 0)
+}
+
+// settled waits for a call in stream order (a staged EP's capturable
+// calls) to finish, as a caller reading its results would, and returns
+// what its host functions recorded failing.
+func settled(ep *EP) error {
+	if ep.staged == nil {
+		return nil
+	}
+	if err := ep.staged.dev.StreamSynchronize(0); err != nil {
+		return err
+	}
+	return ep.staged.failure()
 }
 
 // pair is a received row's key in the documented order.
@@ -347,6 +363,9 @@ func checkRounds(t *testing.T, run runner, cases []roundsCase) {
 					for range 2 { // combining one result twice gives the same bits
 						err := ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y),
 							NumTokens: sizes[r], Capturable: capturable})
+						if err == nil && capturable {
+							err = settled(ep)
+						}
 						runtime.KeepAlive(out) // only its address went in
 						if err != nil {
 							return err

@@ -40,6 +40,9 @@ type StagedDevice interface {
 	// graph that records it runs it at each replay) until release
 	// (cuda.Driver.LaunchHostFunc).
 	LaunchHostFunc(stream uintptr, fn func()) (release func(), err error)
+	// LaunchHostFuncOnce orders fn on a stream that is not capturing; it
+	// runs once (cuda.Driver.LaunchHostFuncOnce).
+	LaunchHostFuncOnce(stream uintptr, fn func()) error
 }
 
 // growBuf is pinned host memory, or device memory, that grows on demand.
@@ -119,9 +122,11 @@ type stagedEngine struct {
 	uploading                           bool           // done awaits a wait before the buffers are reused
 	lastRows                            int64          // rows of the latest result laid out (what combine reads)
 
-	// Calls in stream order (staged_async.go): capturable calls being
-	// recorded in a CUDA graph run their host work in host functions.
+	// Calls in stream order (staged_async.go): capturable calls run their
+	// host work in host functions.
 	hostMu   sync.Mutex            // the host path's state: host functions against the caller's thread
+	ordered  bool                  // a call in stream order was made: its host functions may be pending
+	closing  atomic.Bool           // host functions run nothing from here on
 	items    growBuf               // mapped: the count the next kernel reads
 	bases    []int64               // a combine's partials by source, from its first host function to its second
 	failed   atomic.Pointer[error] // a host function's failure, raised by the next call
@@ -231,12 +236,11 @@ func (s *stagedEngine) download(dst, src uintptr, n uint64, stream uintptr) erro
 func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32) (int64, error) {
 	p := s.p
 	if a.Capturable && s.kernelsFor(a.Out.X) {
-		if capturing, err := s.capturing(a.Stream); err != nil || capturing {
-			if err != nil {
-				return 0, err
-			}
-			return s.dispatchAsync(cpu, a)
+		capturing, err := s.capturing(a.Stream)
+		if err != nil {
+			return 0, err
 		}
+		return s.dispatchAsync(cpu, a, capturing)
 	}
 	if err := s.refuseCapture(a.Stream, "dispatch"); err != nil {
 		return 0, err
@@ -366,12 +370,11 @@ func (s *stagedEngine) upload(out Rows, held int64, rows bool, stream uintptr) e
 func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) error {
 	p := s.p
 	if a.Capturable && s.k != nil && (a.ExpertOut == 0 || s.kernelsFor(a.ExpertOut)) {
-		if capturing, err := s.capturing(a.Stream); err != nil || capturing {
-			if err != nil {
-				return err
-			}
-			return s.combineAsync(cpu, a)
+		capturing, err := s.capturing(a.Stream)
+		if err != nil {
+			return err
 		}
+		return s.combineAsync(cpu, a, capturing)
 	}
 	if err := s.refuseCapture(a.Stream, "combine"); err != nil {
 		return err
@@ -379,9 +382,10 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	if err := s.settle(); err != nil {
 		return err
 	}
-	if len(s.releases) > 0 {
-		// A graph replayed before this call may still be running its host
-		// functions, the dispatch whose rows this combine sums among them.
+	if s.ordered {
+		// A call in stream order or a replay before this call may still be
+		// running its host functions, the dispatch whose rows this combine
+		// sums among them.
 		if err := s.dev.StreamSynchronize(a.Stream); err != nil {
 			return err
 		}
@@ -447,12 +451,14 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 }
 
 // quiesce makes the EP's host functions run nothing from here on, waits
-// for one that is running, and waits for the device, whose replays may
-// still read the mapped buffers: before the host path and the buffers go.
+// for one that is running, and waits for the device, whose calls and
+// replays may still use the buffers: before the host path and the buffers
+// go.
 func (s *stagedEngine) quiesce() {
-	if len(s.releases) == 0 {
+	if !s.ordered {
 		return
 	}
+	s.closing.Store(true) // pending host functions of calls in stream order
 	for _, r := range s.releases {
 		r()
 	}

@@ -8,12 +8,12 @@ import (
 	timeline "github.com/p2pcomm/p2pcomm/golib/trace"
 )
 
-// Calls in stream order. A capturable call being recorded in a CUDA graph,
-// whose rows the kernels take, runs its host work (the host path's
-// exchanges, the rows' order and packing, the pairs of a combine) in host
-// functions ordered on the caller's stream between its copies and its
-// kernels: recording queues everything and waits for nothing, and each
-// replay runs the host functions again with the same arguments. What the
+// Calls in stream order. A capturable call whose rows the kernels take
+// runs its host work (the host path's exchanges, the rows' order and
+// packing, the pairs of a combine) in host functions ordered on the
+// caller's stream between its copies and its kernels: it queues
+// everything and waits for nothing. A CUDA graph that records it runs the
+// host functions again at each replay, with the same arguments. What the
 // host work made (the packed rows, the pairs' rows and weights) goes up in
 // copies of the most it can be, and the partials come down the same way,
 // between buffers made at their largest once that never move: a copy
@@ -22,9 +22,9 @@ import (
 // knows last, is read by the kernels from mapped pinned memory. A host
 // function that fails (a peer that never came) records why; the kernels
 // after it then find no items, the counts say nothing arrived, a combine's
-// y is NaN, and the EP's next call raises the failure. Outside a capture
-// the same calls wait for the host on the caller's thread (staged.go),
-// which measured faster than host functions.
+// y is NaN, and the EP's next call raises the failure. Eager calls wait
+// for the host on the caller's thread (staged.go), after the stream when
+// calls in stream order came before them.
 
 // asyncReady makes the buffers of stream-ordered calls at their largest
 // (once per EP; at construction for a capturable EP). Not while
@@ -89,13 +89,17 @@ func (s *stagedEngine) failure() error {
 // function, given the rank and the step: dispatch, pairs or combine.
 var hostStepHook func(rank int, step string)
 
-// hostStep orders fn on the capturing stream as a host function, kept for
-// the graph's replays until the EP closes. fn runs under
+// hostStep orders fn on the stream as a host function: run once, or
+// (recorded) kept for a graph's replays until the EP closes. fn runs under
 // hostMu, and not at all once a host function has failed; a failure (an
 // error from fn, or a panic) is recorded, and onFail then leaves the
 // step's outputs saying so.
-func (s *stagedEngine) hostStep(stream uintptr, step string, fn func() error, onFail func()) error {
+func (s *stagedEngine) hostStep(stream uintptr, step string, recorded bool, fn func() error, onFail func()) error {
 	guarded := func() {
+		if s.closing.Load() { // as if it failed: the kernels after it find nothing to do
+			onFail()
+			return
+		}
 		s.hostMu.Lock()
 		defer s.hostMu.Unlock()
 		defer func() {
@@ -120,6 +124,13 @@ func (s *stagedEngine) hostStep(stream uintptr, step string, fn func() error, on
 			s.fail(err)
 		}
 	}
+	s.ordered = true
+	if !recorded {
+		if err := s.dev.LaunchHostFuncOnce(stream, guarded); err != nil {
+			return fmt.Errorf("ExpertParallel across nodes: order the host's work on the stream: %w", err)
+		}
+		return nil
+	}
 	release, err := s.dev.LaunchHostFunc(stream, guarded)
 	if err != nil {
 		return fmt.Errorf("ExpertParallel across nodes: order the host's work on the stream: %w", err)
@@ -131,8 +142,8 @@ func (s *stagedEngine) hostStep(stream uintptr, step string, fn func() error, on
 // setItems leaves n for the next kernel's launch (items_at).
 func (s *stagedEngine) setItems(n int64) { *(*int64)(hostPtr(s.items.p)) = n }
 
-// recorded ends a recorded call: a failure to record any of it leaves the
-// graph unsound, and the EP with it.
+// recorded ends a call in stream order: a failure to queue or record any
+// of it leaves the stream or the graph unsound, and the EP with it.
 func (s *stagedEngine) recorded(err error) error {
 	if err != nil {
 		s.fail(err)
@@ -140,21 +151,21 @@ func (s *stagedEngine) recorded(err error) error {
 	return err
 }
 
-// dispatchAsync records a capturable dispatch in stream order: x, the ids and
+// dispatchAsync queues a capturable dispatch in stream order: x, the ids and
 // the weights come down, a host function runs the host path's dispatch
 // and packs what arrived, the packed rows and their order go up,
 // moe_staged_expand lays the rows out in a.Out.X, and the metadata (laid
 // out for a.Out.Rows rows) and counts go up.
-func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, error) {
+func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs, capturing bool) (int64, error) {
 	p := s.p
-	if err := s.asyncReady(true); err != nil {
+	if err := s.asyncReady(capturing); err != nil {
 		return 0, err
 	}
 	rb := uint64(p.rowBytes())
 	h, err := s.downloadInputs(a)
 	h.orderOnly = true
 	if err == nil {
-		err = s.hostStep(a.Stream, "dispatch", func() error {
+		err = s.hostStep(a.Stream, "dispatch", capturing, func() error {
 			_, err := cpu.dispatch(&h, nil)
 			var items int64
 			if err == nil {
@@ -191,13 +202,13 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs) (int64, er
 	return p.maxRecvRows, s.recorded(err)
 }
 
-// combineAsync records a capturable combine in stream order: a host function
+// combineAsync queues a capturable combine in stream order: a host function
 // writes the pairs of every token this rank received, they go up,
 // moe_staged_partials computes their partials, which come down, a second
 // host function runs the host path's combine on them, and y goes up.
-func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
+func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs, capturing bool) error {
 	p, k := s.p, s.k
-	if err := s.asyncReady(true); err != nil {
+	if err := s.asyncReady(capturing); err != nil {
 		return err
 	}
 	h := *a
@@ -211,7 +222,7 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 	}
 	rb, cb := p.rowBytes(), int64(p.hidden*p.transit.Size())
 	yBytes := int64(a.NumTokens) * rb
-	err := s.hostStep(a.Stream, "pairs", func() error {
+	err := s.hostStep(a.Stream, "pairs", capturing, func() error {
 		bases, n, err := s.pairsForPartials(cpu, expertRows, true)
 		if err == nil {
 			s.bases = bases
@@ -233,7 +244,7 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs) error {
 		err = s.dev.MemcpyAsync(s.rows.addr(), k.rows.p, uint64(most*cb), a.Stream)
 	}
 	if err == nil {
-		err = s.hostStep(a.Stream, "combine", func() error {
+		err = s.hostStep(a.Stream, "combine", capturing, func() error {
 			parts, bases := bytesAt(s.rows.addr(), int64(s.rows.cap)), s.bases
 			fill := func(src, n int, dst []byte) {
 				from := bases[src] * cb

@@ -4,8 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"math/rand"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -118,6 +120,14 @@ func (d *hostDevice) LaunchHostFunc(_ uintptr, fn func()) (func(), error) {
 	d.hostFuncs++
 	d.enqueue(fn)
 	return func() {}, nil
+}
+
+func (d *hostDevice) LaunchHostFuncOnce(stream uintptr, fn func()) error {
+	if d.capturing {
+		return fmt.Errorf("a host function run once, launched while capturing")
+	}
+	_, err := d.LaunchHostFunc(stream, fn)
+	return err
 }
 
 // KernelFunction hands out moe_staged.cu's kernels, which LaunchFunction
@@ -258,8 +268,9 @@ func TestStagedAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 					if kernels := len(d.launched) > 0; kernels != (c.dt != reduce.Float64) {
 						t.Errorf("%s: rank %d launched %v", c.dt, r, d.launched)
 					}
-					// Outside a capture every call waits for the host on the caller's thread.
-					if d.hostFuncs != 0 {
+					// Capturable calls the kernels take run in stream order; the others
+					// wait for the host on the caller's thread.
+					if ordered := d.hostFuncs > 0; ordered != (c.dt != reduce.Float64) {
 						t.Errorf("%s: rank %d launched %d host functions", c.dt, r, d.hostFuncs)
 					}
 					if len(d.pinned) != 0 {
@@ -307,11 +318,14 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 				d, T := devs[r], sizes[r]
 				in := makeTokens(rand.New(rand.NewSource(1)), T, H, E, K, dt, 0) // the graph's input buffers
 				y := make([]byte, T*H*dt.Size())
-				// A capturable round outside the capture first (it waits for the host), as a warm-up would.
+				// A capturable round outside the capture first, as a warm-up would.
 				warm, err := dispatch(ep, in, T, true, 0)
 				if err == nil {
 					err = ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(warm, H, dt)), ExpertRows: warm.rows, Y: addr(y),
 						NumTokens: T, Capturable: true})
+				}
+				if err == nil {
+					err = settled(ep)
 				}
 				if err != nil {
 					return fmt.Errorf("warm-up: %w", err)
@@ -460,6 +474,107 @@ func eagerMisalignedRound(ep *EP, tk tokens, T, H int, dt reduce.DType) error {
 	copy(shifted[8:], out)
 	y := make([]byte, T*rb)
 	return ep.Combine(&CombineArgs{ExpertOut: addr(shifted) + 8, ExpertRows: rows, Y: addr(y), NumTokens: T})
+}
+
+// Capturable calls run in stream order outside a capture too: queued, their
+// host functions not yet run, an eager call after them waits for them, and
+// both give their bits; an EP closed with a call still queued runs none of
+// its host work and gives every buffer back.
+func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
+	ucxtest.Need(t)
+	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
+		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) {
+			W, E, K, H, Tm := l.world, 2*l.world, 3, 32, 6
+			dt, tr := reduce.BFloat16, reduce.Float32
+			sizes := make([]int, W)
+			rounds := make([][]tokens, 2)
+			for q := range W {
+				sizes[q] = []int{Tm, 4, 0, 5}[q%4]
+				for i := range rounds {
+					rounds[i] = append(rounds[i], makeTokens(rand.New(rand.NewSource(int64(500+10*i+q))), sizes[q], H, E, K, dt, 0.2))
+				}
+			}
+			cfg := func(int) Config {
+				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
+			}
+			last, late := make([]atomic.Bool, W), make([]atomic.Int32, W)
+			kept := make([]result, W) // the outputs of calls queued as the EPs close, alive until they ran
+			hostStepHook = func(rank int, _ string) {
+				if last[rank].Load() {
+					late[rank].Add(1)
+				}
+			}
+			defer func() { hostStepHook = nil }()
+			var devs []*hostDevice
+			errs := onStagedNodes(l.local, &devs)(t, W, cfg, func(r int, ep *EP) error {
+				d, T, R := devs[r], sizes[r], ep.maxRecvRows
+				rb := int64(H * dt.Size())
+				queue := func(tk tokens) (result, error) {
+					res := result{x: make([]byte, R*rb), info: make([]int32, 4*R), counts: make([]int32, ep.numLocal+1), rows: R}
+					_, err := ep.Dispatch(&DispatchArgs{X: addr(tk.x), TopkIdx: addr(tk.idx), TopkWeights: addr(tk.w),
+						NumTokens: T, IdxBytes: 8, Capturable: true,
+						Out: Rows{X: addr(res.x), Info: addr(res.info), Counts: addr(res.counts), Rows: R}})
+					return res, err
+				}
+				a := rounds[0][r]
+				resA, err := queue(a)
+				if err != nil {
+					return fmt.Errorf("capturable dispatch: %w", err)
+				}
+				outA, yA := make([]byte, len(resA.x)), make([]byte, int64(T)*rb)
+				d.mu.Lock()
+				d.enqueue(func() { copy(outA, expertOut(resA, H, dt)) }) // the expert step, in stream order
+				d.mu.Unlock()
+				if err := ep.Combine(&CombineArgs{ExpertOut: addr(outA), ExpertRows: R, Y: addr(yA), NumTokens: T,
+					Capturable: true}); err != nil {
+					return fmt.Errorf("capturable combine: %w", err)
+				}
+				if d.hostFuncs == 0 || len(d.queued) == 0 {
+					return fmt.Errorf("the capturable calls ran at once (%d host functions, %d steps queued)", d.hostFuncs, len(d.queued))
+				}
+				b := rounds[1][r]
+				resB, err := dispatch(ep, b, T, false, 0)
+				if err != nil {
+					return fmt.Errorf("eager dispatch: %w", err)
+				}
+				if err := checkDispatch(resA, rounds[0], r, W, E, K, H, dt); err != nil {
+					return fmt.Errorf("capturable dispatch: %w", err)
+				}
+				if string(yA) != string(emulate(a, r, W, E, K, H, dt, tr)) {
+					return fmt.Errorf("the capturable combine differs from the emulation")
+				}
+				if err := checkDispatch(resB, rounds[1], r, W, E, K, H, dt); err != nil {
+					return fmt.Errorf("eager dispatch: %w", err)
+				}
+				yB := make([]byte, int64(T)*rb)
+				if err := ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(resB, H, dt)), ExpertRows: resB.rows, Y: addr(yB),
+					NumTokens: T}); err != nil {
+					return fmt.Errorf("eager combine: %w", err)
+				}
+				if string(yB) != string(emulate(b, r, W, E, K, H, dt, tr)) {
+					return fmt.Errorf("the eager combine differs from the emulation")
+				}
+				last[r].Store(true)
+				var err2 error
+				if kept[r], err2 = queue(a); err2 != nil { // left queued as the EP closes
+					return fmt.Errorf("last capturable dispatch: %w", err2)
+				}
+				return nil
+			})
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+			runtime.KeepAlive(kept)
+			for r, d := range devs {
+				if n := late[r].Load(); n != 0 {
+					t.Errorf("rank %d: %d host functions did their work after the EP closed", r, n)
+				}
+				if len(d.queued) != 0 || len(d.pinned) != 0 {
+					t.Errorf("rank %d: %d steps queued, %d pinned or device buffers left after close", r, len(d.queued), len(d.pinned))
+				}
+			}
+		})
+	}
 }
 
 // Calls a CUDA graph cannot hold are refused on the rank that records
