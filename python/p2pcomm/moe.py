@@ -238,9 +238,9 @@ class ExpertParallel:
         ep of one node (a configuration they cannot take, such as float64 or rows of a size that is not a
         multiple of 16 bytes, raises UnsupportedError there); False on the CPU, and on GPUs across nodes,
         where rows travel through pinned host memory with the CPU path's protocol (the GPU lays them
-        out and computes the partials, with the same bits); there a CUDA graph records capturable calls
-        of 16-bit or float32 rows whose size is a multiple of 16 bytes (their host part becomes host
-        functions on the stream), and eager calls cannot be captured."""
+        out and computes the partials, with the same bits); there capturable calls of 16-bit or float32
+        rows whose size is a multiple of 16 bytes run their host part as host functions on the stream
+        (never waiting for the host; a CUDA graph records them), and eager calls cannot be captured."""
         return self._kernels
 
     def __repr__(self) -> str:
