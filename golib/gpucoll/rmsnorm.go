@@ -34,12 +34,19 @@ var rmsNormKernels = map[collective.Algorithm][2]string{
 	collective.TwoShot:   {"allreduce_rmsnorm_twoshot<half16>", "allreduce_rmsnorm_twoshot<bf16>"},
 }
 
-// rmsNormLLMaxBytes: auto runs the LL one-shot for inputs up to this size
-// per rank, the two-shot beyond. The LL one-shot sends twice the input to
+// rmsNormLLMaxBytes is the input per rank up to which auto runs the LL
+// one-shot, the two-shot beyond. The LL one-shot sends twice the input to
 // every peer and has no barrier; the two-shot moves about twice the input
-// per rank in all and waits at two barriers. (A first estimate from the
-// all-reduce's crossovers; `python -m p2pcomm.bench rmsnorm` measures both.)
-const rmsNormLLMaxBytes = 256 << 10
+// per rank in all and waits at two barriers, so more peers move the
+// crossover down: on 4 x H200 in graphs the two-shot took 15.8-16.2 µs at
+// 256 KiB against the LL one-shot's 19.2-19.4, which won at 128 KiB
+// (docs/BENCHMARKS.md).
+func rmsNormLLMaxBytes(ranks int) int64 {
+	if ranks <= 2 {
+		return 256 << 10
+	}
+	return 128 << 10
+}
 
 // AllReduceRMSNorm enqueues one fused all-reduce + residual add + RMSNorm
 // (collective.RMSNorm) on req.Stream, as one kernel. It does not wait for
@@ -130,7 +137,7 @@ func (b *Backend) chooseRMSNorm(requested collective.Algorithm, nbytes int64) co
 	algo := requested
 	if _, ok := rmsNormKernels[algo]; !ok {
 		algo = collective.TwoShot
-		if nbytes <= rmsNormLLMaxBytes {
+		if nbytes <= rmsNormLLMaxBytes(b.size) {
 			algo = collective.OneShotLL
 		}
 	}

@@ -76,8 +76,8 @@ func TestChooseRMSNorm(t *testing.T) {
 		want   collective.Algorithm
 	}{
 		{"auto small", collective.Auto, 16 << 10, collective.OneShotLL},
-		{"auto at the crossover", collective.Auto, rmsNormLLMaxBytes, collective.OneShotLL},
-		{"auto above it", collective.Auto, rmsNormLLMaxBytes + 16, collective.TwoShot},
+		{"auto at the crossover", collective.Auto, 128 << 10, collective.OneShotLL},
+		{"auto above it", collective.Auto, 128<<10 + 16, collective.TwoShot},
 		{"oneshot_ll fits", collective.OneShotLL, llMaxPayload, collective.OneShotLL},
 		{"oneshot_ll too big", collective.OneShotLL, llMaxPayload + 16, collective.TwoShot},
 		{"twoshot small", collective.TwoShot, 16, collective.TwoShot},
@@ -87,6 +87,14 @@ func TestChooseRMSNorm(t *testing.T) {
 		if got := b.chooseRMSNorm(tt.req, tt.nbytes); got != tt.want {
 			t.Errorf("%s: chooseRMSNorm(%s, %d) = %s, want %s", tt.name, tt.req, tt.nbytes, got, tt.want)
 		}
+	}
+	// Two ranks keep the LL one-shot to 256 KiB.
+	two := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks}}
+	if got := two.chooseRMSNorm(collective.Auto, 256<<10); got != collective.OneShotLL {
+		t.Errorf("2 ranks: chooseRMSNorm(auto, 256 KiB) = %s, want %s", got, collective.OneShotLL)
+	}
+	if got := two.chooseRMSNorm(collective.Auto, 256<<10+16); got != collective.TwoShot {
+		t.Errorf("2 ranks: chooseRMSNorm(auto, 256 KiB + 16) = %s, want %s", got, collective.TwoShot)
 	}
 }
 
