@@ -126,7 +126,6 @@ type stagedEngine struct {
 	// host work in host functions.
 	hostMu   sync.Mutex            // the host path's state: host functions against the caller's thread
 	ordered  bool                  // a call in stream order was made: its host functions may be pending
-	closing  atomic.Bool           // host functions run nothing from here on
 	items    growBuf               // mapped: the count the next kernel reads
 	bases    []int64               // a combine's partials by source, from its first host function to its second
 	failed   atomic.Pointer[error] // a host function's failure, raised by the next call
@@ -255,12 +254,7 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	if err != nil {
 		return 0, err
 	}
-	if a.Capturable && s.kernelsFor(a.Out.X) {
-		h.orderOnly = true                          // expandOnDevice lays the rows out
-		if err := s.asyncReady(false); err != nil { // for captures to come
-			return 0, err
-		}
-	} else if a.Capturable {
+	if a.Capturable { // rows the kernels do not take (those they take run in stream order)
 		if err := s.reserveRows(p.maxRecvRows); err != nil {
 			return 0, err
 		}
@@ -273,9 +267,6 @@ func (s *stagedEngine) dispatch(cpu *cpuEngine, a *DispatchArgs, checks []int32)
 	})
 	if err != nil || !a.Capturable {
 		return rows, err
-	}
-	if h.orderOnly {
-		return rows, s.expandOnDevice(cpu, a.Out, p.maxRecvRows, a.Stream)
 	}
 	s.lastRows = cpu.received()
 	return rows, s.upload(a.Out, p.maxRecvRows, true, a.Stream)
@@ -411,7 +402,9 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	} else if a.ExpertOut != 0 {
 		// Only rows the latest dispatch filled are read (a capturable
 		// call's tail is the caller's).
+		s.hostMu.Lock() // a host function may have written it
 		n := uint64(min(a.ExpertRows, s.lastRows))
+		s.hostMu.Unlock()
 		if err := s.laid.reserve(s.dev, max(n, 1)*rb, uint64(p.maxRecvRows)*rb, "the expert rows"); err != nil {
 			return err
 		}
@@ -450,24 +443,25 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	return err
 }
 
-// quiesce makes the EP's host functions run nothing from here on, waits
-// for one that is running, and waits for the device, whose calls and
-// replays may still use the buffers: before the host path and the buffers
-// go.
+// quiesce waits for the device, whose calls and replays may still use the
+// buffers and run host functions, then forgets the graphs' host functions
+// (a graph replayed after its EP closed uses freed memory): before the
+// host path and the buffers go.
 func (s *stagedEngine) quiesce() {
 	if !s.ordered {
 		return
 	}
-	s.closing.Store(true) // pending host functions of calls in stream order
+	// Calls still queued, and replays, finish first: their peers wait for
+	// them (each host function's waits are bounded).
+	if err := s.dev.EnsureContext(); err == nil {
+		s.dev.CtxSynchronize()
+	}
+	s.hostMu.Lock() // a host function that is running holds it
+	s.hostMu.Unlock()
 	for _, r := range s.releases {
 		r()
 	}
 	s.releases = nil
-	s.hostMu.Lock() // a host function that is running holds it
-	s.hostMu.Unlock()
-	if err := s.dev.EnsureContext(); err == nil {
-		s.dev.CtxSynchronize()
-	}
 }
 
 // release frees the pinned buffers and the event (after the latest upload).

@@ -2,6 +2,7 @@ package moe
 
 import (
 	"fmt"
+	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -13,18 +14,20 @@ import (
 // packing, the pairs of a combine) in host functions ordered on the
 // caller's stream between its copies and its kernels: it queues
 // everything and waits for nothing. A CUDA graph that records it runs the
-// host functions again at each replay, with the same arguments. What the
-// host work made (the packed rows, the pairs' rows and weights) goes up in
-// copies of the most it can be, and the partials come down the same way,
-// between buffers made at their largest once that never move: a copy
-// moves each packed row over the bus once, where an expand reading it in
-// place reads it once per expert. Only the item count, which the host
-// knows last, is read by the kernels from mapped pinned memory. A host
-// function that fails (a peer that never came) records why; the kernels
-// after it then find no items, the counts say nothing arrived, a combine's
-// y is NaN, and the EP's next call raises the failure. Eager calls wait
-// for the host on the caller's thread (staged.go), after the stream when
-// calls in stream order came before them.
+// host functions again at each replay, with the same arguments. The host
+// work's results sit in pinned buffers made at their largest once, which
+// never move; the counts the host knows last travel in mapped words
+// (items_at), which one thread of each block reads. A dispatch's packed
+// rows go up through a kernel reading them in place, as many as arrived,
+// each once (the expand would read each once per expert); a combine's
+// partials are written in place, as many as there are tokens; the index
+// arrays go up in copies of the most they can hold (a graph's copy has a
+// fixed size), which are small. A host function that fails (a peer that
+// never came) records why; the kernels after it then find no items, the
+// counts say nothing arrived, a combine's y is NaN, and the EP's next call
+// raises the failure. Eager calls wait for the host on the caller's thread
+// (staged.go), after the stream when calls in stream order came before
+// them.
 
 // asyncReady makes the buffers of stream-ordered calls at their largest
 // (once per EP; at construction for a capturable EP). Not while
@@ -44,28 +47,34 @@ func (s *stagedEngine) asyncReady(capturing bool) error {
 		return err
 	}
 	p, k := s.p, s.k
-	s.in.fixed, s.counts.fixed = true, true // made at their largest with the EP
-	s.items.mapped = true
-	for _, b := range []struct {
-		buf  *growBuf
-		n    uint64
-		what string
+	bufs := []struct {
+		buf    *growBuf
+		n      uint64
+		mapped bool
+		what   string
 	}{
-		{&s.rows, s.mostPacked(), "the received rows and partials"},
-		{&s.index, 8 * uint64(p.maxRecvRows), "the rows' order and the pairs"},
-		{&s.info, 16 * uint64(p.maxRecvRows), "the rows' metadata"},
-		{&k.rows, s.mostPacked(), "the received rows and partials"},
-		{&k.index, 8 * uint64(p.maxRecvRows), "the rows' order and the pairs"},
-		{&s.items, 8, "the item count"},
-	} {
-		if !b.buf.fixed || b.buf.cap < b.n {
-			b.buf.free(s.dev)
-			b.buf.fixed = true
-			if err := b.buf.reserve(s.dev, b.n, b.n, b.what); err != nil {
-				return err
+		{&s.rows, s.mostPacked(), true, "the received rows and partials"},
+		{&s.index, 8 * uint64(p.maxRecvRows), false, "the rows' order and the pairs"},
+		{&s.info, 16 * uint64(p.maxRecvRows), false, "the rows' metadata"},
+		{&k.rows, s.mostPacked(), false, "the received rows and partials"},
+		{&k.index, 8 * uint64(p.maxRecvRows), false, "the rows' order and the pairs"},
+		{&s.items, 16, true, "the item counts"},
+	}
+	for _, b := range bufs {
+		if b.buf.fixed && b.buf.cap >= b.n && b.buf.mapped == b.mapped {
+			continue
+		}
+		b.buf.free(s.dev)
+		b.buf.fixed, b.buf.mapped = true, b.mapped
+		if err := b.buf.reserve(s.dev, b.n, b.n, b.what); err != nil {
+			for _, b := range bufs { // eager calls may still grow them
+				b.buf.fixed = false
 			}
+			s.items.free(s.dev) // not ready
+			return err
 		}
 	}
+	s.in.fixed, s.counts.fixed = true, true // made at their largest with the EP
 	return nil
 }
 
@@ -96,10 +105,6 @@ var hostStepHook func(rank int, step string)
 // step's outputs saying so.
 func (s *stagedEngine) hostStep(stream uintptr, step string, recorded bool, fn func() error, onFail func()) error {
 	guarded := func() {
-		if s.closing.Load() { // as if it failed: the kernels after it find nothing to do
-			onFail()
-			return
-		}
 		s.hostMu.Lock()
 		defer s.hostMu.Unlock()
 		defer func() {
@@ -139,8 +144,15 @@ func (s *stagedEngine) hostStep(stream uintptr, step string, recorded bool, fn f
 	return nil
 }
 
-// setItems leaves n for the next kernel's launch (items_at).
-func (s *stagedEngine) setItems(n int64) { *(*int64)(hostPtr(s.items.p)) = n }
+// setItems leaves n for the next kernel's launch (items_at), and packed
+// for the launch that takes the packed rows up (packedAt).
+func (s *stagedEngine) setItems(n, packed int64) {
+	w := unsafe.Slice((*int64)(hostPtr(s.items.p)), 2)
+	w[0], w[1] = n, packed
+}
+
+// packedAt is the device address of the packed rows' count.
+func (s *stagedEngine) packedAt() uint64 { return uint64(s.items.dp) + 8 }
 
 // recorded ends a call in stream order: a failure to queue or record any
 // of it leaves the stream or the graph unsound, and the EP with it.
@@ -153,7 +165,8 @@ func (s *stagedEngine) recorded(err error) error {
 
 // dispatchAsync queues a capturable dispatch in stream order: x, the ids and
 // the weights come down, a host function runs the host path's dispatch
-// and packs what arrived, the packed rows and their order go up,
+// and packs what arrived, the rows' order goes up and the packed rows
+// with it (moe_staged_expand without an index, reading them in place),
 // moe_staged_expand lays the rows out in a.Out.X, and the metadata (laid
 // out for a.Out.Rows rows) and counts go up.
 func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs, capturing bool) (int64, error) {
@@ -167,25 +180,28 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs, capturing 
 	if err == nil {
 		err = s.hostStep(a.Stream, "dispatch", capturing, func() error {
 			_, err := cpu.dispatch(&h, nil)
-			var items int64
+			var items, packed int64
 			if err == nil {
-				items, _, err = s.packForExpand(cpu, p.maxRecvRows)
+				items, packed, err = s.packForExpand(cpu, p.maxRecvRows)
 			}
 			if err == nil {
-				s.setItems(items)
+				s.setItems(items, packed)
 			}
 			return err
 		}, func() {
 			clear(int32sAt(s.counts.addr(), int64(p.numLocal+1)))
-			s.setItems(0)
+			s.setItems(0, 0)
 		})
 	}
 	k := s.k
-	if err == nil { // the packed rows (one per token and source at most) and each item's row
-		err = s.dev.MemcpyAsync(k.rows.p, s.rows.addr(), uint64(p.world)*uint64(p.maxTokens)*rb, a.Stream)
-	}
-	if err == nil {
+	if err == nil { // each item's packed row
 		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), 4*uint64(p.maxRecvRows), a.Stream)
+	}
+	if err == nil { // the packed rows, one per token and source at most
+		most := int64(p.world) * int64(p.maxTokens)
+		sp := &stagedParams{Src: uint64(s.rows.dp), Dst: uint64(k.rows.p), Items: most, RowPacks: int32(rb / 16),
+			ItemsAt: s.packedAt()}
+		err = k.launch(s.dev, k.expand, most, sp, a.Stream)
 	}
 	if err == nil {
 		sp := &stagedParams{Src: uint64(k.rows.p), Dst: uint64(a.Out.X), Index: uint64(k.index.p), Items: p.maxRecvRows,
@@ -204,7 +220,7 @@ func (s *stagedEngine) dispatchAsync(cpu *cpuEngine, a *DispatchArgs, capturing 
 
 // combineAsync queues a capturable combine in stream order: a host function
 // writes the pairs of every token this rank received, they go up,
-// moe_staged_partials computes their partials, which come down, a second
+// moe_staged_partials writes their partials into pinned memory, a second
 // host function runs the host path's combine on them, and y goes up.
 func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs, capturing bool) error {
 	p, k := s.p, s.k
@@ -226,22 +242,19 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs, capturing bo
 		bases, n, err := s.pairsForPartials(cpu, expertRows, true)
 		if err == nil {
 			s.bases = bases
-			s.setItems(n)
+			s.setItems(n, 0)
 		}
 		return err
-	}, func() { s.setItems(0) })
+	}, func() { s.setItems(0, 0) })
 	most := int64(p.world) * int64(p.maxTokens) // tokens received at most
 	if err == nil {                             // the pairs' rows, then their weights at weightsAt
 		err = s.dev.MemcpyAsync(k.index.p, s.index.addr(), 8*uint64(p.maxRecvRows), a.Stream)
 	}
 	if err == nil {
-		sp := &stagedParams{Src: uint64(a.ExpertOut), Dst: uint64(k.rows.p), Index: uint64(k.index.p),
+		sp := &stagedParams{Src: uint64(a.ExpertOut), Dst: uint64(s.rows.dp), Index: uint64(k.index.p),
 			Weights: uint64(k.index.p) + uint64(s.weightsAt()), Items: most, RowPacks: int32(rb / 16), TopK: int32(p.topK),
 			ItemsAt: uint64(s.items.dp)}
 		err = k.launch(s.dev, k.partials, most, sp, a.Stream)
-	}
-	if err == nil {
-		err = s.dev.MemcpyAsync(s.rows.addr(), k.rows.p, uint64(most*cb), a.Stream)
 	}
 	if err == nil {
 		err = s.hostStep(a.Stream, "combine", capturing, func() error {

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand"
-	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -68,6 +67,14 @@ func (d *hostDevice) record(f func()) {
 	d.graph = append(d.graph, f)
 }
 
+// queueReplay queues a replay of the graph behind the queued steps, as a
+// replay launched on the stream and not yet run.
+func (d *hostDevice) queueReplay() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.queued = append(d.queued, d.graph...)
+}
+
 // replay runs the graph's steps once, in order.
 func (d *hostDevice) replay() {
 	d.mu.Lock()
@@ -118,8 +125,13 @@ func (d *hostDevice) LaunchHostFunc(_ uintptr, fn func()) (func(), error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.hostFuncs++
-	d.enqueue(fn)
-	return func() {}, nil
+	var released atomic.Bool // as with the driver: a released function runs nothing
+	d.enqueue(func() {
+		if !released.Load() {
+			fn()
+		}
+	})
+	return func() { released.Store(true) }, nil
 }
 
 func (d *hostDevice) LaunchHostFuncOnce(stream uintptr, fn func()) error {
@@ -159,14 +171,18 @@ func runStagedKernel(expr string, sp stagedParams) {
 	if sp.ItemsAt != 0 {
 		sp.Items = min(max(*(*int64)(hostPtr(uintptr(sp.ItemsAt))), 0), sp.Items)
 	}
-	index := unsafe.Slice((*int32)(hostPtr(uintptr(sp.Index))), max(sp.Items*int64(max(sp.TopK, 1)), 1))
 	if expr == "moe_staged_expand" {
 		for r := range sp.Items {
+			from := r // no index: row r
+			if sp.Index != 0 {
+				from = int64(unsafe.Slice((*int32)(hostPtr(uintptr(sp.Index))), sp.Items)[r])
+			}
 			copy(unsafe.Slice((*byte)(hostPtr(uintptr(sp.Dst+uint64(r*rb)))), rb),
-				unsafe.Slice((*byte)(hostPtr(uintptr(sp.Src+uint64(int64(index[r])*rb)))), rb))
+				unsafe.Slice((*byte)(hostPtr(uintptr(sp.Src+uint64(from*rb)))), rb))
 		}
 		return
 	}
+	index := unsafe.Slice((*int32)(hostPtr(uintptr(sp.Index))), max(sp.Items*int64(max(sp.TopK, 1)), 1))
 	var dt, tr reduce.DType
 	for d := range cTypes {
 		for _, t := range []reduce.DType{reduce.Float32, d} {
@@ -314,6 +330,7 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
 			}
 			var devs []*hostDevice
+			lastY, lastRes := make([][]byte, W), make([]result, W)
 			errs := onStagedNodes(l.local, &devs)(t, W, cfg, func(r int, ep *EP) error {
 				d, T := devs[r], sizes[r]
 				in := makeTokens(rand.New(rand.NewSource(1)), T, H, E, K, dt, 0) // the graph's input buffers
@@ -377,10 +394,25 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 						return fmt.Errorf("replay %d: combine differs from the emulation", i)
 					}
 				}
+				// A replay still queued as the EP closes runs first, its peers' with it.
+				copy(in.x, rounds[0][r].x)
+				copy(in.idx, rounds[0][r].idx)
+				copy(in.w, rounds[0][r].w)
+				clear(y)
+				d.queueReplay()
+				lastY[r], lastRes[r] = y, res
 				return nil
 			})
 			if err := errors.Join(errs...); err != nil {
 				t.Fatal(err)
+			}
+			for r := range W {
+				if err := checkDispatch(lastRes[r], rounds[0], r, W, E, K, H, dt); err != nil {
+					t.Errorf("the replay queued as the EP closed: %v", err)
+				}
+				if string(lastY[r]) != string(emulate(rounds[0][r], r, W, E, K, H, dt, tr)) {
+					t.Errorf("rank %d: the replay queued as the EP closed: combine differs from the emulation", r)
+				}
 			}
 		})
 	}
@@ -478,8 +510,8 @@ func eagerMisalignedRound(ep *EP, tk tokens, T, H int, dt reduce.DType) error {
 
 // Capturable calls run in stream order outside a capture too: queued, their
 // host functions not yet run, an eager call after them waits for them, and
-// both give their bits; an EP closed with a call still queued runs none of
-// its host work and gives every buffer back.
+// both give their bits; a call still queued as the EP closes completes
+// first, and every buffer goes back.
 func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 	ucxtest.Need(t)
 	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
@@ -497,14 +529,7 @@ func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 			cfg := func(int) Config {
 				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
 			}
-			last, late := make([]atomic.Bool, W), make([]atomic.Int32, W)
-			kept := make([]result, W) // the outputs of calls queued as the EPs close, alive until they ran
-			hostStepHook = func(rank int, _ string) {
-				if last[rank].Load() {
-					late[rank].Add(1)
-				}
-			}
-			defer func() { hostStepHook = nil }()
+			kept := make([]result, W) // the outputs of calls queued as the EPs close
 			var devs []*hostDevice
 			errs := onStagedNodes(l.local, &devs)(t, W, cfg, func(r int, ep *EP) error {
 				d, T, R := devs[r], sizes[r], ep.maxRecvRows
@@ -554,9 +579,8 @@ func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 				if string(yB) != string(emulate(b, r, W, E, K, H, dt, tr)) {
 					return fmt.Errorf("the eager combine differs from the emulation")
 				}
-				last[r].Store(true)
 				var err2 error
-				if kept[r], err2 = queue(a); err2 != nil { // left queued as the EP closes
+				if kept[r], err2 = queue(b); err2 != nil { // left queued as the EP closes
 					return fmt.Errorf("last capturable dispatch: %w", err2)
 				}
 				return nil
@@ -564,10 +588,9 @@ func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 			if err := errors.Join(errs...); err != nil {
 				t.Fatal(err)
 			}
-			runtime.KeepAlive(kept)
 			for r, d := range devs {
-				if n := late[r].Load(); n != 0 {
-					t.Errorf("rank %d: %d host functions did their work after the EP closed", r, n)
+				if err := checkDispatch(kept[r], rounds[1], r, W, E, K, H, dt); err != nil {
+					t.Errorf("the call queued as the EP closed: %v", err)
 				}
 				if len(d.queued) != 0 || len(d.pinned) != 0 {
 					t.Errorf("rank %d: %d steps queued, %d pinned or device buffers left after close", r, len(d.queued), len(d.pinned))

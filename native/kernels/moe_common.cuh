@@ -376,13 +376,14 @@ static_assert(sizeof(MoePostParams::peer_status) + 4 * sizeof(void*) + sizeof(u6
 struct MoeStagedParams {
   const char* src;
   char* dst;
-  const int* index;
+  const int* index;  // expand: nullptr copies rows as they are
   const float* weights;
   i64 items;
   int row_packs;
   int topk;
-  // Written by the host function ordered before the launch: calls a CUDA
-  // graph records learn their count at each replay.
+  // Written by the host function ordered before the launch: calls in
+  // stream order (and their replays in a CUDA graph) learn their count
+  // when they run.
   const i64* items_at;
 };
 static_assert(sizeof(MoeStagedParams) == 56, "MoeStagedParams size");

@@ -2,12 +2,13 @@
 // tensors whose ranks span nodes. The host moves rows between ranks and
 // decides their order; these kernels do the work that would otherwise take
 // the rows through the host twice: moe_staged_expand lays the received rows
-// out in expert-major order, moe_staged_partials computes each received
-// token's weighted partial from the expert outputs, with the host path's
-// bits (float32 from +0, k ascending, each product and sum rounded, the
-// partial rounded once to C). One block per row or item, any grid; the
-// item count comes with the launch or, in calls a CUDA graph replays, from
-// the host function before it (MoeStagedParams::items_at).
+// out in expert-major order (without an index it copies rows as they
+// are), moe_staged_partials computes each received token's weighted
+// partial from the expert outputs, with the host path's bits (float32 from
+// +0, k ascending, each product and sum rounded, the partial rounded once
+// to C). One block per row or item, any grid; the item count comes with
+// the launch or, in calls in stream order, from the host function before
+// it (MoeStagedParams::items_at).
 #include "moe_common.cuh"
 
 // p2pcomm:instantiate moe_staged_expand
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_staged_expand(const MoeStaged
   const i64 rb = (i64)p.row_packs * kPackBytes;
   const i64 items = staged_items(p);
   for (i64 r = blockIdx.x; r < items; r += gridDim.x) {
-    const char* src = p.src + (i64)p.index[r] * rb;
+    const char* src = p.src + (p.index != nullptr ? (i64)p.index[r] : r) * rb;  // no index: a plain copy
     char* dst = p.dst + r * rb;
     for (int c = threadIdx.x; c < p.row_packs; c += blockDim.x) st_v16(dst + (i64)c * kPackBytes, ld_v16(src + (i64)c * kPackBytes));
   }
