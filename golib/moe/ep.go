@@ -336,8 +336,10 @@ func (e *EP) Trace() []Launch {
 }
 
 // Close releases this rank's streams, events and pinned memory; the
-// symmetric buffers live until the communicator closes. Not collective;
-// calls afterwards fail with status.State. Idempotent.
+// symmetric buffers live until the communicator closes. Not collective,
+// but across nodes on GPUs it first waits for the device, so calls still
+// queued in stream order finish, each waiting for its peers at most the
+// timeout. Calls afterwards fail with status.State. Idempotent.
 func (e *EP) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()

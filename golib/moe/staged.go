@@ -112,7 +112,8 @@ type stagedEngine struct {
 	host io.Closer // the host backend this EP made for itself
 	p    *plan
 	// in: a dispatch's x, then its ids and weights; a combine's y.
-	// rows: with kernels, the received rows up, then the partials down.
+	// rows: with kernels, the received rows going up, then the partials
+	// (come down, or written in place by calls in stream order).
 	// laid: where the host lays out rows: dispatched rows out, a
 	// combine's expert rows in (configurations or outputs the kernels do
 	// not take). index: the kernels' row indices and weights.
@@ -126,7 +127,8 @@ type stagedEngine struct {
 	// host work in host functions.
 	hostMu   sync.Mutex            // the host path's state: host functions against the caller's thread
 	ordered  bool                  // a call in stream order was made: its host functions may be pending
-	items    growBuf               // mapped: the count the next kernel reads
+	closed   atomic.Bool           // quiesced: a host function reached after it runs nothing
+	items    growBuf               // mapped: the item and packed-row counts the next kernels read
 	bases    []int64               // a combine's partials by source, from its first host function to its second
 	failed   atomic.Pointer[error] // a host function's failure, raised by the next call
 	releases []func()              // host functions recorded in CUDA graphs, forgotten at close
@@ -312,6 +314,11 @@ func (s *stagedEngine) expand(cpu *cpuEngine, out Rows, stream uintptr) error {
 	if err := s.settle(); err != nil {
 		return err
 	}
+	if s.ordered { // a call in stream order may still be running its host functions
+		if err := s.dev.StreamSynchronize(stream); err != nil {
+			return err
+		}
+	}
 	if s.kernelsFor(out.X) {
 		return s.expandOnDevice(cpu, out, out.Rows, stream)
 	}
@@ -456,7 +463,8 @@ func (s *stagedEngine) quiesce() {
 	if err := s.dev.EnsureContext(); err == nil {
 		s.dev.CtxSynchronize()
 	}
-	s.hostMu.Lock() // a host function that is running holds it
+	s.closed.Store(true) // should the device not have drained (a broken context), what runs later does nothing
+	s.hostMu.Lock()      // a host function that is running holds it
 	s.hostMu.Unlock()
 	for _, r := range s.releases {
 		r()

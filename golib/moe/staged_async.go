@@ -105,8 +105,14 @@ var hostStepHook func(rank int, step string)
 // step's outputs saying so.
 func (s *stagedEngine) hostStep(stream uintptr, step string, recorded bool, fn func() error, onFail func()) error {
 	guarded := func() {
+		if s.closed.Load() {
+			return // its buffers may be gone
+		}
 		s.hostMu.Lock()
 		defer s.hostMu.Unlock()
+		if s.closed.Load() {
+			return
+		}
 		defer func() {
 			if v := recover(); v != nil {
 				s.fail(status.Errorf(status.Internal, "ExpertParallel across nodes: the host's part of a call (%s) panicked: %v", step, v))

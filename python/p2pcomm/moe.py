@@ -251,7 +251,9 @@ class ExpertParallel:
 
     def close(self) -> None:
         """Release this rank's own resources (streams, events, pinned memory); the symmetric
-        memory is released when the communicator closes. Not collective; idempotent."""
+        memory is released when the communicator closes. Not collective; idempotent. Across
+        nodes on GPUs it first waits for the device, so capturable calls still queued finish
+        (each waits for its peers at most ``P2PCOMM_TIMEOUT_MS``)."""
         if not self._closed:
             self._closed = True
             self._latest = self._op_recv = None
