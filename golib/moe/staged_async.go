@@ -67,10 +67,9 @@ func (s *stagedEngine) asyncReady(capturing bool) error {
 		b.buf.free(s.dev)
 		b.buf.fixed, b.buf.mapped = true, b.mapped
 		if err := b.buf.reserve(s.dev, b.n, b.n, b.what); err != nil {
-			for _, b := range bufs { // eager calls may still grow them
+			for _, b := range bufs { // not ready (items is made last): eager calls may still grow them
 				b.buf.fixed = false
 			}
-			s.items.free(s.dev) // not ready
 			return err
 		}
 	}
