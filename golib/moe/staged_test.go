@@ -259,6 +259,14 @@ func onStagedNodesOf(localSize int, timeout time.Duration, devs *[]*hostDevice) 
 	}
 }
 
+// onTwoNodeLayouts runs f as a subtest for 2 nodes of 1 rank and of 2.
+func onTwoNodeLayouts(t *testing.T, f func(t *testing.T, world, local int)) {
+	t.Helper()
+	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
+		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) { f(t, l.world, l.local) })
+	}
+}
+
 // GPU tensors across nodes go through pinned host memory and give the
 // host path's bits: 2 nodes of 1 and of 2, eager and capturable, both
 // transits; the kernels lay out the rows and make the partials where they
@@ -266,36 +274,34 @@ func onStagedNodesOf(localSize int, timeout time.Duration, devs *[]*hostDevice) 
 // and device byte is given back when the EPs close.
 func TestStagedAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 	ucxtest.Need(t)
-	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
-		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) {
-			W := l.world
-			for _, c := range []roundsCase{
-				{W, 2 * W, 3, 24, 9, reduce.BFloat16, reduce.BFloat16, 0.2},
-				{W, 2 * W, 8, 16, 6, reduce.Float32, reduce.Float32, 0.1},
-				{W, 2 * W, 4, 1024, 40, reduce.BFloat16, reduce.Float32, 0.1}, // split among workers
-				{W, 2 * W, 3, 8, 5, reduce.Float64, reduce.Float32, 0.1},
-			} {
-				var devs []*hostDevice
-				checkRounds(t, onStagedNodes(l.local, &devs), []roundsCase{c})
-				for r, d := range devs {
-					if d.copied == 0 {
-						t.Errorf("%s: rank %d: nothing went between device and host", c.dt, r)
-					}
-					if kernels := len(d.launched) > 0; kernels != (c.dt != reduce.Float64) {
-						t.Errorf("%s: rank %d launched %v", c.dt, r, d.launched)
-					}
-					// Capturable calls the kernels take run in stream order; the others
-					// wait for the host on the caller's thread.
-					if ordered := d.hostFuncs > 0; ordered != (c.dt != reduce.Float64) {
-						t.Errorf("%s: rank %d launched %d host functions", c.dt, r, d.hostFuncs)
-					}
-					if len(d.pinned) != 0 {
-						t.Errorf("%s: rank %d: %d pinned or device buffers left after close", c.dt, r, len(d.pinned))
-					}
+	onTwoNodeLayouts(t, func(t *testing.T, world, local int) {
+		W := world
+		for _, c := range []roundsCase{
+			{W, 2 * W, 3, 24, 9, reduce.BFloat16, reduce.BFloat16, 0.2},
+			{W, 2 * W, 8, 16, 6, reduce.Float32, reduce.Float32, 0.1},
+			{W, 2 * W, 4, 1024, 40, reduce.BFloat16, reduce.Float32, 0.1}, // split among workers
+			{W, 2 * W, 3, 8, 5, reduce.Float64, reduce.Float32, 0.1},
+		} {
+			var devs []*hostDevice
+			checkRounds(t, onStagedNodes(local, &devs), []roundsCase{c})
+			for r, d := range devs {
+				if d.copied == 0 {
+					t.Errorf("%s: rank %d: nothing went between device and host", c.dt, r)
+				}
+				if kernels := len(d.launched) > 0; kernels != (c.dt != reduce.Float64) {
+					t.Errorf("%s: rank %d launched %v", c.dt, r, d.launched)
+				}
+				// Capturable calls the kernels take run in stream order; the others
+				// wait for the host on the caller's thread.
+				if ordered := d.hostFuncs > 0; ordered != (c.dt != reduce.Float64) {
+					t.Errorf("%s: rank %d launched %d host functions", c.dt, r, d.hostFuncs)
+				}
+				if len(d.pinned) != 0 {
+					t.Errorf("%s: rank %d: %d pinned or device buffers left after close", c.dt, r, len(d.pinned))
 				}
 			}
-		})
-	}
+		}
+	})
 }
 
 // Rejected calls fail on every rank and move nothing; every rank is usable
@@ -312,110 +318,108 @@ func TestStagedRejectedCallsMoveNothing(t *testing.T) {
 // ids; 2 nodes of 1 and of 2. Nothing runs while recording.
 func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 	ucxtest.Need(t)
-	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
-		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) {
-			W, E, K, H, Tm := l.world, 2*l.world, 3, 24, 9
-			dt, tr := reduce.BFloat16, reduce.Float32
-			sizes := make([]int, W)
-			for q := range sizes {
-				sizes[q] = []int{Tm, 0, 1 + (5*q)%Tm}[min(q, 2)]
+	onTwoNodeLayouts(t, func(t *testing.T, world, local int) {
+		W, E, K, H, Tm := world, 2*world, 3, 24, 9
+		dt, tr := reduce.BFloat16, reduce.Float32
+		sizes := make([]int, W)
+		for q := range sizes {
+			sizes[q] = []int{Tm, 0, 1 + (5*q)%Tm}[min(q, 2)]
+		}
+		rounds := make([][]tokens, 3)
+		for i := range rounds {
+			for q := range W {
+				rounds[i] = append(rounds[i], makeTokens(rand.New(rand.NewSource(int64(300+10*i+q))), sizes[q], H, E, K, dt, 0.2))
 			}
-			rounds := make([][]tokens, 3)
-			for i := range rounds {
-				for q := range W {
-					rounds[i] = append(rounds[i], makeTokens(rand.New(rand.NewSource(int64(300+10*i+q))), sizes[q], H, E, K, dt, 0.2))
-				}
+		}
+		cfg := func(int) Config {
+			return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
+		}
+		var devs []*hostDevice
+		lastY, lastRes := make([][]byte, W), make([]result, W)
+		errs := onStagedNodes(local, &devs)(t, W, cfg, func(r int, ep *EP) error {
+			d, T := devs[r], sizes[r]
+			in := makeTokens(rand.New(rand.NewSource(1)), T, H, E, K, dt, 0) // the graph's input buffers
+			y := make([]byte, T*H*dt.Size())
+			// A capturable round outside the capture first, as a warm-up would.
+			warm, err := dispatch(ep, in, T, true, 0)
+			if err == nil {
+				err = ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(warm, H, dt)), ExpertRows: warm.rows, Y: addr(y),
+					NumTokens: T, Capturable: true})
 			}
-			cfg := func(int) Config {
-				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
+			if err == nil {
+				err = settled(ep)
 			}
-			var devs []*hostDevice
-			lastY, lastRes := make([][]byte, W), make([]result, W)
-			errs := onStagedNodes(l.local, &devs)(t, W, cfg, func(r int, ep *EP) error {
-				d, T := devs[r], sizes[r]
-				in := makeTokens(rand.New(rand.NewSource(1)), T, H, E, K, dt, 0) // the graph's input buffers
-				y := make([]byte, T*H*dt.Size())
-				// A capturable round outside the capture first, as a warm-up would.
-				warm, err := dispatch(ep, in, T, true, 0)
-				if err == nil {
-					err = ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(warm, H, dt)), ExpertRows: warm.rows, Y: addr(y),
-						NumTokens: T, Capturable: true})
-				}
-				if err == nil {
-					err = settled(ep)
-				}
-				if err != nil {
-					return fmt.Errorf("warm-up: %w", err)
-				}
-				d.capturing = true
-				res, err := dispatch(ep, in, T, true, 0)
-				var out []byte
-				if err == nil {
-					out = make([]byte, len(res.x))
-					d.record(func() { copy(out, expertOut(res, H, dt)) })
-					err = ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y), NumTokens: T, Capturable: true})
-				}
-				d.capturing = false
-				if err != nil {
-					return fmt.Errorf("recording: %w", err)
-				}
-				if len(d.queued) != 0 {
-					return fmt.Errorf("%d steps ran outside the graph", len(d.queued))
-				}
-				// An eager round between recording and replays, its rows laid out by
-				// the host (an output the kernels cannot address): the buffers the
-				// graph holds stay where it recorded them.
-				held := func() []uintptr {
-					st := ep.staged
-					return []uintptr{st.rows.p, st.index.p, st.info.p, st.in.p, st.counts.p, st.k.rows.p, st.k.index.p, st.items.dp}
-				}
-				before := held()
-				if err := eagerMisalignedRound(ep, in, T, H, dt); err != nil {
-					return fmt.Errorf("eager round: %w", err)
-				}
-				if after := held(); !slices.Equal(before, after) {
-					return fmt.Errorf("a buffer the graph holds moved after the capture: %#x -> %#x", before, after)
-				}
-				for i, all := range rounds {
-					copy(in.x, all[r].x)
-					copy(in.idx, all[r].idx)
-					copy(in.w, all[r].w)
-					for j := range res.x {
-						res.x[j] = 0xff // rows a replay does not write show up
-					}
-					d.replay()
-					if err := ep.staged.failure(); err != nil {
-						return fmt.Errorf("replay %d: %w", i, err)
-					}
-					if err := checkDispatch(res, all, r, W, E, K, H, dt); err != nil {
-						return fmt.Errorf("replay %d: %w", i, err)
-					}
-					if want := emulate(all[r], r, W, E, K, H, dt, tr); string(y) != string(want) {
-						return fmt.Errorf("replay %d: combine differs from the emulation", i)
-					}
-				}
-				// A replay still queued as the EP closes runs first, its peers' with it.
-				copy(in.x, rounds[0][r].x)
-				copy(in.idx, rounds[0][r].idx)
-				copy(in.w, rounds[0][r].w)
-				clear(y)
-				d.queueReplay()
-				lastY[r], lastRes[r] = y, res
-				return nil
-			})
-			if err := errors.Join(errs...); err != nil {
-				t.Fatal(err)
+			if err != nil {
+				return fmt.Errorf("warm-up: %w", err)
 			}
-			for r := range W {
-				if err := checkDispatch(lastRes[r], rounds[0], r, W, E, K, H, dt); err != nil {
-					t.Errorf("the replay queued as the EP closed: %v", err)
+			d.capturing = true
+			res, err := dispatch(ep, in, T, true, 0)
+			var out []byte
+			if err == nil {
+				out = make([]byte, len(res.x))
+				d.record(func() { copy(out, expertOut(res, H, dt)) })
+				err = ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y), NumTokens: T, Capturable: true})
+			}
+			d.capturing = false
+			if err != nil {
+				return fmt.Errorf("recording: %w", err)
+			}
+			if len(d.queued) != 0 {
+				return fmt.Errorf("%d steps ran outside the graph", len(d.queued))
+			}
+			// An eager round between recording and replays, its rows laid out by
+			// the host (an output the kernels cannot address): the buffers the
+			// graph holds stay where it recorded them.
+			held := func() []uintptr {
+				st := ep.staged
+				return []uintptr{st.rows.p, st.index.p, st.info.p, st.in.p, st.counts.p, st.k.rows.p, st.k.index.p, st.items.dp}
+			}
+			before := held()
+			if err := eagerMisalignedRound(ep, in, T, H, dt); err != nil {
+				return fmt.Errorf("eager round: %w", err)
+			}
+			if after := held(); !slices.Equal(before, after) {
+				return fmt.Errorf("a buffer the graph holds moved after the capture: %#x -> %#x", before, after)
+			}
+			for i, all := range rounds {
+				copy(in.x, all[r].x)
+				copy(in.idx, all[r].idx)
+				copy(in.w, all[r].w)
+				for j := range res.x {
+					res.x[j] = 0xff // rows a replay does not write show up
 				}
-				if string(lastY[r]) != string(emulate(rounds[0][r], r, W, E, K, H, dt, tr)) {
-					t.Errorf("rank %d: the replay queued as the EP closed: combine differs from the emulation", r)
+				d.replay()
+				if err := ep.staged.failure(); err != nil {
+					return fmt.Errorf("replay %d: %w", i, err)
+				}
+				if err := checkDispatch(res, all, r, W, E, K, H, dt); err != nil {
+					return fmt.Errorf("replay %d: %w", i, err)
+				}
+				if want := emulate(all[r], r, W, E, K, H, dt, tr); string(y) != string(want) {
+					return fmt.Errorf("replay %d: combine differs from the emulation", i)
 				}
 			}
+			// A replay still queued as the EP closes runs first, its peers' with it.
+			copy(in.x, rounds[0][r].x)
+			copy(in.idx, rounds[0][r].idx)
+			copy(in.w, rounds[0][r].w)
+			clear(y)
+			d.queueReplay()
+			lastY[r], lastRes[r] = y, res
+			return nil
 		})
-	}
+		if err := errors.Join(errs...); err != nil {
+			t.Fatal(err)
+		}
+		for r := range W {
+			if err := checkDispatch(lastRes[r], rounds[0], r, W, E, K, H, dt); err != nil {
+				t.Errorf("the replay queued as the EP closed: %v", err)
+			}
+			if string(lastY[r]) != string(emulate(rounds[0][r], r, W, E, K, H, dt, tr)) {
+				t.Errorf("rank %d: the replay queued as the EP closed: combine differs from the emulation", r)
+			}
+		}
+	})
 }
 
 // A host function that panics fails its call like any other failure: a
@@ -514,90 +518,88 @@ func eagerMisalignedRound(ep *EP, tk tokens, T, H int, dt reduce.DType) error {
 // first, and every buffer goes back.
 func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 	ucxtest.Need(t)
-	for _, l := range []struct{ world, local int }{{2, 1}, {4, 2}} {
-		t.Run(fmt.Sprintf("%dx%d", l.world/l.local, l.local), func(t *testing.T) {
-			W, E, K, H, Tm := l.world, 2*l.world, 3, 32, 6
-			dt, tr := reduce.BFloat16, reduce.Float32
-			sizes := make([]int, W)
-			rounds := make([][]tokens, 2)
-			for q := range W {
-				sizes[q] = []int{Tm, 4, 0, 5}[q%4]
-				for i := range rounds {
-					rounds[i] = append(rounds[i], makeTokens(rand.New(rand.NewSource(int64(500+10*i+q))), sizes[q], H, E, K, dt, 0.2))
-				}
+	onTwoNodeLayouts(t, func(t *testing.T, world, local int) {
+		W, E, K, H, Tm := world, 2*world, 3, 32, 6
+		dt, tr := reduce.BFloat16, reduce.Float32
+		sizes := make([]int, W)
+		rounds := make([][]tokens, 2)
+		for q := range W {
+			sizes[q] = []int{Tm, 4, 0, 5}[q%4]
+			for i := range rounds {
+				rounds[i] = append(rounds[i], makeTokens(rand.New(rand.NewSource(int64(500+10*i+q))), sizes[q], H, E, K, dt, 0.2))
 			}
-			cfg := func(int) Config {
-				return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
+		}
+		cfg := func(int) Config {
+			return Config{NumExperts: E, Hidden: H, MaxTokens: Tm, TopK: K, DType: dt, CombineDType: tr, Capturable: true}
+		}
+		kept := make([]result, W) // the outputs of calls queued as the EPs close
+		var devs []*hostDevice
+		errs := onStagedNodes(local, &devs)(t, W, cfg, func(r int, ep *EP) error {
+			d, T, R := devs[r], sizes[r], ep.maxRecvRows
+			rb := int64(H * dt.Size())
+			queue := func(tk tokens) (result, error) {
+				res := result{x: make([]byte, R*rb), info: make([]int32, 4*R), counts: make([]int32, ep.numLocal+1), rows: R}
+				_, err := ep.Dispatch(&DispatchArgs{X: addr(tk.x), TopkIdx: addr(tk.idx), TopkWeights: addr(tk.w),
+					NumTokens: T, IdxBytes: 8, Capturable: true,
+					Out: Rows{X: addr(res.x), Info: addr(res.info), Counts: addr(res.counts), Rows: R}})
+				return res, err
 			}
-			kept := make([]result, W) // the outputs of calls queued as the EPs close
-			var devs []*hostDevice
-			errs := onStagedNodes(l.local, &devs)(t, W, cfg, func(r int, ep *EP) error {
-				d, T, R := devs[r], sizes[r], ep.maxRecvRows
-				rb := int64(H * dt.Size())
-				queue := func(tk tokens) (result, error) {
-					res := result{x: make([]byte, R*rb), info: make([]int32, 4*R), counts: make([]int32, ep.numLocal+1), rows: R}
-					_, err := ep.Dispatch(&DispatchArgs{X: addr(tk.x), TopkIdx: addr(tk.idx), TopkWeights: addr(tk.w),
-						NumTokens: T, IdxBytes: 8, Capturable: true,
-						Out: Rows{X: addr(res.x), Info: addr(res.info), Counts: addr(res.counts), Rows: R}})
-					return res, err
-				}
-				a := rounds[0][r]
-				resA, err := queue(a)
-				if err != nil {
-					return fmt.Errorf("capturable dispatch: %w", err)
-				}
-				outA, yA := make([]byte, len(resA.x)), make([]byte, int64(T)*rb)
-				d.mu.Lock()
-				d.enqueue(func() { copy(outA, expertOut(resA, H, dt)) }) // the expert step, in stream order
-				d.mu.Unlock()
-				if err := ep.Combine(&CombineArgs{ExpertOut: addr(outA), ExpertRows: R, Y: addr(yA), NumTokens: T,
-					Capturable: true}); err != nil {
-					return fmt.Errorf("capturable combine: %w", err)
-				}
-				if d.hostFuncs == 0 || len(d.queued) == 0 {
-					return fmt.Errorf("the capturable calls ran at once (%d host functions, %d steps queued)", d.hostFuncs, len(d.queued))
-				}
-				b := rounds[1][r]
-				resB, err := dispatch(ep, b, T, false, 0)
-				if err != nil {
-					return fmt.Errorf("eager dispatch: %w", err)
-				}
-				if err := checkDispatch(resA, rounds[0], r, W, E, K, H, dt); err != nil {
-					return fmt.Errorf("capturable dispatch: %w", err)
-				}
-				if string(yA) != string(emulate(a, r, W, E, K, H, dt, tr)) {
-					return fmt.Errorf("the capturable combine differs from the emulation")
-				}
-				if err := checkDispatch(resB, rounds[1], r, W, E, K, H, dt); err != nil {
-					return fmt.Errorf("eager dispatch: %w", err)
-				}
-				yB := make([]byte, int64(T)*rb)
-				if err := ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(resB, H, dt)), ExpertRows: resB.rows, Y: addr(yB),
-					NumTokens: T}); err != nil {
-					return fmt.Errorf("eager combine: %w", err)
-				}
-				if string(yB) != string(emulate(b, r, W, E, K, H, dt, tr)) {
-					return fmt.Errorf("the eager combine differs from the emulation")
-				}
-				var err2 error
-				if kept[r], err2 = queue(b); err2 != nil { // left queued as the EP closes
-					return fmt.Errorf("last capturable dispatch: %w", err2)
-				}
-				return nil
-			})
-			if err := errors.Join(errs...); err != nil {
-				t.Fatal(err)
+			a := rounds[0][r]
+			resA, err := queue(a)
+			if err != nil {
+				return fmt.Errorf("capturable dispatch: %w", err)
 			}
-			for r, d := range devs {
-				if err := checkDispatch(kept[r], rounds[1], r, W, E, K, H, dt); err != nil {
-					t.Errorf("the call queued as the EP closed: %v", err)
-				}
-				if len(d.queued) != 0 || len(d.pinned) != 0 {
-					t.Errorf("rank %d: %d steps queued, %d pinned or device buffers left after close", r, len(d.queued), len(d.pinned))
-				}
+			outA, yA := make([]byte, len(resA.x)), make([]byte, int64(T)*rb)
+			d.mu.Lock()
+			d.enqueue(func() { copy(outA, expertOut(resA, H, dt)) }) // the expert step, in stream order
+			d.mu.Unlock()
+			if err := ep.Combine(&CombineArgs{ExpertOut: addr(outA), ExpertRows: R, Y: addr(yA), NumTokens: T,
+				Capturable: true}); err != nil {
+				return fmt.Errorf("capturable combine: %w", err)
 			}
+			if d.hostFuncs == 0 || len(d.queued) == 0 {
+				return fmt.Errorf("the capturable calls ran at once (%d host functions, %d steps queued)", d.hostFuncs, len(d.queued))
+			}
+			b := rounds[1][r]
+			resB, err := dispatch(ep, b, T, false, 0)
+			if err != nil {
+				return fmt.Errorf("eager dispatch: %w", err)
+			}
+			if err := checkDispatch(resA, rounds[0], r, W, E, K, H, dt); err != nil {
+				return fmt.Errorf("capturable dispatch: %w", err)
+			}
+			if string(yA) != string(emulate(a, r, W, E, K, H, dt, tr)) {
+				return fmt.Errorf("the capturable combine differs from the emulation")
+			}
+			if err := checkDispatch(resB, rounds[1], r, W, E, K, H, dt); err != nil {
+				return fmt.Errorf("eager dispatch: %w", err)
+			}
+			yB := make([]byte, int64(T)*rb)
+			if err := ep.Combine(&CombineArgs{ExpertOut: addr(expertOut(resB, H, dt)), ExpertRows: resB.rows, Y: addr(yB),
+				NumTokens: T}); err != nil {
+				return fmt.Errorf("eager combine: %w", err)
+			}
+			if string(yB) != string(emulate(b, r, W, E, K, H, dt, tr)) {
+				return fmt.Errorf("the eager combine differs from the emulation")
+			}
+			var err2 error
+			if kept[r], err2 = queue(b); err2 != nil { // left queued as the EP closes
+				return fmt.Errorf("last capturable dispatch: %w", err2)
+			}
+			return nil
 		})
-	}
+		if err := errors.Join(errs...); err != nil {
+			t.Fatal(err)
+		}
+		for r, d := range devs {
+			if err := checkDispatch(kept[r], rounds[1], r, W, E, K, H, dt); err != nil {
+				t.Errorf("the call queued as the EP closed: %v", err)
+			}
+			if len(d.queued) != 0 || len(d.pinned) != 0 {
+				t.Errorf("rank %d: %d steps queued, %d pinned or device buffers left after close", r, len(d.queued), len(d.pinned))
+			}
+		}
+	})
 }
 
 // Calls a CUDA graph cannot hold are refused on the rank that records

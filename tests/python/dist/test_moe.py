@@ -549,6 +549,17 @@ def capture_step(ep, static_x, first, rank):
     return graph, load, recv, y
 
 
+def replays(graph, load, recv, rounds):
+    """Replays the graph once per round with that round loaded, recv.x poisoned with NaN first (rows a
+    replay's dispatch does not write show up), and yields the round once the replay finished."""
+    for inputs in rounds:
+        load(inputs)
+        recv.x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        yield inputs
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("transit", TRANSITS)
 @pytest.mark.parametrize("tokens", ["full", "uneven"])
@@ -582,11 +593,7 @@ def test_capturable_mode(comms, device, transit, tokens):
     # CUDA: capture dispatch + expert + combine once, replay with new routing copied in.
     static_x = torch.zeros(sizes[r], H, dtype=dtype, device=device)
     graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
-    for inputs in rounds[1:] + rounds[:1]:
-        load(inputs)
-        recv.x.fill_(float("nan"))  # rows this replay's dispatch does not write show up
-        graph.replay()
-        torch.cuda.synchronize()
+    for inputs in replays(graph, load, recv, rounds[1:] + rounds[:1]):
         assert recv.x.shape == (W * Tm * K, H)
         check_round(recv, y, inputs)
     comm.check()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import p2pcomm
 from conftest import DEVICES
 from test_moe import (CASES, TRANSITS, assert_same_bits, capture_step, check_combine, check_dispatch, emulate_combine,
-                      experts_for, expert_fn, make_inputs, run_round, transit_dtype)
+                      experts_for, expert_fn, make_inputs, replays, run_round, transit_dtype)
 from test_nodes import Nodes
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("libucx") is None and not os.environ.get("P2PCOMM_UCX_LIB"),
@@ -107,16 +107,22 @@ def test_rails_carry_stripes_of_large_puts(group, device, monkeypatch):
             made.comm.close()
 
 
+def capturable_rounds(W, transit, seed):
+    """The capturable tests' configuration: E, K, H, Tm, dtype, T per rank (uneven, one rank none), three
+    rounds of inputs with -1 ids, and combine's dtype."""
+    E, K, H, Tm, dtype = 4 * W, 4, 48, 12, torch.bfloat16
+    sizes = [(Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
+    rounds = [[make_inputs(seed + i, q, sizes[q], H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    return E, K, H, Tm, dtype, sizes, rounds, transit_dtype(transit, dtype)
+
+
 @pytest.mark.parametrize("transit", TRANSITS)
 def test_capturable_across_nodes(nodes, transit):
     """Capturable rounds with uneven T (one rank none) and -1 ids: recv.x and the expert output rows past
     num_rows poisoned with NaN, which must not reach any result."""
     comm, dev = nodes.comm, nodes.device
     W, r = comm.world_size, comm.rank
-    E, K, H, Tm, dtype = 4 * W, 4, 48, 12, torch.bfloat16
-    sizes = [(Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
-    combine_dtype = transit_dtype(transit, dtype)
-    rounds = [[make_inputs(200 + i, q, sizes[q], H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    E, K, H, Tm, dtype, sizes, rounds, combine_dtype = capturable_rounds(W, transit, 200)
     with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype, capturable=True,
                combine_dtype=combine_dtype) as ep:
         recv = None
@@ -225,19 +231,12 @@ def test_cuda_graph_replays_across_nodes(nodes, transit):
         pytest.skip("CUDA graphs: GPU tensors only")
     comm = nodes.comm
     W, r = comm.world_size, comm.rank
-    E, K, H, Tm, dtype = 4 * W, 4, 48, 12, torch.bfloat16
-    sizes = [(Tm - 3, 0, Tm, 5)[q % 4] for q in range(W)]
-    combine_dtype = transit_dtype(transit, dtype)
-    rounds = [[make_inputs(400 + i, q, sizes[q], H, E, K, dtype, "random", 0.25) for q in range(W)] for i in range(3)]
+    E, K, H, Tm, dtype, sizes, rounds, combine_dtype = capturable_rounds(W, transit, 400)
     with ep_of(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype, capturable=True,
                combine_dtype=combine_dtype) as ep:
         static_x = torch.zeros(sizes[r], H, dtype=dtype, device="cuda")
         graph, load, recv, y = capture_step(ep, static_x, rounds[0], r)
-        for inputs in rounds[1:] + rounds[:1]:
-            load(inputs)
-            recv.x.fill_(float("nan"))  # rows this replay's dispatch does not write show up
-            graph.replay()
-            torch.cuda.synchronize()
+        for inputs in replays(graph, load, recv, rounds[1:] + rounds[:1]):
             assert_no_failure(ep, y)
             check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
             check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
