@@ -251,10 +251,10 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 		return 0, err
 	}
 	if c.rl != nil {
-		if err := c.forward(); err != nil {
+		if err := c.barrier(collective.CallMoeDispatch, "forward"); err != nil {
 			return 0, err
 		}
-		if err := c.barrier(collective.CallMoeDispatch, "forward"); err != nil {
+		if err := c.forward(); err != nil {
 			return 0, err
 		}
 	}

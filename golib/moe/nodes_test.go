@@ -47,10 +47,10 @@ func TestCPUAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 }
 
 // Relays: in 2 nodes of 2, a token of rank 0 whose experts all live on
-// node 1 crosses the network once, to its relay there (rank 2), which
-// hands it to rank 3; its combine comes back as one partial per token,
-// from the relay. Every row and combine still matches the documented order
-// and rounding.
+// node 1 crosses the network once, to its relay there (rank 2), where rank
+// 3 takes it too; its combine comes back as one partial per token, from
+// the relay. Every row and combine still matches the documented order and
+// rounding.
 func TestCPURelaysSendATokenOncePerNode(t *testing.T) {
 	ucxtest.Need(t)
 	const W, E, K, H, Tm = 4, 4, 2, 16, 6

@@ -6,27 +6,25 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/topo"
+	timeline "github.com/p2pcomm/p2pcomm/golib/trace"
 )
 
 // Relays: across nodes, a token crosses the network once per node that
 // holds any of its experts, not once per rank there. Source s sends it to
 // one rank of that node, s's relay there (the rank with s's local index,
-// modulo the node's size), which hands it on inside its node (shared
-// memory) to every rank holding one of its experts, at the [source, slot]
-// where s's own send would have put it. Combine goes back the same way:
-// the node's ranks leave their partials of s's tokens with the relay,
-// which sums them in rank order (float32 from +0, rounded once to the
-// transit type) and sends one partial per (token, node) to s. A node of
-// one rank is reached directly: its relay would be itself.
+// modulo the node's size); after a "forward" barrier each rank of the node
+// takes from the relay's area (shared memory) the tokens with an expert of
+// its own, into the [source, slot] where s's send would have put them.
+// Combine goes back the same way: the node's ranks leave their partials
+// of s's tokens in their relay areas and, after a "partials" barrier, the
+// relay sums them in rank order (float32 from +0, rounded once to the
+// transit type) and sends s one partial per (token, node). A node of one
+// rank is reached directly: its relay would be itself.
 //
 // So across nodes a token's result is the float32 sum from +0, in node
 // order, of one partial per node, each the transit-rounded float32 sum of
 // that node's ranks' partials in rank order (its own node's too); with
 // nodes of one rank these are the single-node bits.
-//
-// Each call gains a barrier: a dispatch's relays hand rows on after the
-// middle barrier and before a "forward" one; a combine's sum after a
-// "partials" one and before the middle one.
 
 // relaying says whether an EP over tp relays: several nodes, one of which
 // has several ranks.
@@ -45,28 +43,23 @@ func relaying(tp *topo.Topology) bool {
 // relays is one rank's part in relaying.
 type relays struct {
 	tp       *topo.Topology
-	node     int      // this rank's node
-	local    []int    // its ranks, ascending
-	localIdx []int    // by rank: its index in its node
-	area     [][]byte // by rank of this node: its relay area as mapped here (nil elsewhere)
-	meta     []int32  // this rank's relay metadata: [W, Tm, 2K+1], by source
-	count    []int32  // this rank's relay counts: [W], by source
-	nodeSlot []int32  // [nodes, Tm]: the slot of this rank's token t in its box to node n (relayed nodes), -1: none
-	fwdSlot  []int32  // [W, len(local), Tm]: for a source relayed here, the slot on local rank i of its box's j-th token, -1: none
-	fwdCount []int32  // [W]: the tokens of each source's box relayed here in the latest dispatch (0: none)
-	moves    []relayMove
-}
-
-// relayMove is one row forward copies: from byte src of the relay area
-// into local rank d's received rows at byte dst.
-type relayMove struct {
-	d        int
-	src, dst int64
+	node     int       // this rank's node
+	local    []int     // its ranks, ascending
+	me       int       // this rank's index among them
+	localIdx []int     // by rank: its index in its node
+	area     [][]byte  // by rank of this node: its relay area as mapped here (nil elsewhere)
+	meta     [][]int32 // by rank of this node: its relay metadata [W, Tm, 2K+1], by source
+	count    [][]int32 // by rank of this node: its relay counts [W], by source
+	nodeSlot []int32   // [nodes, Tm]: the slot of this rank's token t in its box to node n (relayed nodes), -1: none
+	fwdSlot  []int32   // [W, len(local), Tm]: for a source of another node, the slot on local rank i of its box's j-th token, -1: none
+	fwdCount []int32   // [W]: the tokens of each source's box in the latest dispatch (0: none)
+	moves    []rowMove // forward's row copies
 }
 
 func newRelays(p *plan, tp *topo.Topology, o *cpuLayout, mapped []uintptr) *relays {
 	W, Tm, MW := p.world, p.maxTokens, 2*p.topK+1
-	r := &relays{tp: tp, node: tp.Node(), local: tp.Local(), localIdx: make([]int, W), area: make([][]byte, W)}
+	r := &relays{tp: tp, node: tp.Node(), local: tp.Local(), localIdx: make([]int, W),
+		area: make([][]byte, W), meta: make([][]int32, W), count: make([][]int32, W)}
 	for _, ranks := range tp.Nodes {
 		for i, q := range ranks {
 			r.localIdx[q] = i
@@ -75,13 +68,12 @@ func newRelays(p *plan, tp *topo.Topology, o *cpuLayout, mapped []uintptr) *rela
 	areaBytes := int64(W) * int64(Tm) * max(p.rowBytes(), int64(p.hidden)*int64(p.transit.Size()))
 	for _, q := range r.local {
 		r.area[q] = bytesAt(mapped[q]+uintptr(o.relay), areaBytes)
+		r.meta[q] = int32sAt(mapped[q]+uintptr(o.relayMeta), int64(W*Tm*MW))
+		r.count[q] = int32sAt(mapped[q]+uintptr(o.relayCount), int64(W))
 	}
-	own := mapped[p.rank]
-	r.meta = int32sAt(own+uintptr(o.relayMeta), int64(W*Tm*MW))
-	r.count = int32sAt(own+uintptr(o.relayCount), int64(W))
 	clear(r.area[p.rank])
-	clear(r.meta)
-	clear(r.count)
+	clear(r.meta[p.rank])
+	clear(r.count[p.rank])
 	r.nodeSlot = make([]int32, len(tp.Nodes)*Tm)
 	r.fwdSlot = make([]int32, W*len(r.local)*Tm)
 	r.fwdCount = make([]int32, W)
@@ -97,10 +89,8 @@ func (r *relays) via(s, m int) int {
 // relayed says whether other nodes reach node m through relays.
 func (r *relays) relayed(m int) bool { return len(r.tp.Nodes[m]) > 1 }
 
-// relaysFor says whether this rank relays source s's tokens into its node.
-func (r *relays) relaysFor(s int) bool {
-	return r.tp.NodeOf[s] != r.node && r.relayed(r.node) && r.via(s, r.node) == r.tp.Rank
-}
+// from says whether source s's tokens reach this rank through a relay.
+func (r *relays) from(s int) bool { return r.tp.NodeOf[s] != r.node && r.relayed(r.node) }
 
 // sendNode builds in the outbox of f, this rank's relay on node m, the
 // rows of this rank's tokens with an expert on m, in token order, with
@@ -158,45 +148,50 @@ func (c *cpuEngine) sendNode(a *DispatchArgs, f, m int) error {
 	return nil
 }
 
-// forward hands on what this rank relays, after the dispatch's middle
-// barrier: for each source whose relay it is, every token of its box to
-// every rank of this node that holds one of the token's experts, in box
-// (token) order, as the source's send would have written it there (row,
-// metadata and count at [source, slot]); it notes each slot for combine.
+// forward takes, after the dispatch's forward barrier, what the relays of
+// this node received for it: for each source of another node, the tokens
+// of its box (in the area of its relay here) with an expert on this rank,
+// in box (token) order, into this rank's [source, slot] as the source's
+// send would have written them (row, metadata, count). It notes for
+// combine the slot of every box token on every rank of the node.
 func (c *cpuEngine) forward() error {
 	p, rl := c.p, c.rl
 	K, L, E, Tm, MW := p.topK, p.numLocal, p.numExperts, p.maxTokens, 2*p.topK+1
 	rb, nl := int64(p.rowBytes()), len(rl.local)
-	moves := rl.moves[:0]
+	if timeline.On() {
+		timeline.Mark("moe forward")
+		defer timeline.Mark("moe forward done")
+	}
+	moves := c.moves[:0]
 	for s := range p.world {
 		rl.fwdCount[s] = 0
-		if !rl.relaysFor(s) {
+		if !rl.from(s) {
 			continue
 		}
-		n := int(rl.count[s])
+		f := rl.via(s, rl.node)
+		n := int(rl.count[f][s])
 		if n < 0 || n > Tm {
-			return status.Errorf(status.Internal, "ExpertParallel across nodes: rank %d relayed %d tokens (at most %d)", s, n, Tm)
+			return status.Errorf(status.Internal, "ExpertParallel across nodes: rank %d relayed %d tokens of rank %d (at most %d)", f, n, s, Tm)
 		}
 		rl.fwdCount[s] = int32(n)
-		box := rl.meta[s*Tm*MW:]
+		box := rl.meta[f][s*Tm*MW:]
 		for i, d := range rl.local {
-			dm := c.meta[d][s*Tm*MW:]
 			fs := rl.fwdSlot[(s*nl+i)*Tm : (s*nl+i+1)*Tm]
 			slot := 0
 			for j := range n {
 				bm := box[j*MW : (j+1)*MW]
 				fs[j] = -1
-				on := false
 				for k := range K {
 					if e := int(bm[k]); e >= 0 && e < E && e/L == d {
-						on = true
+						fs[j] = int32(slot)
+						slot++
 						break
 					}
 				}
-				if !on {
+				if d != p.rank || fs[j] < 0 {
 					continue
 				}
-				m := dm[slot*MW : (slot+1)*MW]
+				m := c.meta[d][(s*Tm+int(fs[j]))*MW : (s*Tm+int(fs[j])+1)*MW]
 				for k := range K {
 					m[k] = -1
 					if e := int(bm[k]); e >= 0 && e < E && e/L == d {
@@ -205,18 +200,19 @@ func (c *cpuEngine) forward() error {
 					m[K+k] = bm[K+k]
 				}
 				m[2*K] = bm[2*K]
-				fs[j] = int32(slot)
-				moves = append(moves, relayMove{d, int64(s*Tm+j) * rb, int64(s*Tm+slot) * rb})
-				slot++
+				moves = append(moves, rowMove{int64(s*Tm+j) * rb, int64(s*Tm) + int64(fs[j])}) // to row [s, slot]
 			}
-			c.counts[d][s] = int32(slot)
+			if d == p.rank {
+				c.counts[d][s] = int32(slot)
+			}
 		}
 	}
-	rl.moves = moves
-	own := rl.area[p.rank]
+	c.moves = moves
+	own := c.recvX[p.rank]
 	split(len(moves), workers(len(moves), rb), func(_, lo, hi int) {
 		for _, m := range moves[lo:hi] {
-			copy(c.recvX[m.d][m.dst:m.dst+rb], own[m.src:m.src+rb])
+			f := rl.via(int(m.dst)/Tm, rl.node) // the relay of the row's source
+			copy(own[m.dst*rb:(m.dst+1)*rb], rl.area[f][m.src:m.src+rb])
 		}
 	})
 	return nil
@@ -230,9 +226,13 @@ func (c *cpuEngine) nodeSums() error {
 	p, rl := c.p, c.rl
 	W, Tm, nl := p.world, p.maxTokens, len(rl.local)
 	cb := p.hidden * p.transit.Size()
+	if timeline.On() {
+		timeline.Mark("moe node sums")
+		defer timeline.Mark("moe node sums sent")
+	}
 	for o := 1; o <= W; o++ {
 		s := (p.rank + o) % W
-		if !rl.relaysFor(s) {
+		if !rl.from(s) || rl.via(s, rl.node) != p.rank {
 			continue
 		}
 		n := int(rl.fwdCount[s])
@@ -246,8 +246,8 @@ func (c *cpuEngine) nodeSums() error {
 					if slot < 0 {
 						continue
 					}
-					at := (s*Tm + slot) * cb
-					widen(tmp, rl.area[d][at:at+cb], p.transit)
+					from := (s*Tm + slot) * cb
+					widen(tmp, rl.area[d][from:from+cb], p.transit)
 					for q, v := range tmp {
 						acc[q] += v
 					}
