@@ -21,7 +21,6 @@ type cpuEngine struct {
 	p    *plan
 	net  *netPeers // nil on one node
 	off  cpuLayout
-	rl   *relays // nil unless a node of several ranks reaches another node (relay.go)
 
 	// Per rank d, d's buffers as this process maps them (nil for ranks of
 	// other nodes):
@@ -35,7 +34,6 @@ type cpuEngine struct {
 	combRows []int32     // [W*Tm, K]: output row of received pair (source, slot, k), -1: none
 	lastT    int         // tokens of the latest dispatch
 	acc, tmp [][]float32 // [worker][H]: scratch of each worker of split
-	part     [][]float32 // [worker][H]: a node's partial (relay.go)
 	perExp   []int64     // [L+1]: rows per local expert, then the next row of each
 	moves    []rowMove   // expand's row copies
 	sent     []int32     // send's token of each slot
@@ -66,15 +64,12 @@ func newCPUEngine(host Host) *cpuEngine { return &cpuEngine{host: host} }
 // cpuLayout is where each piece lives in every rank's symmetric buffer.
 type cpuLayout struct {
 	recvX, meta, counts, status, comb, flags, pid, size int64
-	// Across nodes through relays (relay.go): [W, Tm] rows, or partials,
-	// by source; their metadata and counts (each of size 0 without).
-	relay, relayMeta, relayCount int64
 	// Of one remote rank's outbox: rows, metadata and count of a dispatch
 	// (at 0, boxMeta, boxCount), or partials of a combine (at 0).
 	boxMeta, boxCount, boxBytes int64
 }
 
-func newCPULayout(p *plan, relaying bool) cpuLayout {
+func newCPULayout(p *plan) cpuLayout {
 	W, Tm, K, H := int64(p.world), int64(p.maxTokens), int64(p.topK), int64(p.hidden)
 	var l layout
 	var o cpuLayout
@@ -85,11 +80,6 @@ func newCPULayout(p *plan, relaying bool) cpuLayout {
 	o.comb = l.take(W * Tm * H * int64(p.transit.Size()))
 	o.flags = l.take(2 * W * 8) // the barrier flags, then the blame words (nodes.go)
 	o.pid = l.take(8)
-	if relaying {
-		o.relay = l.take(W * Tm * max(p.rowBytes(), H*int64(p.transit.Size())))
-		o.relayMeta = l.take(W * Tm * (2*K + 1) * 4)
-		o.relayCount = l.take(W * 4)
-	}
 	o.size = l.size
 	var b layout
 	b.take(Tm * p.rowBytes())
@@ -103,14 +93,14 @@ func newCPULayout(p *plan, relaying bool) cpuLayout {
 // this node and, across nodes, reaches the others' through UCX.
 func (c *cpuEngine) setup(g Group, p *plan) error {
 	c.p = p
-	tp := c.host.Topology()
-	c.off = newCPULayout(p, relaying(tp))
+	c.off = newCPULayout(p)
 	o := &c.off
 	W, Tm, K, H := int64(p.world), int64(p.maxTokens), int64(p.topK), int64(p.hidden)
 	base, err := c.host.Alloc(o.size)
 	if err != nil {
 		return fmt.Errorf("ExpertParallel: allocate %d bytes of buffers: %w", o.size, err)
 	}
+	tp := c.host.Topology()
 	mapped := make([]uintptr, p.world)
 	for d := range p.world {
 		if !tp.SameNode(d) {
@@ -134,9 +124,6 @@ func (c *cpuEngine) setup(g Group, p *plan) error {
 			return err
 		}
 	}
-	if relaying(tp) {
-		c.rl = newRelays(p, tp, o, mapped)
-	}
 	clear(c.recvX[p.rank])
 	clear(c.meta[p.rank])
 	clear(c.counts[p.rank])
@@ -150,12 +137,9 @@ func (c *cpuEngine) setup(g Group, p *plan) error {
 	for i := range c.combRows {
 		c.combRows[i] = -1
 	}
-	c.acc, c.tmp, c.part = make([][]float32, maxSplit), make([][]float32, maxSplit), make([][]float32, maxSplit)
+	c.acc, c.tmp = make([][]float32, maxSplit), make([][]float32, maxSplit)
 	for w := range maxSplit {
 		c.acc[w], c.tmp[w] = make([]float32, H), make([]float32, H)
-		if c.rl != nil {
-			c.part[w] = make([]float32, H)
-		}
 	}
 	c.perExp = make([]int64, 2*(p.numLocal+1))
 	return nil
@@ -250,14 +234,6 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 	if err := c.barrier(collective.CallMoeDispatch, "middle"); err != nil {
 		return 0, err
 	}
-	if c.rl != nil {
-		if err := c.barrier(collective.CallMoeDispatch, "forward"); err != nil {
-			return 0, err
-		}
-		if err := c.forward(); err != nil {
-			return 0, err
-		}
-	}
 	rows := c.countRows()
 	if a.Capturable && !a.orderOnly {
 		return p.maxRecvRows, c.expand(a.Out)
@@ -272,8 +248,7 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 // that copy at once write into different peers), the rows and metadata of
 // the tokens with an expert on d, in token order, into d's [rank, slot],
 // and their count. For a rank of another node they are built in its outbox
-// and put at the same offsets; a node that relays gets them once, through
-// this rank's relay there (sendNode).
+// and put at the same offsets.
 func (c *cpuEngine) send(a *DispatchArgs) error {
 	p := c.p
 	W, K, L, Tm, T := p.world, p.topK, p.numLocal, p.maxTokens, a.NumTokens
@@ -283,14 +258,6 @@ func (c *cpuEngine) send(a *DispatchArgs) error {
 	MW := 2*K + 1
 	for o := 1; o <= W; o++ {
 		d := (p.rank + o) % W
-		if c.recvX[d] == nil && c.rl != nil && c.rl.relayed(c.rl.tp.NodeOf[d]) {
-			if m := c.rl.tp.NodeOf[d]; d == c.rl.via(p.rank, m) {
-				if err := c.sendNode(a, d, m); err != nil {
-					return err
-				}
-			}
-			continue
-		}
 		var rows []byte
 		var meta []int32
 		var box []byte
@@ -501,52 +468,32 @@ func (c *cpuEngine) combineWith(a *CombineArgs, checks []int32, fill func(s, n i
 	if err := c.partials(fill); err != nil {
 		return err
 	}
-	if c.rl != nil {
-		if err := c.barrier(collective.CallMoeCombine, "partials"); err != nil {
-			return err
-		}
-		if err := c.nodeSums(); err != nil {
-			return err
-		}
-	}
 	if err := c.barrier(collective.CallMoeCombine, "middle"); err != nil {
 		return err
 	}
-	y := bytesAt(a.Y, int64(a.NumTokens)*p.rowBytes())
-	if c.rl != nil {
-		c.reduceNodes(y, a.NumTokens)
-	} else {
-		c.reduce(y, a.NumTokens)
-	}
+	c.reduce(bytesAt(a.Y, int64(a.NumTokens)*p.rowBytes()), a.NumTokens)
 	return nil
 }
 
 // partials has fill write, for every source s (from rank + 1 on), this
 // rank's partials of the tokens s sent it into s's comb[rank, slot] (for a
-// rank of another node, into its outbox, then put there; on a node that
-// relays, into this rank's relay area, where s's relay here sums it with
-// its node's: nodeSums). A partial is the float32 sum over k ascending of
-// weight * expert row (each product rounded to float32, added from +0),
-// rounded once to the transit type.
+// rank of another node, into its outbox, then put there). A partial is the
+// float32 sum over k ascending of weight * expert row (each product
+// rounded to float32, added from +0), rounded once to the transit type.
 func (c *cpuEngine) partials(fill func(s, n int, dst []byte)) error {
 	p := c.p
 	W, Tm := p.world, p.maxTokens
 	cb := p.hidden * p.transit.Size()
 	counts := c.counts[p.rank]
-	relayed := c.rl != nil && c.rl.relayed(c.rl.node)
 	for o := 1; o <= W; o++ {
 		s := (p.rank + o) % W
-		n := int(counts[s])
 		var dst []byte
-		switch {
-		case c.comb[s] != nil:
+		if c.comb[s] != nil {
 			dst = c.comb[s][p.rank*Tm*cb:]
-		case relayed:
-			fill(s, n, c.rl.area[p.rank][s*Tm*cb:][:n*cb])
-			continue
-		default:
+		} else {
 			dst = c.net.boxOf(s)
 		}
+		n := int(counts[s])
 		fill(s, n, dst[:n*cb])
 		if c.comb[s] == nil {
 			at := uint64(c.off.comb) + uint64(p.rank*Tm*cb)

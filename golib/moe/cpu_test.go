@@ -259,29 +259,18 @@ func expertOut(r result, H int, dt reduce.DType) []byte {
 // emulate is combine's documented rounding, written out on the inputs: per
 // expert rank d, the float32 sum from +0 of fl32(w * out) for k ascending
 // (those on d), rounded to the transit; then the float32 sum from +0 over
-// the ranks the token went to, rounded to dtype. With nodes of local
-// consecutive ranks (0: one node), each node's partials are first summed
-// in rank order from +0 and rounded to the transit, and the nodes' sums
-// added in node order (relay.go).
-func emulate(tk tokens, rank, W, local, E, K, H int, dt, tr reduce.DType) []byte {
-	if local <= 0 || local >= W {
-		local = W
-	}
+// the ranks the token went to, rounded to dtype.
+func emulate(tk tokens, rank, W, E, K, H int, dt, tr reduce.DType) []byte {
 	L := E / W
 	T := len(tk.idx) / K
 	rb := H * dt.Size()
 	y := make([]byte, T*rb)
 	x, v, part, acc := make([]float32, H), make([]float32, H), make([]float32, H), make([]float32, H)
-	node, nodeSent := make([]float32, H), false
 	cast := make([]byte, H*tr.Size())
 	for t := range T {
 		widen(x, tk.x[t*rb:(t+1)*rb], dt)
 		clear(acc)
 		for d := range W {
-			if d%local == 0 {
-				clear(node)
-				nodeSent = false
-			}
 			sent := false
 			clear(part)
 			for k := range K {
@@ -305,17 +294,7 @@ func emulate(tk tokens, rank, W, local, E, K, H int, dt, tr reduce.DType) []byte
 				narrow(cast, part, tr)
 				widen(part, cast, tr)
 				for j := range part {
-					node[j] += part[j]
-				}
-				nodeSent = true
-			}
-			if (d%local == local-1 || d == W-1) && nodeSent {
-				if local < W {
-					narrow(cast, node, tr)
-					widen(node, cast, tr)
-				}
-				for j := range node {
-					acc[j] += node[j]
+					acc[j] += part[j]
 				}
 			}
 		}
@@ -343,7 +322,7 @@ func TestCPUDispatchCombineMatchTheDocumentedOrderAndRounding(t *testing.T) {
 	cases = append(cases, roundsCase{2, 8, 12, 16, 5, reduce.BFloat16, reduce.BFloat16, 0.1},
 		roundsCase{3, 3, 1, 8, 20, reduce.Float32, reduce.Float32, 0},
 		roundsCase{2, 8, 4, 1024, 200, reduce.BFloat16, reduce.Float32, 0.1}) // large enough to be split among workers
-	checkRounds(t, ranks, 0, cases)
+	checkRounds(t, ranks, cases)
 }
 
 // checkRounds runs three rounds of dispatch and combine (eager,
@@ -351,7 +330,7 @@ func TestCPUDispatchCombineMatchTheDocumentedOrderAndRounding(t *testing.T) {
 // and the others between 1 and T_max tokens, and checks every row against
 // the documented order and every combine against the emulation of its
 // rounding, bit for bit.
-func checkRounds(t *testing.T, run runner, local int, cases []roundsCase) {
+func checkRounds(t *testing.T, run runner, cases []roundsCase) {
 	for _, c := range cases {
 		name := fmt.Sprintf("W%d/E%d/K%d/%s/%s", c.world, c.E, c.K, c.dt, c.tr)
 		t.Run(name, func(t *testing.T) {
@@ -391,7 +370,7 @@ func checkRounds(t *testing.T, run runner, local int, cases []roundsCase) {
 						if err != nil {
 							return err
 						}
-						if want := emulate(all[r], r, c.world, local, c.E, c.K, c.H, c.dt, c.tr); string(y) != string(want) {
+						if want := emulate(all[r], r, c.world, c.E, c.K, c.H, c.dt, c.tr); string(y) != string(want) {
 							return fmt.Errorf("round %d: combine differs from the emulation", i)
 						}
 					}
@@ -408,7 +387,7 @@ func checkRounds(t *testing.T, run runner, local int, cases []roundsCase) {
 // A rank that rejects its arguments, or an expert id out of range, makes
 // every rank see the failure in the checks of the same eager call, no data
 // moves, and the latest result still combines.
-func TestCPURejectedCallsMoveNothing(t *testing.T) { checkRejected(t, ranks, 0) }
+func TestCPURejectedCallsMoveNothing(t *testing.T) { checkRejected(t, ranks) }
 
 // sameConfig is the configuration every rank passes: E experts, rows of H
 // elements of dt, Tm tokens at most, K experts a token, float32 partials.
@@ -418,9 +397,8 @@ func sameConfig(E, H, Tm, K int, dt reduce.DType) func(int) Config {
 	}
 }
 
-// checkRejected is TestCPURejectedCallsMoveNothing on run's ranks (3), in
-// nodes of local ranks (0: one node).
-func checkRejected(t *testing.T, run runner, local int) {
+// checkRejected is TestCPURejectedCallsMoveNothing on run's ranks (3).
+func checkRejected(t *testing.T, run runner) {
 	const W, E, K, H, Tm = 3, 6, 2, 8, 4
 	dt := reduce.BFloat16
 	cfg := sameConfig(E, H, Tm, K, dt)
@@ -434,7 +412,7 @@ func checkRejected(t *testing.T, run runner, local int) {
 			return err
 		}
 		out := expertOut(res, H, dt)
-		want := emulate(first[r], r, W, local, E, K, H, dt, reduce.Float32)
+		want := emulate(first[r], r, W, E, K, H, dt, reduce.Float32)
 		combine := func(check int32) ([]byte, error) {
 			y := make([]byte, Tm*H*dt.Size())
 			err := ep.Combine(&CombineArgs{ExpertOut: addr(out), ExpertRows: res.rows, Y: addr(y), NumTokens: Tm, Check: check})

@@ -81,8 +81,7 @@ type netPeers struct {
 	outbox   []byte             // [boxes][boxBytes]: what goes to one remote rank per call
 	out      transport.Local
 	boxBytes uint64
-	box      []int    // by rank: its outbox, -1 on this node
-	putBytes []uint64 // by rank: the bytes put into it from outboxes (what relays save is seen in tests)
+	box      []int // by rank: its outbox, -1 on this node
 
 	flagOff uint64     // the barrier flags' offset in every rank's buffer: [W]uint64, word s written by rank s only
 	flags   [][]uint64 // by rank on this node: its flags as mapped here (this rank's at [rank])
@@ -114,7 +113,7 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		return nil, fmt.Errorf("ExpertParallel across nodes: %w", err)
 	}
 	n := &netPeers{t: t, topo: tp, rank: g.Rank(), world: g.Size(), timeout: host.Timeout(), pace: host.Pace,
-		remote: make([]transport.Remote, g.Size()), box: make([]int, g.Size()), boxBytes: boxBytes, putBytes: make([]uint64, g.Size()),
+		remote: make([]transport.Remote, g.Size()), box: make([]int, g.Size()), boxBytes: boxBytes,
 		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), blames: make([][]uint64, g.Size()),
 		seen: make([]uint64, g.Size()), pids: make([]*uint64, g.Size())}
 	n.linger = min(n.timeout/8, 500*time.Millisecond)
@@ -320,7 +319,6 @@ func (n *netPeers) put(r int, off, boxOff, bytes uint64, what string) error {
 	if bytes == 0 {
 		return nil
 	}
-	n.putBytes[r] += bytes
 	from := uint64(n.box[r])*n.boxBytes + boxOff
 	err := n.stripes(bytes, func(k int, at, size uint64) error {
 		if k == 0 {

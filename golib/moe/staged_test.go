@@ -283,7 +283,7 @@ func TestStagedAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 			{W, 2 * W, 3, 8, 5, reduce.Float64, reduce.Float32, 0.1},
 		} {
 			var devs []*hostDevice
-			checkRounds(t, onStagedNodes(local, &devs), local, []roundsCase{c})
+			checkRounds(t, onStagedNodes(local, &devs), []roundsCase{c})
 			for r, d := range devs {
 				if d.copied == 0 {
 					t.Errorf("%s: rank %d: nothing went between device and host", c.dt, r)
@@ -309,7 +309,7 @@ func TestStagedAcrossNodesMatchesTheDocumentedOrderAndRounding(t *testing.T) {
 func TestStagedRejectedCallsMoveNothing(t *testing.T) {
 	ucxtest.Need(t)
 	var devs []*hostDevice
-	checkRejected(t, onStagedNodes(1, &devs), 1)
+	checkRejected(t, onStagedNodes(1, &devs))
 }
 
 // A capturable dispatch, the experts and a capturable combine recorded in
@@ -395,7 +395,7 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 				if err := checkDispatch(res, all, r, W, E, K, H, dt); err != nil {
 					return fmt.Errorf("replay %d: %w", i, err)
 				}
-				if want := emulate(all[r], r, W, local, E, K, H, dt, tr); string(y) != string(want) {
+				if want := emulate(all[r], r, W, E, K, H, dt, tr); string(y) != string(want) {
 					return fmt.Errorf("replay %d: combine differs from the emulation", i)
 				}
 			}
@@ -415,7 +415,7 @@ func TestStagedGraphReplaysWithNewRouting(t *testing.T) {
 			if err := checkDispatch(lastRes[r], rounds[0], r, W, E, K, H, dt); err != nil {
 				t.Errorf("the replay queued as the EP closed: %v", err)
 			}
-			if string(lastY[r]) != string(emulate(rounds[0][r], r, W, local, E, K, H, dt, tr)) {
+			if string(lastY[r]) != string(emulate(rounds[0][r], r, W, E, K, H, dt, tr)) {
 				t.Errorf("rank %d: the replay queued as the EP closed: combine differs from the emulation", r)
 			}
 		}
@@ -568,7 +568,7 @@ func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 			if err := checkDispatch(resA, rounds[0], r, W, E, K, H, dt); err != nil {
 				return fmt.Errorf("capturable dispatch: %w", err)
 			}
-			if string(yA) != string(emulate(a, r, W, local, E, K, H, dt, tr)) {
+			if string(yA) != string(emulate(a, r, W, E, K, H, dt, tr)) {
 				return fmt.Errorf("the capturable combine differs from the emulation")
 			}
 			if err := checkDispatch(resB, rounds[1], r, W, E, K, H, dt); err != nil {
@@ -579,7 +579,7 @@ func TestStagedEagerCallAfterCallsInStreamOrder(t *testing.T) {
 				NumTokens: T}); err != nil {
 				return fmt.Errorf("eager combine: %w", err)
 			}
-			if string(yB) != string(emulate(b, r, W, local, E, K, H, dt, tr)) {
+			if string(yB) != string(emulate(b, r, W, E, K, H, dt, tr)) {
 				return fmt.Errorf("the eager combine differs from the emulation")
 			}
 			var err2 error
@@ -746,7 +746,7 @@ func TestStagedMisalignedRowsTakeTheHostPath(t *testing.T) {
 		if err := ep.Combine(&CombineArgs{ExpertOut: addr(shifted) + 8, ExpertRows: rows, Y: addr(y), NumTokens: Tm}); err != nil {
 			return err
 		}
-		if want := emulate(all[r], r, W, 1, E, K, H, dt, reduce.Float32); string(y) != string(want) {
+		if want := emulate(all[r], r, W, E, K, H, dt, reduce.Float32); string(y) != string(want) {
 			return fmt.Errorf("rank %d: combine of misaligned rows differs from the emulation", r)
 		}
 		if got := devs[r].launched[launched:]; len(got) != 0 {

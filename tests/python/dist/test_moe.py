@@ -121,18 +121,14 @@ def check_dispatch(recv, inputs, rank, W, E, K, dtype, capturable=False):
     assert torch.equal(got.view(torch.uint8), want_x.contiguous().view(torch.uint8)), "token rows differ"
 
 
-def emulate_combine(inputs, rank, W, E, K, dtype, combine_dtype=torch.float32, expert=None, local=0) -> torch.Tensor:
+def emulate_combine(inputs, rank, W, E, K, dtype, combine_dtype=torch.float32, expert=None) -> torch.Tensor:
     """combine's documented rounding, op by op in torch on the CPU: on each
     expert rank d, a float32 partial from +0 adding fl32(w * out) for k
     ascending (those whose expert is on d), rounded once to combine_dtype;
     then on this rank the float32 sum from +0 of the partials of the ranks
-    the token went to, d ascending, rounded once to dtype. Across nodes of
-    ``local`` consecutive ranks (0: one node), each node's partials are
-    summed first (float32 from +0, rank order, rounded once to
-    combine_dtype) and y is the sum of those in node order. ``expert``
+    the token went to, d ascending, rounded once to dtype. ``expert``
     (default expert_fn) is called with (x, local expert, source rank,
     source token)."""
-    local = W if local <= 0 or local >= W else local
     L = E // W
     inp = inputs[rank]
     T, H = inp.x.shape
@@ -140,21 +136,15 @@ def emulate_combine(inputs, rank, W, E, K, dtype, combine_dtype=torch.float32, e
     src = torch.full((T,), rank, dtype=torch.int32)
     tokens = torch.arange(T, dtype=torch.int32)
     y = torch.zeros(T, H, dtype=torch.float32)
-    for first in range(0, W, local):
-        node = torch.zeros(T, H, dtype=torch.float32)
-        for d in range(first, min(first + local, W)):
-            partial = torch.zeros(T, H, dtype=torch.float32)
-            for k in range(K):
-                lid = inp.idx[:, k].remainder(L)
-                out = (expert(inp.x, lid, src, tokens) if expert else expert_fn(inp.x, lid, src)).float()
-                on_d = (dest[:, k] == d).unsqueeze(1)
-                partial = torch.where(on_d, partial + out * inp.w[:, k:k + 1], partial)
-            sent = (dest == d).any(dim=1).unsqueeze(1)
-            node = torch.where(sent, node + partial.to(combine_dtype).float(), node)
-        if local < W:
-            node = node.to(combine_dtype).float()
-        on_node = ((dest >= first) & (dest < first + local)).any(dim=1).unsqueeze(1)
-        y = torch.where(on_node, y + node, y)
+    for d in range(W):
+        partial = torch.zeros(T, H, dtype=torch.float32)
+        for k in range(K):
+            local = inp.idx[:, k].remainder(L)
+            out = (expert(inp.x, local, src, tokens) if expert else expert_fn(inp.x, local, src)).float()
+            on_d = (dest[:, k] == d).unsqueeze(1)
+            partial = torch.where(on_d, partial + out * inp.w[:, k:k + 1], partial)
+        sent = (dest == d).any(dim=1).unsqueeze(1)
+        y = torch.where(sent, y + partial.to(combine_dtype).float(), y)
     return y.to(dtype)
 
 

@@ -1,9 +1,9 @@
 """ExpertParallel across simulated nodes (P2PCOMM_LOCAL_SIZE), on CPU tensors and on GPU tensors (whose rows
 cross nodes through pinned host memory): the float64 reference and the combine emulation of test_moe.py, every
-element (across nodes of several ranks, one partial per node: relays), and, with nodes of one rank, the same bits
-as one node (on GPUs: as the kernels of one node). Two ranks run 2 nodes x 1, three 3 x 1, four 2 x 2. Eager and
-capturable calls, T = 0 and uneven T, -1 ids, K from 1 to 12, both transits, outputs poisoned; bad input on a
-rank of the last node raises on every rank of every node, and every rank is usable after."""
+element, and the same bits as one node (on GPUs: as the kernels of one node). Two ranks run 2 nodes x 1, three
+3 x 1, four 2 x 2. Eager and capturable calls, T = 0 and uneven T, -1 ids, K from 1 to 12, both transits,
+outputs poisoned; bad input on a rank of the last node raises on every rank of every node, and every rank is
+usable after."""
 
 import importlib.util
 import os
@@ -47,8 +47,7 @@ def ep_of(comm, **kw):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}_K{c[1]}_{str(c[4])[6:]}_{c[5]}")
 def test_eager_across_nodes_match_reference(nodes, comms, case):
     """Every row in the documented order, every element of combine within the float64 reference's bound and
-    bit for bit the emulation's, and with nodes of one rank one node's; twice, and two dispatches before a
-    combine."""
+    bit for bit the emulation's and one node's; twice, and two dispatches before a combine."""
     E, K, H, Tm, dtype, routing, minus_one = case
     comm, dev = nodes.comm, nodes.device
     W, r = comm.world_size, comm.rank
@@ -61,15 +60,13 @@ def test_eager_across_nodes_match_reference(nodes, comms, case):
         recv, out, y = run_round(ep, inputs, r, dev)
         check_dispatch(recv, inputs, r, W, E, K, dtype)
         check_combine(y, inputs, r, W, E, K, dtype)
-        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, local=layout(W)[1]), "combine across nodes")
+        assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype), "combine across nodes")
         other = [make_inputs(E + K + 1, q, sizes[q], H, E, K, dtype, routing, minus_one) for q in range(W)]
         ep.dispatch(inputs[r].x.to(dev), inputs[r].idx.to(dev), inputs[r].w.to(dev))
         recv2, out2, y2 = run_round(ep, other, r, dev)
         check_dispatch(recv2, other, r, W, E, K, dtype)
         check_combine(y2, other, r, W, E, K, dtype)
         assert_same_bits(ep.combine(out2, recv2), y2.cpu(), "second combine of one dispatch")
-    if layout(W)[1] > 1:
-        return  # relays sum each node's partials first: other bits than one node's (the emulation checked them)
     with ep_of(comms(dev), **cfg) as one:  # the same ranks as one node (on GPUs, its kernels)
         assert one.uses_kernels == (dev == "cuda")
         assert_same_bits(run_round(one, inputs, r, dev)[2], y.cpu(), "one node against nodes")
@@ -104,8 +101,8 @@ def test_rails_carry_stripes_of_large_puts(group, device, monkeypatch):
                     recv, out, y = run_round(ep, inputs, r, device)
                     check_dispatch(recv, inputs, r, W, E, K, dtype)
                     check_combine(y, inputs, r, W, E, K, dtype, transit_dtype(transit, dtype))
-                    want = emulate_combine(inputs, r, W, E, K, dtype, transit_dtype(transit, dtype), local=local)
-                    assert_same_bits(y, want, f"combine over rails {asked}")
+                    assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, transit_dtype(transit, dtype)),
+                                     f"combine over rails {asked}")
         finally:
             made.comm.close()
 
@@ -141,8 +138,7 @@ def test_capturable_across_nodes(nodes, transit):
             y = ep.combine(out, recv)
             assert_no_failure(ep, y)
             check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
-            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype, local=layout(W)[1]),
-                             "capturable combine")
+            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype), "capturable combine")
 
 
 def assert_no_failure(ep, y):
@@ -244,13 +240,11 @@ def test_cuda_graph_replays_across_nodes(nodes, transit):
             assert_no_failure(ep, y)
             check_dispatch(recv, inputs, r, W, E, K, dtype, capturable=True)
             check_combine(y, inputs, r, W, E, K, dtype, combine_dtype)
-            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype, local=layout(W)[1]),
-                             "replayed combine")
+            assert_same_bits(y, emulate_combine(inputs, r, W, E, K, dtype, combine_dtype), "replayed combine")
         # An eager round after the replays.
         recv, out, y = run_round(ep, rounds[1], r, "cuda")
         check_dispatch(recv, rounds[1], r, W, E, K, dtype)
-        assert_same_bits(y, emulate_combine(rounds[1], r, W, E, K, dtype, combine_dtype, local=layout(W)[1]),
-                         "eager combine after replays")
+        assert_same_bits(y, emulate_combine(rounds[1], r, W, E, K, dtype, combine_dtype), "eager combine after replays")
     comm.check()
 
 
