@@ -523,10 +523,7 @@ func (c *cpuEngine) partialsOf(s, n int, out, dst []byte) {
 					continue
 				}
 				w := math.Float32frombits(uint32(meta[(s*Tm+slot)*MW+K+k]))
-				widen(tmp, out[row*rb:(row+1)*rb], p.dtype)
-				for i, v := range tmp {
-					acc[i] += float32(w * v) // the conversion rounds the product: no fused multiply-add
-				}
+				addWeighted(acc, tmp, w, out[row*rb:(row+1)*rb], p.dtype)
 			}
 			narrow(dst[slot*cb:(slot+1)*cb], acc, p.transit)
 		}
@@ -549,10 +546,7 @@ func (c *cpuEngine) reduce(y []byte, T int) {
 					continue
 				}
 				at := (d*Tm + slot) * cb
-				widen(tmp, comb[at:at+cb], p.transit)
-				for i, v := range tmp {
-					acc[i] += v
-				}
+				addWidened(acc, tmp, comb[at:at+cb], p.transit)
 			}
 			narrow(y[t*rb:(t+1)*rb], acc, p.dtype)
 		}
@@ -599,6 +593,77 @@ func widen(dst []float32, src []byte, d reduce.DType) {
 	}
 }
 
+// addWidened adds the elements of src (of type d, as widen reads them)
+// to acc, element by element; tmp is scratch of acc's length. float32 and
+// bfloat16 are read in place, eight at a time: the same adds, without a
+// pass through tmp.
+func addWidened(acc, tmp []float32, src []byte, d reduce.DType) {
+	n := len(acc)
+	if n == 0 {
+		return
+	}
+	switch d {
+	case reduce.Float32:
+		s := unsafe.Slice((*float32)(unsafe.Pointer(&src[0])), n)
+		i := 0
+		for ; i+8 <= n; i += 8 {
+			a, b := acc[i:i+8:i+8], s[i:i+8:i+8]
+			a[0], a[1], a[2], a[3] = a[0]+b[0], a[1]+b[1], a[2]+b[2], a[3]+b[3]
+			a[4], a[5], a[6], a[7] = a[4]+b[4], a[5]+b[5], a[6]+b[6], a[7]+b[7]
+		}
+		for ; i < n; i++ {
+			acc[i] += s[i]
+		}
+	case reduce.BFloat16:
+		s := unsafe.Slice((*uint16)(unsafe.Pointer(&src[0])), n)
+		i := 0
+		for ; i+8 <= n; i += 8 {
+			a, b := acc[i:i+8:i+8], s[i:i+8:i+8]
+			a[0], a[1], a[2], a[3] = a[0]+bf16(b[0]), a[1]+bf16(b[1]), a[2]+bf16(b[2]), a[3]+bf16(b[3])
+			a[4], a[5], a[6], a[7] = a[4]+bf16(b[4]), a[5]+bf16(b[5]), a[6]+bf16(b[6]), a[7]+bf16(b[7])
+		}
+		for ; i < n; i++ {
+			acc[i] += bf16(s[i])
+		}
+	default:
+		widen(tmp, src, d)
+		for i, v := range tmp {
+			acc[i] += v
+		}
+	}
+}
+
+// addWeighted adds fl32(w * v) for each element v of src (of type d) to
+// acc, element by element (the conversion rounds each product: no fused
+// multiply-add); tmp is scratch of acc's length. bfloat16 rows are read in
+// place, eight at a time.
+func addWeighted(acc, tmp []float32, w float32, src []byte, d reduce.DType) {
+	n := len(acc)
+	if n == 0 {
+		return
+	}
+	if d == reduce.BFloat16 {
+		s := unsafe.Slice((*uint16)(unsafe.Pointer(&src[0])), n)
+		i := 0
+		for ; i+8 <= n; i += 8 {
+			a, b := acc[i:i+8:i+8], s[i:i+8:i+8]
+			a[0], a[1], a[2], a[3] = a[0]+float32(w*bf16(b[0])), a[1]+float32(w*bf16(b[1])), a[2]+float32(w*bf16(b[2])), a[3]+float32(w*bf16(b[3]))
+			a[4], a[5], a[6], a[7] = a[4]+float32(w*bf16(b[4])), a[5]+float32(w*bf16(b[5])), a[6]+float32(w*bf16(b[6])), a[7]+float32(w*bf16(b[7]))
+		}
+		for ; i < n; i++ {
+			acc[i] += float32(w * bf16(s[i]))
+		}
+		return
+	}
+	widen(tmp, src, d)
+	for i, v := range tmp {
+		acc[i] += float32(w * v)
+	}
+}
+
+// bf16 widens a bfloat16 bit pattern (reduce.BF16ToFloat, inlined here).
+func bf16(b uint16) float32 { return math.Float32frombits(uint32(b) << 16) }
+
 // narrow writes src into dst as type d, rounded to nearest even (exact for
 // float32 and float64).
 func narrow(dst []byte, src []float32, d reduce.DType) {
@@ -616,8 +681,14 @@ func narrow(dst []byte, src []float32, d reduce.DType) {
 		}
 	case reduce.BFloat16:
 		out := unsafe.Slice((*uint16)(unsafe.Pointer(&dst[0])), n)
-		for i, v := range src {
-			out[i] = reduce.FloatToBF16(v)
+		i := 0
+		for ; i+8 <= n; i += 8 {
+			o, s := out[i:i+8:i+8], src[i:i+8:i+8]
+			o[0], o[1], o[2], o[3] = toBF16(s[0]), toBF16(s[1]), toBF16(s[2]), toBF16(s[3])
+			o[4], o[5], o[6], o[7] = toBF16(s[4]), toBF16(s[5]), toBF16(s[6]), toBF16(s[7])
+		}
+		for ; i < n; i++ {
+			out[i] = toBF16(src[i])
 		}
 	case reduce.Float16:
 		out := unsafe.Slice((*uint16)(unsafe.Pointer(&dst[0])), n)
@@ -625,4 +696,15 @@ func narrow(dst []byte, src []float32, d reduce.DType) {
 			out[i] = reduce.FloatToHalf(v)
 		}
 	}
+}
+
+// toBF16 is reduce.FloatToBF16 (nearest even; NaN stays NaN) in a form
+// the compiler inlines and keeps free of jumps.
+func toBF16(f float32) uint16 {
+	u := math.Float32bits(f)
+	r := uint16((u + 0x7fff + (u>>16)&1) >> 16)
+	if u&0x7fffffff > 0x7f800000 {
+		r = uint16(u>>16) | 0x40
+	}
+	return r
 }

@@ -522,3 +522,59 @@ func TestCPUConstructionAgrees(t *testing.T) {
 }
 
 func contains(err error, s string) bool { return err != nil && strings.Contains(err.Error(), s) }
+
+// addWidened and addWeighted give, element by element, the bits of
+// widening first and adding after, and narrow reduce's roundings, for
+// every dtype, lengths around the eight-wide steps, and values with NaN,
+// infinities and signed zeros.
+func TestAddsInPlaceMatchWidenThenAdd(t *testing.T) {
+	rng := rand.New(rand.NewSource(3))
+	special := []float32{float32(math.NaN()), float32(math.Inf(1)), float32(math.Inf(-1)), 0, float32(math.Copysign(0, -1)), 1e-40, 6e4}
+	for _, d := range []reduce.DType{reduce.Float32, reduce.BFloat16, reduce.Float16, reduce.Float64} {
+		for _, n := range []int{1, 7, 8, 9, 16, 23, 1027} {
+			vals := make([]float32, n)
+			for i := range vals {
+				vals[i] = float32(rng.NormFloat64()) * 3
+				if rng.Intn(6) == 0 {
+					vals[i] = special[rng.Intn(len(special))]
+				}
+			}
+			src := make([]byte, n*d.Size())
+			narrow(src, vals, d)
+			if d == reduce.BFloat16 {
+				for i, v := range unsafe.Slice((*uint16)(unsafe.Pointer(&src[0])), n) {
+					if v != reduce.FloatToBF16(vals[i]) {
+						t.Fatalf("narrow to bfloat16 of %v: %#x, want %#x", vals[i], v, reduce.FloatToBF16(vals[i]))
+					}
+				}
+			}
+			start := make([]float32, n)
+			for i := range start {
+				start[i] = float32(rng.NormFloat64())
+			}
+			w := float32(rng.NormFloat64())
+			tmp, want := make([]float32, n), make([]float32, n)
+			widen(tmp, src, d)
+			for i, v := range tmp {
+				want[i] = start[i] + v
+			}
+			got := append([]float32(nil), start...)
+			addWidened(got, make([]float32, n), src, d)
+			for i := range got {
+				if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+					t.Fatalf("addWidened %s n=%d: element %d is %v, want %v", d, n, i, got[i], want[i])
+				}
+			}
+			for i, v := range tmp {
+				want[i] = start[i] + float32(w*v)
+			}
+			got = append(got[:0], start...)
+			addWeighted(got, make([]float32, n), w, src, d)
+			for i := range got {
+				if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+					t.Fatalf("addWeighted %s n=%d: element %d is %v, want %v", d, n, i, got[i], want[i])
+				}
+			}
+		}
+	}
+}
