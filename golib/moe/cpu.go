@@ -30,7 +30,6 @@ type cpuEngine struct {
 	status [][]int32 // [2, W]: each rank's check of an eager call, by call parity
 	comb   [][]byte  // [W, Tm, H] of the transit type: [expert rank, slot] partials for d
 
-	peers    []int       // every rank from rank + 1 on, those of other nodes first (peerOrder)
 	sendSlot []int32     // [W, Tm]: slot of this rank's token t on rank d, -1: not sent
 	combRows []int32     // [W*Tm, K]: output row of received pair (source, slot, k), -1: none
 	lastT    int         // tokens of the latest dispatch
@@ -130,7 +129,6 @@ func (c *cpuEngine) setup(g Group, p *plan) error {
 	clear(c.counts[p.rank])
 	clear(c.status[p.rank])
 	clear(c.comb[p.rank])
-	c.peers = peerOrder(p.rank, p.world, tp.LocalRank(), tp.SameNode)
 	c.sendSlot = make([]int32, W*Tm)
 	c.combRows = make([]int32, W*Tm*K)
 	for i := range c.sendSlot {
@@ -145,27 +143,6 @@ func (c *cpuEngine) setup(g Group, p *plan) error {
 	}
 	c.perExp = make([]int64, 2*(p.numLocal+1))
 	return nil
-}
-
-// peerOrder is the order in which a rank writes to every rank (itself
-// last): those of other nodes first, so that their puts cross the network
-// while this rank writes into its own node's; each from rank + 1 on, the
-// remote ones turned by the rank's index in its node, so that ranks that
-// write at once write into different peers.
-func peerOrder(rank, world, localRank int, sameNode func(int) bool) []int {
-	var remote, local []int
-	for o := 1; o <= world; o++ {
-		if d := (rank + o) % world; sameNode(d) {
-			local = append(local, d)
-		} else {
-			remote = append(remote, d)
-		}
-	}
-	if len(remote) > 0 {
-		k := localRank % len(remote)
-		remote = append(remote[k:], remote[:k]...)
-	}
-	return append(remote, local...)
 }
 
 // expertAt is expert id q (flat [T, K] index) of idx, -1 when it is -1 or
@@ -274,12 +251,13 @@ func (c *cpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 // and put at the same offsets.
 func (c *cpuEngine) send(a *DispatchArgs) error {
 	p := c.p
-	K, L, Tm, T := p.topK, p.numLocal, p.maxTokens, a.NumTokens
+	W, K, L, Tm, T := p.world, p.topK, p.numLocal, p.maxTokens, a.NumTokens
 	rb := int(p.rowBytes())
 	x := bytesAt(a.X, int64(T)*p.rowBytes())
 	w := int32sAt(a.TopkWeights, int64(T*K))
 	MW := 2*K + 1
-	for _, d := range c.peers {
+	for o := 1; o <= W; o++ {
+		d := (p.rank + o) % W
 		var rows []byte
 		var meta []int32
 		var box []byte
@@ -473,7 +451,7 @@ func (c *cpuEngine) combine(a *CombineArgs, checks []int32) error {
 // combineWith is combine, with fill (when not nil) writing this rank's
 // partials for the n tokens source s sent it into dst instead of computing
 // them from a.ExpertOut (the staged path's kernels made them).
-func (c *cpuEngine) combineWith(a *CombineArgs, checks []int32, fill func(s, lo, hi int, dst []byte)) error {
+func (c *cpuEngine) combineWith(a *CombineArgs, checks []int32, fill func(s, n int, dst []byte)) error {
 	p := c.p
 	if !a.Capturable {
 		ok, err := c.agreeChecks(a.Check, collective.CallMoeCombine, checks)
@@ -485,7 +463,7 @@ func (c *cpuEngine) combineWith(a *CombineArgs, checks []int32, fill func(s, lo,
 	}
 	if fill == nil {
 		out := bytesAt(a.ExpertOut, a.ExpertRows*p.rowBytes())
-		fill = func(s, lo, hi int, dst []byte) { c.partialsOf(s, lo, hi, out, dst) }
+		fill = func(s, n int, dst []byte) { c.partialsOf(s, n, out, dst) }
 	}
 	if err := c.partials(fill); err != nil {
 		return err
@@ -502,27 +480,24 @@ func (c *cpuEngine) combineWith(a *CombineArgs, checks []int32, fill func(s, lo,
 // rank of another node, into its outbox, then put there). A partial is the
 // float32 sum over k ascending of weight * expert row (each product
 // rounded to float32, added from +0), rounded once to the transit type.
-func (c *cpuEngine) partials(fill func(s, lo, hi int, dst []byte)) error {
+func (c *cpuEngine) partials(fill func(s, n int, dst []byte)) error {
 	p := c.p
-	Tm := p.maxTokens
+	W, Tm := p.world, p.maxTokens
 	cb := p.hidden * p.transit.Size()
 	counts := c.counts[p.rank]
-	for _, s := range c.peers {
-		n := int(counts[s])
+	for o := 1; o <= W; o++ {
+		s := (p.rank + o) % W
+		var dst []byte
 		if c.comb[s] != nil {
-			fill(s, 0, n, c.comb[s][p.rank*Tm*cb:][:n*cb])
-			continue
+			dst = c.comb[s][p.rank*Tm*cb:]
+		} else {
+			dst = c.net.boxOf(s)
 		}
-		// In pieces, so that one crosses the network while the next is made.
-		box, at := c.net.boxOf(s), uint64(c.off.comb)+uint64(p.rank*Tm*cb)
-		step := n
-		if n*cb >= partialsPieces*partialsPieceMin {
-			step = (n + partialsPieces - 1) / partialsPieces
-		}
-		for lo := 0; lo < n; lo += step {
-			hi := min(n, lo+step)
-			fill(s, lo, hi, box[lo*cb:hi*cb])
-			if err := c.net.put(s, at+uint64(lo*cb), uint64(lo*cb), uint64((hi-lo)*cb), "combine partials"); err != nil {
+		n := int(counts[s])
+		fill(s, n, dst[:n*cb])
+		if c.comb[s] == nil {
+			at := uint64(c.off.comb) + uint64(p.rank*Tm*cb)
+			if err := c.net.put(s, at, 0, uint64(n*cb), "combine partials"); err != nil {
 				return err
 			}
 			c.net.t.Progress()
@@ -531,23 +506,16 @@ func (c *cpuEngine) partials(fill func(s, lo, hi int, dst []byte)) error {
 	return nil
 }
 
-// partialsPieces is how many pieces a large put of partials goes in, each
-// at least partialsPieceMin bytes.
-const partialsPieces = 4
-
-var partialsPieceMin = 1 << 20
-
-// partialsOf computes this rank's partials of slots [first, end) of the
-// tokens source s sent it from the expert rows out into dst, split among
-// workers.
-func (c *cpuEngine) partialsOf(s, first, end int, out, dst []byte) {
+// partialsOf computes this rank's partials of the n tokens source s sent
+// it from the expert rows out into dst, split among workers.
+func (c *cpuEngine) partialsOf(s, n int, out, dst []byte) {
 	p := c.p
 	K, Tm, MW := p.topK, p.maxTokens, 2*p.topK+1
 	rb, cb := int(p.rowBytes()), p.hidden*p.transit.Size()
 	meta := c.meta[p.rank]
-	split(end-first, workers(end-first, int64(K)*int64(rb)), func(wk, lo, hi int) {
+	split(n, workers(n, int64(K)*int64(rb)), func(wk, lo, hi int) {
 		acc, tmp := c.acc[wk], c.tmp[wk]
-		for slot := first + lo; slot < first+hi; slot++ {
+		for slot := lo; slot < hi; slot++ {
 			clear(acc)
 			for k := range K {
 				row := int(c.combRows[(s*Tm+slot)*K+k])
@@ -557,7 +525,7 @@ func (c *cpuEngine) partialsOf(s, first, end int, out, dst []byte) {
 				w := math.Float32frombits(uint32(meta[(s*Tm+slot)*MW+K+k]))
 				addWeighted(acc, tmp, w, out[row*rb:(row+1)*rb], p.dtype)
 			}
-			narrow(dst[(slot-first)*cb:(slot-first+1)*cb], acc, p.transit)
+			narrow(dst[slot*cb:(slot+1)*cb], acc, p.transit)
 		}
 	})
 }

@@ -390,7 +390,7 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 	}
 	rb := uint64(p.rowBytes())
 	h := *a
-	var fill func(src, first, end int, dst []byte) // nil: the host path computes the partials
+	var fill func(src, n int, dst []byte) // nil: the host path computes the partials
 	if a.ExpertOut != 0 && s.kernelsFor(a.ExpertOut) {
 		bases, err := s.partialsOnDevice(cpu, a.ExpertOut, a.ExpertRows, a.Stream)
 		if err != nil {
@@ -399,9 +399,9 @@ func (s *stagedEngine) combine(cpu *cpuEngine, a *CombineArgs, checks []int32) e
 		}
 		cb := int64(p.hidden * p.transit.Size())
 		parts := bytesAt(s.rows.addr(), int64(s.rows.cap))
-		fill = func(src, first, end int, dst []byte) {
-			from := (bases[src] + int64(first)) * cb
-			split(end-first, workers(end-first, cb), func(_, lo, hi int) {
+		fill = func(src, n int, dst []byte) {
+			from := bases[src] * cb
+			split(n, workers(n, cb), func(_, lo, hi int) {
 				copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
 			})
 		}

@@ -264,9 +264,9 @@ func (s *stagedEngine) combineAsync(cpu *cpuEngine, a *CombineArgs, capturing bo
 	if err == nil {
 		err = s.hostStep(a.Stream, "combine", capturing, func() error {
 			parts, bases := bytesAt(s.rows.addr(), int64(s.rows.cap)), s.bases
-			fill := func(src, first, end int, dst []byte) {
-				from := (bases[src] + int64(first)) * cb
-				split(end-first, workers(end-first, cb), func(_, lo, hi int) {
+			fill := func(src, n int, dst []byte) {
+				from := bases[src] * cb
+				split(n, workers(n, cb), func(_, lo, hi int) {
 					copy(dst[int64(lo)*cb:int64(hi)*cb], parts[from+int64(lo)*cb:from+int64(hi)*cb])
 				})
 			}
