@@ -635,11 +635,24 @@ func addWidened(acc, tmp []float32, src []byte, d reduce.DType) {
 
 // addWeighted adds fl32(w * v) for each element v of src (of type d) to
 // acc, element by element (the conversion rounds each product: no fused
-// multiply-add); tmp is scratch of acc's length. bfloat16 rows are read in
-// place, eight at a time.
+// multiply-add); tmp is scratch of acc's length. float32 and bfloat16 rows
+// are read in place, eight at a time.
 func addWeighted(acc, tmp []float32, w float32, src []byte, d reduce.DType) {
 	n := len(acc)
 	if n == 0 {
+		return
+	}
+	if d == reduce.Float32 {
+		s := unsafe.Slice((*float32)(unsafe.Pointer(&src[0])), n)
+		i := 0
+		for ; i+8 <= n; i += 8 {
+			a, b := acc[i:i+8:i+8], s[i:i+8:i+8]
+			a[0], a[1], a[2], a[3] = a[0]+float32(w*b[0]), a[1]+float32(w*b[1]), a[2]+float32(w*b[2]), a[3]+float32(w*b[3])
+			a[4], a[5], a[6], a[7] = a[4]+float32(w*b[4]), a[5]+float32(w*b[5]), a[6]+float32(w*b[6]), a[7]+float32(w*b[7])
+		}
+		for ; i < n; i++ {
+			acc[i] += float32(w * s[i])
+		}
 		return
 	}
 	if d == reduce.BFloat16 {
