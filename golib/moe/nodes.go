@@ -561,7 +561,11 @@ func (n *netPeers) fail(r int, why string) error {
 // close releases UCX (and with it every registration), then the outbox.
 // Not collective. It first flushes what this rank sent each remote rank,
 // for a bounded time: a peer may still wait in the last barrier for a
-// signal of this rank's, and closing would cut it off unsent.
+// signal of this rank's, and closing would cut it off unsent. A healthy EP
+// waits up to the timeout for that (on a host with more threads than
+// cores a peer's rail may not progress for a long while, and it would
+// count this rank as failed); a broken one, whose peers may be gone, only
+// lingers.
 func (n *netPeers) close() error {
 	n.bg.Stop()
 	n.bg = nil
@@ -579,7 +583,11 @@ func (n *netPeers) close() error {
 		l.bg.Stop()
 		ts = append(ts, l.t)
 	}
-	err := ucx.CloseAllAfterFlush(ts, remote, n.linger)
+	wait := n.linger
+	if n.broken == nil {
+		wait = n.timeout
+	}
+	err := ucx.CloseAllAfterFlush(ts, remote, wait)
 	for _, l := range n.rails {
 		if l.mem != nil {
 			unix.Munmap(l.mem)
