@@ -567,8 +567,6 @@ func (n *netPeers) fail(r int, why string) error {
 // count this rank as failed); a broken one, whose peers may be gone, only
 // lingers.
 func (n *netPeers) close() error {
-	n.bg.Stop()
-	n.bg = nil
 	var remote []int
 	for r, rem := range n.remote {
 		if rem != nil {
@@ -580,14 +578,21 @@ func (n *netPeers) close() error {
 		ts = append(ts, n.t)
 	}
 	for _, l := range n.rails {
-		l.bg.Stop()
 		ts = append(ts, l.t)
 	}
 	wait := n.linger
 	if n.broken == nil {
 		wait = n.timeout
 	}
+	// The background loops go on progressing every transport meanwhile:
+	// a peer flushing one of them toward this rank waits for this rank to
+	// progress it, while this rank flushes another toward that peer.
 	err := ucx.CloseAllAfterFlush(ts, remote, wait)
+	n.bg.Stop()
+	n.bg = nil
+	for _, l := range n.rails {
+		l.bg.Stop()
+	}
 	for _, l := range n.rails {
 		if l.mem != nil {
 			unix.Munmap(l.mem)
