@@ -619,11 +619,13 @@ func addWidened(acc, tmp []float32, src []byte, d reduce.DType) {
 		i := 0
 		for ; i+8 <= n; i += 8 {
 			a, b := acc[i:i+8:i+8], s[i:i+8:i+8]
-			a[0], a[1], a[2], a[3] = a[0]+bf16(b[0]), a[1]+bf16(b[1]), a[2]+bf16(b[2]), a[3]+bf16(b[3])
-			a[4], a[5], a[6], a[7] = a[4]+bf16(b[4]), a[5]+bf16(b[5]), a[6]+bf16(b[6]), a[7]+bf16(b[7])
+			a[0], a[1] = a[0]+reduce.BF16ToFloat(b[0]), a[1]+reduce.BF16ToFloat(b[1])
+			a[2], a[3] = a[2]+reduce.BF16ToFloat(b[2]), a[3]+reduce.BF16ToFloat(b[3])
+			a[4], a[5] = a[4]+reduce.BF16ToFloat(b[4]), a[5]+reduce.BF16ToFloat(b[5])
+			a[6], a[7] = a[6]+reduce.BF16ToFloat(b[6]), a[7]+reduce.BF16ToFloat(b[7])
 		}
 		for ; i < n; i++ {
-			acc[i] += bf16(s[i])
+			acc[i] += reduce.BF16ToFloat(s[i])
 		}
 	default:
 		widen(tmp, src, d)
@@ -660,11 +662,13 @@ func addWeighted(acc, tmp []float32, w float32, src []byte, d reduce.DType) {
 		i := 0
 		for ; i+8 <= n; i += 8 {
 			a, b := acc[i:i+8:i+8], s[i:i+8:i+8]
-			a[0], a[1], a[2], a[3] = a[0]+float32(w*bf16(b[0])), a[1]+float32(w*bf16(b[1])), a[2]+float32(w*bf16(b[2])), a[3]+float32(w*bf16(b[3]))
-			a[4], a[5], a[6], a[7] = a[4]+float32(w*bf16(b[4])), a[5]+float32(w*bf16(b[5])), a[6]+float32(w*bf16(b[6])), a[7]+float32(w*bf16(b[7]))
+			a[0], a[1] = a[0]+float32(w*reduce.BF16ToFloat(b[0])), a[1]+float32(w*reduce.BF16ToFloat(b[1]))
+			a[2], a[3] = a[2]+float32(w*reduce.BF16ToFloat(b[2])), a[3]+float32(w*reduce.BF16ToFloat(b[3]))
+			a[4], a[5] = a[4]+float32(w*reduce.BF16ToFloat(b[4])), a[5]+float32(w*reduce.BF16ToFloat(b[5]))
+			a[6], a[7] = a[6]+float32(w*reduce.BF16ToFloat(b[6])), a[7]+float32(w*reduce.BF16ToFloat(b[7]))
 		}
 		for ; i < n; i++ {
-			acc[i] += float32(w * bf16(s[i]))
+			acc[i] += float32(w * reduce.BF16ToFloat(s[i]))
 		}
 		return
 	}
@@ -673,9 +677,6 @@ func addWeighted(acc, tmp []float32, w float32, src []byte, d reduce.DType) {
 		acc[i] += float32(w * v)
 	}
 }
-
-// bf16 widens a bfloat16 bit pattern (reduce.BF16ToFloat, inlined here).
-func bf16(b uint16) float32 { return math.Float32frombits(uint32(b) << 16) }
 
 // narrow writes src into dst as type d, rounded to nearest even (exact for
 // float32 and float64).
@@ -697,11 +698,13 @@ func narrow(dst []byte, src []float32, d reduce.DType) {
 		i := 0
 		for ; i+8 <= n; i += 8 {
 			o, s := out[i:i+8:i+8], src[i:i+8:i+8]
-			o[0], o[1], o[2], o[3] = toBF16(s[0]), toBF16(s[1]), toBF16(s[2]), toBF16(s[3])
-			o[4], o[5], o[6], o[7] = toBF16(s[4]), toBF16(s[5]), toBF16(s[6]), toBF16(s[7])
+			o[0], o[1] = reduce.FloatToBF16(s[0]), reduce.FloatToBF16(s[1])
+			o[2], o[3] = reduce.FloatToBF16(s[2]), reduce.FloatToBF16(s[3])
+			o[4], o[5] = reduce.FloatToBF16(s[4]), reduce.FloatToBF16(s[5])
+			o[6], o[7] = reduce.FloatToBF16(s[6]), reduce.FloatToBF16(s[7])
 		}
 		for ; i < n; i++ {
-			out[i] = toBF16(src[i])
+			out[i] = reduce.FloatToBF16(src[i])
 		}
 	case reduce.Float16:
 		out := unsafe.Slice((*uint16)(unsafe.Pointer(&dst[0])), n)
@@ -709,15 +712,4 @@ func narrow(dst []byte, src []float32, d reduce.DType) {
 			out[i] = reduce.FloatToHalf(v)
 		}
 	}
-}
-
-// toBF16 is reduce.FloatToBF16 (nearest even; NaN stays NaN) in a form
-// the compiler inlines and keeps free of jumps.
-func toBF16(f float32) uint16 {
-	u := math.Float32bits(f)
-	r := uint16((u + 0x7fff + (u>>16)&1) >> 16)
-	if u&0x7fffffff > 0x7f800000 {
-		r = uint16(u>>16) | 0x40
-	}
-	return r
 }

@@ -524,8 +524,7 @@ func TestCPUConstructionAgrees(t *testing.T) {
 func contains(err error, s string) bool { return err != nil && strings.Contains(err.Error(), s) }
 
 // addWidened and addWeighted give, element by element, the bits of
-// widening first and adding after, and narrow reduce's roundings, for
-// every dtype, lengths around the eight-wide steps, and values with NaN,
+// widening first and adding after, for every dtype, lengths around the eight-wide steps, and values with NaN,
 // infinities and signed zeros.
 func TestAddsInPlaceMatchWidenThenAdd(t *testing.T) {
 	rng := rand.New(rand.NewSource(3))
@@ -541,13 +540,6 @@ func TestAddsInPlaceMatchWidenThenAdd(t *testing.T) {
 			}
 			src := make([]byte, n*d.Size())
 			narrow(src, vals, d)
-			if d == reduce.BFloat16 && n > 0 {
-				for i, v := range unsafe.Slice((*uint16)(unsafe.Pointer(&src[0])), n) {
-					if v != reduce.FloatToBF16(vals[i]) {
-						t.Fatalf("narrow to bfloat16 of %v: %#x, want %#x", vals[i], v, reduce.FloatToBF16(vals[i]))
-					}
-				}
-			}
 			start := make([]float32, n)
 			for i := range start {
 				start[i] = float32(rng.NormFloat64())

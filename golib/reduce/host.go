@@ -209,14 +209,15 @@ func narrow(h []uint16, f []float32, bf16 bool) {
 // BF16ToFloat widens a bfloat16 bit pattern.
 func BF16ToFloat(b uint16) float32 { return math.Float32frombits(uint32(b) << 16) }
 
-// FloatToBF16 rounds to nearest even; NaN stays NaN.
+// FloatToBF16 rounds to nearest even; NaN stays NaN (written so that the
+// compiler selects instead of jumping: loops over rows call it per element).
 func FloatToBF16(f float32) uint16 {
 	u := math.Float32bits(f)
+	r := uint16((u + 0x7fff + (u>>16)&1) >> 16)
 	if u&0x7fffffff > 0x7f800000 {
-		return uint16(u>>16) | 0x40
+		r = uint16(u>>16) | 0x40
 	}
-	u += 0x7fff + (u>>16)&1
-	return uint16(u >> 16)
+	return r
 }
 
 // HalfToFloat widens an IEEE binary16 bit pattern.
