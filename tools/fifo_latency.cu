@@ -15,6 +15,13 @@
 //            rlx+fence  one thread polls with ld.relaxed.sys, one fence after
 //            4warps     four warps poll relaxed, unsynchronized, the first to
 //                       see the count tells the others through shared memory
+//            rlx+facq   one thread polls with ld.relaxed.sys, then
+//                       fence.acquire.sys (the one-way acquire fence of sm_90)
+//            kN-acq     one thread keeps N polls in flight, issued ~200 ns
+//                       apart, each ld.acquire.sys, and looks at them in turn:
+//                       the count is seen one spacing after it lands, not up
+//                       to a whole PCIe read later
+//            kN-rlx     the same with ld.relaxed.sys, then fence.acquire.sys
 //
 // Build and run on a GPU host:
 //   nvcc -O3 -arch=sm_90 -o /tmp/fifo_latency tools/fifo_latency.cu -lpthread && /tmp/fifo_latency
@@ -70,6 +77,29 @@ __device__ __forceinline__ u64 load(const u64* p, bool acquire) {
   return v;
 }
 
+// staggered keeps K polls of *p in flight, each issued gap SM cycles after
+// the one before, and returns once one reads at least v.
+template <int K, bool ACQ>
+__device__ __forceinline__ void staggered(const u64* p, u64 v, long long gap) {
+  u64 r[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    r[k] = load(p, ACQ);
+    const long long t = clock64();
+    while (clock64() - t < gap) {
+    }
+  }
+  const u64 start = now();
+  for (;;) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (r[k] >= v) return;
+      r[k] = load(p, ACQ);
+    }
+    if (now() - start > 2000000000ull) return;
+  }
+}
+
 // One block of 128 threads; thread 0 stores; poll mode 2 uses lane 0 of
 // every warp.
 __global__ void roundtrips(Shared* s, int how, int poll, u64 base, u64* ns, u64* head) {
@@ -90,12 +120,18 @@ __global__ void roundtrips(Shared* s, int how, int poll, u64 base, u64* ns, u64*
         seen = v;
         asm volatile("fence.acq_rel.sys;" ::: "memory");
       }
+    } else if (tid == 0 && poll >= 4) {
+      if (poll == 4) staggered<4, true>(&s->done, v, 400);
+      if (poll == 5) staggered<4, false>(&s->done, v, 400);
+      if (poll == 6) staggered<8, false>(&s->done, v, 250);
+      if (poll >= 5) asm volatile("fence.acquire.sys;" ::: "memory");
     } else if (tid == 0) {
       const u64 start = now();
       while (load(&s->done, poll == 0) < v) {
         if (now() - start > 2000000000ull) break;
       }
       if (poll == 1) asm volatile("fence.acq_rel.sys;" ::: "memory");
+      if (poll == 3) asm volatile("fence.acquire.sys;" ::: "memory");
     }
     __syncthreads();
     if (tid == 0) ns[i - 1] = now() - t0;
@@ -128,12 +164,12 @@ int main() {
     }
   });
   const char* stores[] = {"two8-rel", "v2-rel", "v2-rlx", "claim+v2"};
-  const char* polls[] = {"acq", "rlx+fence", "4warps"};
+  const char* polls[] = {"acq", "rlx+fence", "4warps", "rlx+facq", "k4-acq", "k4-rlx", "k8-rlx"};
   printf("| store | poll | p50 us | p99 us |\n|---|---|---:|---:|\n");
   std::vector<u64> h(kIters);
   u64 base = 0;
   for (int how = 0; how < 4; ++how) {
-    for (int poll = 0; poll < 3; ++poll) {
+    for (int poll = 0; poll < 7; ++poll) {
       roundtrips<<<1, 128>>>(sd, how, poll, base, ns, head);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());

@@ -272,9 +272,10 @@ DINLINE bool fifo_sync(const FifoHandle& f, const P& w, int peer, u64 pos) {
   u32 polls = 0;
   // Each look at host memory crosses PCIe: the error word only every 32nd.
   const bool ok = spin_until(w, [&] {
-    done = ld_flag_acquire(&f.host->done);
+    done = ld_poll(&f.host->done);
     return done > pos || ((++polls & 31u) == 0 && ld_volatile_u32(&f.host->error) != 0);
   }, done, peer, kPhaseFifoFlush, (int)f.id, pos + 1);
+  poll_acquired();
   // done moves only past entries that succeeded, so done > pos needs no
   // second look at the error word (another PCIe round trip).
   if (ok && done <= pos) {

@@ -419,6 +419,30 @@ DINLINE u64 ld_flag_acquire(const u64* p) {
 DINLINE void st_flag_release(u64* p, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
+
+// A poll of host memory (across PCIe): ld_poll in the loop, poll_acquired
+// once it saw the value, together an acquire. Where the one-way acquire
+// fence exists (sm_90, PTX 8.6), relaxed polls and one fence after them see
+// the host's store sooner than acquire loads do (tools/fifo_latency.cu,
+// rlx+facq); elsewhere the only fence is two-way, which costs more than the
+// acquire loads, so they stay.
+#if __CUDA_ARCH__ >= 900 && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8))
+#define P2P_ACQUIRE_FENCE 1
+#endif
+DINLINE u64 ld_poll(const u64* p) {
+#ifdef P2P_ACQUIRE_FENCE
+  u64 v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return ld_flag_acquire(p);
+#endif
+}
+DINLINE void poll_acquired() {
+#ifdef P2P_ACQUIRE_FENCE
+  asm volatile("fence.acquire.sys;" ::: "memory");
+#endif
+}
 DINLINE u32 ld_volatile_u32(const u32* p) { return *reinterpret_cast<const volatile u32*>(p); }
 DINLINE u64 global_timer_ns() {
   u64 t;

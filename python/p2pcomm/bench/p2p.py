@@ -356,8 +356,8 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("p2p benchmarks need GPUs (port channels on CPU ranks are covered by the tests)")
         return 2
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
+    from ..communicator import local_cuda_index
+    torch.cuda.set_device(local_cuda_index())  # ranks may share GPUs (P2PCOMM_SHARE_GPUS=1, under MPS)
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # control only: every exchange here is of CPU tensors
     b = Bench(args)
