@@ -119,12 +119,15 @@ type network struct {
 	node     int
 	chunk    int64 // bytes of partials per put
 	linger   time.Duration
-	calls    uint64          // all-reduces across nodes so far
-	dataSent []uint64        // by node: data chunks signalled to that node's group rank
-	dataBase []uint64        // by node: data chunks its group rank had signalled before this call
-	results  []uint64        // by node: result chunks expected from it so far
-	version  uint64          // of this rank's failure record
-	bg       *ucx.Background // progresses UCX between calls
+	// blameWait: how long a timed-out rank listens for the blame of the rank
+	// it waited for (failure.go).
+	blameWait time.Duration
+	calls     uint64          // all-reduces across nodes so far
+	dataSent  []uint64        // by node: data chunks signalled to that node's group rank
+	dataBase  []uint64        // by node: data chunks its group rank had signalled before this call
+	results   []uint64        // by node: result chunks expected from it so far
+	version   uint64          // of this rank's failure record
+	bg        *ucx.Background // progresses UCX between calls
 }
 
 func (n *network) base() unsafe.Pointer { return unsafe.Pointer(&n.region[0]) }
@@ -152,6 +155,7 @@ func (c *Comm) openNetwork() error {
 	n := &network{t: t, node: c.topo.Node(), chunk: c.opts.NetChunkBytes, dataSent: make([]uint64, nodes),
 		dataBase: make([]uint64, nodes), results: make([]uint64, nodes)}
 	n.linger = min(c.opts.Timeout/8, 500*time.Millisecond)
+	n.blameWait = blameWait(c.opts.Timeout)
 	n.lay = newNetLayout(c.size, nodes, len(c.topo.Local()), c.opts.StagingBytes)
 	li := c.topo.LocalRank()
 	for _, ranks := range c.topo.Nodes {

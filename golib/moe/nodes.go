@@ -74,7 +74,8 @@ type netPeers struct {
 	rank, world int
 	timeout     time.Duration
 	pace        func(int)
-	linger      time.Duration
+	linger      time.Duration // how long a broken EP's close flushes
+	blameWait   time.Duration // how long a timed-out rank listens for whom its awaited rank blames
 
 	self     transport.Local    // this rank's symmetric buffer
 	remote   []transport.Remote // by rank: its symmetric buffer; nil on this node
@@ -117,6 +118,10 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), blames: make([][]uint64, g.Size()),
 		seen: make([]uint64, g.Size()), pids: make([]*uint64, g.Size())}
 	n.linger = min(n.timeout/8, 500*time.Millisecond)
+	// A timed-out rank listens this long for the blame of the rank it waited
+	// for, which timed out (or will) later by however much it entered the
+	// call later: a quarter of the timeout, at most 2 s (as hostcoll's).
+	n.blameWait = min(n.timeout/4, 2*time.Second)
 	boxes := 0
 	for r := range n.world {
 		n.box[r] = -1
@@ -494,12 +499,12 @@ func (n *netPeers) settledBlame() (uint64, bool) {
 }
 
 // late ends this rank's wait for rank r at the timeout: it publishes a
-// tentative blame, follows r's own for up to the linger time, and breaks
-// the EP naming whom the chain ends at.
+// tentative blame, follows r's own for up to blameWait, and breaks the EP
+// naming whom the chain ends at.
 func (n *netPeers) late(r int, phase string, call collective.Call) error {
 	b := makeBlame(r, n.rank, blameLate, false)
 	n.publish(b)
-	deadline := time.Now().Add(n.linger)
+	deadline := time.Now().Add(n.blameWait)
 	for i := 0; time.Now().Before(deadline); i++ {
 		n.t.Progress()
 		n.pace(4096 + i)
