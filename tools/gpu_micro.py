@@ -1,11 +1,16 @@
 """A/B kernel variants on the GPUs in one run (under torchrun): for each
 variant (extra NVRTC -D options, grid limit) build a communicator, check it
 against NCCL on fresh random data, then time chosen cases eagerly and as
-CUDA-graph replays. Prints one table on rank 0."""
+CUDA-graph replays, with torch SymmetricMemory's one-shot and two-shot at the
+same sizes (first column). Prints one table on rank 0.
 
+    torchrun --nproc_per_node=N tools/gpu_micro.py [--sizes 512K,2M] [--algos twoshot,twoshot_ll] [variant...]
+
+A variant is a name of VARIANTS or an environment of its own, NAME=VALUE[+NAME=VALUE...]."""
+
+import argparse
 import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
@@ -53,12 +58,53 @@ def timed(fn, iters, graph):
     return statistics.median(reps)
 
 
+def parse_bytes(s):
+    units = {"K": KB, "M": MB}
+    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
+
+
+def torch_symm(rows, cases, first):
+    """torch SymmetricMemory's one-shot and two-shot at every size of cases, in column first."""
+    import torch.distributed._symmetric_memory as symm_mem
+    sizes = sorted({n for n, _ in cases})
+    buf = symm_mem.empty(max(sizes) // 2, dtype=torch.bfloat16, device="cuda")
+    handle = symm_mem.rendezvous(buf, dist.group.WORLD)
+    group = dist.group.WORLD.group_name
+    out = torch.empty_like(buf)
+    for nbytes in sizes:
+        x, o = buf[:nbytes // 2], out[:nbytes // 2]
+        x.normal_()
+        iters = 100 if nbytes <= (1 << 20) else 20
+        for label, fn in (("oneshot", lambda: torch.ops.symm_mem.one_shot_all_reduce_out(x, "sum", group, o)),
+                          ("twoshot", lambda: torch.ops.symm_mem.two_shot_all_reduce_(x, "sum", group))):
+            for graph in (False, True):
+                key = (nbytes, f"torch-symm {label}", "reg", "graph" if graph else "eager")
+                rows.setdefault(key, {})[first] = timed(fn, iters, graph)
+    del handle
+
+
 def main():
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
-    names = sys.argv[1:] or list(VARIANTS)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",")], default=None)
+    ap.add_argument("--algos", type=lambda s: s.split(","), default=None)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("variants", nargs="*")
+    args = ap.parse_args()
+    cases = CASES
+    if args.sizes or args.algos:
+        sizes = args.sizes or sorted({n for n, _ in CASES})
+        algos = args.algos or ["twoshot"]
+        cases = [(n, a) for n in sizes for a in algos]
+    names = args.variants or list(VARIANTS)
+    for name in names:  # NAME=VALUE[+NAME=VALUE...]: the environment of an ad-hoc variant
+        if name not in VARIANTS:
+            VARIANTS[name] = dict(kv.split("=", 1) for kv in name.split("+"))
     rows = {}
+    if not args.no_torch:
+        torch_symm(rows, cases, names[0])
     for name in names:
         saved = {k: os.environ.get(k) for k in VARIANTS[name]}
         os.environ.update(VARIANTS[name])
@@ -79,7 +125,7 @@ def main():
                     bad += int(((got - want).abs() > 0.02 * want.abs() + 0.05).sum())
         torch.cuda.synchronize()
         comm.check()
-        for nbytes, algo in CASES:
+        for nbytes, algo in cases:
             x = comm.empty(nbytes // 2, torch.bfloat16)
             x.normal_()
             iters = 100 if nbytes <= (1 << 20) else 20
