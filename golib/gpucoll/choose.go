@@ -102,9 +102,6 @@ func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.
 	if algo == collective.TwoShotLL && sliceBytes(count, dt, b.size) > llMaxPayload {
 		algo = collective.TwoShot
 	}
-	if algo == collective.OneShotLL128 && nbytes > ll128MaxPayload {
-		algo = collective.OneShot
-	}
 	if algo == collective.OneShotPush && nbytes > llSlotBytes {
 		algo = collective.OneShot
 	}
@@ -128,7 +125,7 @@ func sliceBytes(count int64, dt reduce.DType, world int) int64 {
 // isLL: the algorithm runs on the LL buffers (LL and push kernels).
 func isLL(a collective.Algorithm) bool {
 	switch a {
-	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush, collective.OneShotLL128:
+	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush:
 		return true
 	}
 	return false

@@ -41,8 +41,6 @@ func TestChooseResolvesEveryRequest(t *testing.T) {
 		{"twoshot_ll too big", four, collective.TwoShotLL, 4*llMaxPayload/8 + 1, reduce.Float64, collective.TwoShot},
 		{"oneshot_push fits", four, collective.OneShotPush, llSlotBytes / 2, reduce.BFloat16, collective.OneShotPush},
 		{"oneshot_push too big", four, collective.OneShotPush, llSlotBytes/2 + 1, reduce.BFloat16, collective.OneShot},
-		{"oneshot_ll128 fits", two, collective.OneShotLL128, ll128MaxPayload / 2, reduce.BFloat16, collective.OneShotLL128},
-		{"oneshot_ll128 too big", two, collective.OneShotLL128, ll128MaxPayload/2 + 1, reduce.BFloat16, collective.OneShot},
 		{"twoshot_push fits", four, collective.TwoShotPush, 4 * llSlotBytes / 4, reduce.Float32, collective.TwoShotPush},
 		{"twoshot_push too big", four, collective.TwoShotPush, 4*llSlotBytes/4 + 1, reduce.Float32, collective.TwoShot},
 		{"rd non power of two", three, collective.RecursiveDoubling, 100, reduce.Float32, collective.TwoShot},
