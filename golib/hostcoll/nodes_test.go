@@ -349,7 +349,8 @@ func checkAbsentRank(t *testing.T, nc nodesCase, how string, timeout time.Durati
 		if err != nil {
 			t.Errorf("rank %d: %v", r, err)
 		}
-		if limit := timeout + time.Second; took[r] > limit {
+		// The timeout, the wait for whom the awaited rank blames, and a second.
+		if limit := timeout + blameWait(timeout) + time.Second; took[r] > limit {
 			t.Errorf("rank %d raised after %v, want within %v", r, took[r], limit)
 		}
 	}

@@ -23,6 +23,9 @@ pytest.importorskip("torch")
 NEEDS_UCX = pytest.mark.skipif(importlib.util.find_spec("libucx") is None and not os.environ.get("P2PCOMM_UCX_LIB"),
                                reason="UCX not installed (pip install libucx-cu13)")
 TIMEOUT_MS = 3000
+# A survivor raises after the timeout and up to a quarter of it more, listening for whom the rank it waited for
+# blames (golib/hostcoll, golib/moe); then a little for the process.
+RAISE_S = TIMEOUT_MS / 1000 * 1.25 + 1.5
 VICTIM = 2  # on the second node
 
 SCRIPT = """
@@ -90,7 +93,7 @@ def test_failed_rank_of_the_other_node_is_named_by_every_survivor(how):
         assert rc == 0, out
         assert "RAISED" in out and f"rank {VICTIM} " in out, out
         raised_after = float(out.split("RAISED", 1)[1].split()[0])
-        assert raised_after < TIMEOUT_MS / 1000 + 1.5, out  # the timeout, and a little to hear whom peers blame
+        assert raised_after < RAISE_S, out
         assert "AFTER PeerTimeoutError" in out, out
 
 
@@ -149,7 +152,7 @@ def test_gpu_all_reduce_names_the_failed_rank_of_the_other_node(how):
         assert rc == 0, out
         assert "RAISED" in out and ("peer 1 " in out or "rank 1 " in out), out
         raised_after = float(out.split("RAISED", 1)[1].split()[0])
-        assert raised_after < TIMEOUT_MS / 1000 + 1.5, out
+        assert raised_after < RAISE_S, out
         assert "AFTER" in out, out
 
 
@@ -230,5 +233,5 @@ def test_failed_rank_in_expert_parallel_is_named_by_every_survivor(how, device, 
         assert "RAISED" in out, out
         raised = out.split("RAISED", 1)[1].splitlines()[0]
         assert f"rank {victim} (node 1) " in raised and f"seen by rank {rank};" in raised, out
-        assert float(raised.split()[0]) < MOE_TIMEOUT_MS / 1000 + 1.5, out  # the timeout, and a little
+        assert float(raised.split()[0]) < RAISE_S, out
         assert "AFTER PeerTimeoutError" in out and "CLOSED" in out, out
