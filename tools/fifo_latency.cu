@@ -5,10 +5,11 @@
 // variants a FIFO could use.
 //
 //   store    two8-rel   8-byte relaxed store, then 8-byte release store
-//                       (channel.cuh's fifo_push today)
-//            v2-rel     one 16-byte st.release.sys.v2
+//            v2-rel     one 16-byte st.release.sys.v2 (channel.cuh's
+//                       fifo_push for a put or a signal)
 //            v2-rlx     one 16-byte st.relaxed.sys.v2 (no fence: the floor
-//                       for an entry that publishes no data)
+//                       for an entry that publishes no data; fifo_push's bare
+//                       flush)
 //            claim+v2   v2-rlx after what a pusher does first: an atomicAdd on
 //                       a head in device memory beside a load of a tail cache
 //   poll     acq        one thread polls with ld.acquire.sys
@@ -16,11 +17,12 @@
 //            4warps     four warps poll relaxed, unsynchronized, the first to
 //                       see the count tells the others through shared memory
 //            rlx+facq   one thread polls with ld.relaxed.sys, then
-//                       fence.acquire.sys (the one-way acquire fence of sm_90)
+//                       fence.acquire.sys (the one-way acquire fence of sm_90;
+//                       channel.cuh's fifo_sync there)
 //            kN-acq     one thread keeps N polls in flight, issued ~200 ns
-//                       apart, each ld.acquire.sys, and looks at them in turn:
-//                       the count is seen one spacing after it lands, not up
-//                       to a whole PCIe read later
+//                       apart, each ld.acquire.sys, and looks at them in turn
+//                       (meant to see the count one spacing after it lands
+//                       instead of up to a whole PCIe read later)
 //            kN-rlx     the same with ld.relaxed.sys, then fence.acquire.sys
 //
 // Build and run on a GPU host:

@@ -4,7 +4,7 @@ against NCCL on fresh random data, then time chosen cases eagerly and as
 CUDA-graph replays, with torch SymmetricMemory's one-shot and two-shot at the
 same sizes (first column). Prints one table on rank 0.
 
-    torchrun --nproc_per_node=N tools/gpu_micro.py [--sizes 512K,2M] [--algos twoshot,twoshot_ll] [variant...]
+    torchrun --nproc_per_node=N tools/gpu_micro.py [--sizes 512K,2M] [--algos twoshot,twoshot_ll] [--no-torch] [variant...]
 
 A variant is a name of VARIANTS or an environment of its own, NAME=VALUE[+NAME=VALUE...]."""
 
@@ -88,8 +88,8 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",")], default=None)
-    ap.add_argument("--algos", type=lambda s: s.split(","), default=None)
+    ap.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",") if x], default=None)
+    ap.add_argument("--algos", type=lambda s: [a for a in s.split(",") if a], default=None)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("variants", nargs="*")
     args = ap.parse_args()
@@ -101,10 +101,17 @@ def main():
     names = args.variants or list(VARIANTS)
     for name in names:  # NAME=VALUE[+NAME=VALUE...]: the environment of an ad-hoc variant
         if name not in VARIANTS:
-            VARIANTS[name] = dict(kv.split("=", 1) for kv in name.split("+"))
+            pairs = [kv.split("=", 1) for kv in name.split("+")]
+            if any(len(kv) != 2 for kv in pairs):
+                ap.error(f"variant {name!r}: not one of {', '.join(VARIANTS)}, nor NAME=VALUE[+NAME=VALUE...]")
+            VARIANTS[name] = dict(pairs)
     rows = {}
     if not args.no_torch:
-        torch_symm(rows, cases, names[0])
+        try:
+            torch_symm(rows, cases, names[0])
+        except (ImportError, AttributeError, RuntimeError) as e:  # a torch without SymmetricMemory's ops
+            if dist.get_rank() == 0:
+                print(f"no torch SymmetricMemory rows: {e}")
     for name in names:
         saved = {k: os.environ.get(k) for k in VARIANTS[name]}
         os.environ.update(VARIANTS[name])
