@@ -584,9 +584,7 @@ struct MoeBegin {
 // Start flags are stored and polled relaxed: they order no data (a peer
 // posts once its earlier kernels, the readers, have finished), and a
 // relaxed round trip between two GPUs is shorter than a release/acquire one.
-DINLINE void st_start_flag(u64* p, u64 v) {
-  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
+DINLINE void st_start_flag(u64* p, u64 v) { st_flag_relaxed(p, v); }
 DINLINE u64 ld_start_flag(const u64* p) {
   u64 v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
