@@ -157,7 +157,8 @@ func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int
 	for g < int64(b.opts.MaxBlocks) && g*(16<<10) < nbytes {
 		g *= 2
 	}
-	return geometry{grid: uint32(g)}
+	// A limit that is no power of two (GPUs shared under MPS) still holds.
+	return geometry{grid: uint32(min(g, int64(b.opts.MaxBlocks)))}
 }
 
 // signature summarizes a call so kernels can check that every rank made

@@ -96,6 +96,13 @@ func TestLLGridsBySize(t *testing.T) {
 	if g := b.geometry(collective.TwoShotLL, reduce.Float32, 1<<20); g.grid != 8 {
 		t.Errorf("P2PCOMM_MAX_BLOCKS=8 bounds LL grids: got %d", g.grid)
 	}
+	// Shared GPUs leave each rank a share of the SMs, no power of two.
+	b.opts.MaxBlocks = 65
+	for _, algo := range []collective.Algorithm{collective.TwoShot, collective.OneShot} {
+		if g := b.geometry(algo, reduce.Float32, 64<<20); g.grid != 65 {
+			t.Errorf("%s of 256 MiB with at most 65 blocks: grid %d", algo, g.grid)
+		}
+	}
 	if llHalfBytes(8) >= 1<<32 {
 		t.Errorf("LL half of %d bytes does not fit AllReduceParams.half_bytes (u32)", llHalfBytes(8))
 	}

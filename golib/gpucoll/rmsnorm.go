@@ -164,7 +164,7 @@ func (b *Backend) rmsNormGrid(algo collective.Algorithm, rows, nbytes int64) uin
 	for g < int64(b.opts.MaxBlocks) && g < per {
 		g *= 2
 	}
-	return uint32(g)
+	return uint32(min(g, int64(b.opts.MaxBlocks)))
 }
 
 // rmsNormSignature summarizes a fused call as signature does an

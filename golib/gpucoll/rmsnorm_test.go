@@ -118,6 +118,10 @@ func TestRMSNormGrid(t *testing.T) {
 			t.Errorf("%s: rmsNormGrid(%s, %d rows, %d bytes) = %d, want %d", tt.name, tt.algo, tt.rows, tt.nbytes, got, tt.want)
 		}
 	}
+	b.opts.MaxBlocks = 65 // a share of a GPU's SMs under MPS
+	if got := b.rmsNormGrid(collective.TwoShot, 8192, 8192<<14); got != 65 {
+		t.Errorf("two-shot with at most 65 blocks: grid %d", got)
+	}
 }
 
 // TestRMSNormSignature: every field that changes the result or the kernel
