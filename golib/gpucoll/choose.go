@@ -62,7 +62,7 @@ func LoadTable(path string, world int) (Table, error) {
 // once, and their flags replace both barriers (docs/BENCHMARKS.md).
 func defaultTable(world int) Table {
 	if world == 2 {
-		return Table{{256 << 10, "oneshot_ll"}, {1 << 20, "twoshot_ll"}, {1 << 62, "twoshot"}}
+		return Table{{512 << 10, "oneshot_ll"}, {1 << 20, "twoshot_ll"}, {1 << 62, "twoshot"}}
 	}
 	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
@@ -145,10 +145,7 @@ type geometry struct {
 func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int64) geometry {
 	nbytes := count * int64(dt.Size())
 	if isLL(algo) {
-		if nbytes <= llSmallBytes {
-			return geometry{grid: uint32(min(llSmallGrid, b.opts.MaxBlocks))}
-		}
-		return geometry{grid: uint32(min(llGrid, b.opts.MaxBlocks))}
+		return geometry{grid: llGridFor(nbytes, b.opts.MaxBlocks)}
 	}
 	if algo == collective.OneShot && nbytes <= deferredHalfBytes {
 		return geometry{grid: deferredGrid, deferred: true}

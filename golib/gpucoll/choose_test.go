@@ -32,7 +32,8 @@ func TestChooseResolvesEveryRequest(t *testing.T) {
 		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShot},
 		{"auto 4 MiB", four, collective.Auto, 2 << 20, reduce.BFloat16, collective.TwoShot},
 		{"two ranks auto 256 KiB", two, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShotLL},
-		{"two ranks auto 512 KiB", two, collective.Auto, 256 << 10, reduce.BFloat16, collective.TwoShotLL},
+		{"two ranks auto 512 KiB", two, collective.Auto, 256 << 10, reduce.BFloat16, collective.OneShotLL},
+		{"two ranks auto 512 KiB + 2", two, collective.Auto, 256<<10 + 1, reduce.BFloat16, collective.TwoShotLL},
 		{"two ranks auto 1 MiB", two, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShotLL},
 		{"two ranks auto 2 MiB", two, collective.Auto, 1 << 20, reduce.BFloat16, collective.TwoShot},
 		{"oneshot_ll fits", four, collective.OneShotLL, llMaxPayload / 4, reduce.Float32, collective.OneShotLL},
@@ -87,7 +88,8 @@ func TestLLGridsBySize(t *testing.T) {
 	for _, tt := range []struct {
 		count int64
 		grid  uint32
-	}{{1, llSmallGrid}, {llSmallBytes / 4, llSmallGrid}, {llSmallBytes/4 + 1, llGrid}, {500000, llGrid}} {
+	}{{1, llSmallGrid}, {llSmallBytes / 4, llSmallGrid}, {llSmallBytes/4 + 1, llMidGrid}, {llMidBytes / 4, llMidGrid},
+		{llMidBytes/4 + 1, llGrid}, {500000, llGrid}} {
 		if g := b.geometry(collective.OneShotLL, reduce.Float32, tt.count); g.grid != tt.grid || g.deferred {
 			t.Errorf("oneshot_ll of %d floats: geometry %+v, want grid %d", tt.count, g, tt.grid)
 		}
@@ -98,7 +100,7 @@ func TestLLGridsBySize(t *testing.T) {
 	}
 	// Shared GPUs leave each rank a share of the SMs, no power of two.
 	b.opts.MaxBlocks = 65
-	for _, algo := range []collective.Algorithm{collective.TwoShot, collective.OneShot} {
+	for _, algo := range []collective.Algorithm{collective.TwoShot, collective.OneShot, collective.OneShotLL} {
 		if g := b.geometry(algo, reduce.Float32, 64<<20); g.grid != 65 {
 			t.Errorf("%s of 256 MiB with at most 65 blocks: grid %d", algo, g.grid)
 		}

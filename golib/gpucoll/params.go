@@ -91,19 +91,34 @@ const (
 )
 
 // LL buffers (allreduce_ll.cu): per rank two halves, each a header block
-// (kMaxBlocks x kMaxRanks lines of 16 bytes) and 2 x world slots. A line
+// (2 x kMaxBlocks x kMaxRanks lines of 16 bytes) and 2 x world slots. A line
 // carries 8 bytes of payload, so a slot of llSlotBytes holds llMaxPayload.
 const (
-	llHeaderBytes = kMaxBlocks * kMaxRanks * 16
+	llHeaderBytes = 2 * kMaxBlocks * kMaxRanks * 16
 	llSlotBytes   = 2 << 20
 	llMaxPayload  = llSlotBytes / 2
 	// LL grids by payload: small calls are faster on fewer blocks, since
-	// every block exchanges a header with every peer. Blocks also announce the call in the header rows of
-	// larger grids, so ranks whose calls differ in size still see a mismatch.
+	// every block exchanges a header with every peer; larger ones on more,
+	// since a block moves its lines at a pace of its own (docs/BENCHMARKS.md).
+	// Blocks also announce the call in the header rows of larger grids, so
+	// ranks whose calls differ in size still see a mismatch.
 	llSmallBytes = 64 << 10
 	llSmallGrid  = 16
-	llGrid       = 64
+	llMidBytes   = 256 << 10
+	llMidGrid    = 64
+	llGrid       = kMaxBlocks
 )
+
+// llGridFor is the grid of an LL call moving nbytes, at most maxBlocks.
+func llGridFor(nbytes int64, maxBlocks int) uint32 {
+	switch {
+	case nbytes <= llSmallBytes:
+		return uint32(min(llSmallGrid, maxBlocks))
+	case nbytes <= llMidBytes:
+		return uint32(min(llMidGrid, maxBlocks))
+	}
+	return uint32(min(llGrid, maxBlocks))
+}
 
 func llHalfBytes(world int) int64 { return llHeaderBytes + 2*int64(world)*llSlotBytes }
 

@@ -107,6 +107,7 @@ func TestRMSNormGrid(t *testing.T) {
 		want         uint32
 	}{
 		{"LL small", collective.OneShotLL, 1, 8 << 10, llSmallGrid},
+		{"LL middle", collective.OneShotLL, 16, 128 << 10, llMidGrid},
 		{"LL large", collective.OneShotLL, 64, 1 << 20, llGrid},
 		{"two-shot one row per slice", collective.TwoShot, 3, 3 << 14, 1},
 		{"two-shot 5 rows per slice", collective.TwoShot, 17, 17 << 14, 8},

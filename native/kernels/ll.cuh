@@ -6,7 +6,7 @@
 // Buffers: peer_in[r] is rank r's LL buffer, two halves of half_bytes; a
 // call uses half (epoch & 1), where epoch counts this rank's LL kernels
 // (Signal.ll_epoch, advanced by the last block to finish). Each half holds
-//   hdr [kMaxBlocks][kMaxRanks] lines: block b of rank s announces its call
+//   hdr [2 kMaxBlocks][kMaxRanks] lines: block b of rank s announces its call
 //   a   [world] slots of slot bytes: from rank s, what it sends this rank
 //       first (its input, or its part of this rank's slice)
 //   b   [world] slots: from rank s, what it sends second (its reduced slice)
@@ -24,10 +24,10 @@
 #pragma once
 #include "p2p_common.cuh"
 
-constexpr i64 kLLHeaderBytes = (i64)kMaxBlocks * kMaxRanks * kLLLine;
-// kLLMaxGrid bounds the grid of these kernels: header rows [0, 64) announce
-// a call, rows [64, 128) carry the push two-shot's second flag.
-constexpr int kLLMaxGrid = kMaxBlocks / 2;
+// kLLMaxGrid bounds the grid of these kernels: header rows [0, 128) announce
+// a call, rows [128, 256) carry the push two-shot's second flag.
+constexpr int kLLMaxGrid = kMaxBlocks;
+constexpr i64 kLLHeaderBytes = 2 * (i64)kLLMaxGrid * kMaxRanks * kLLLine;
 constexpr int kRowsStart = 0;
 constexpr int kRowsGather = kLLMaxGrid;
 
