@@ -62,7 +62,7 @@ func LoadTable(path string, world int) (Table, error) {
 // once, and their flags replace both barriers (docs/BENCHMARKS.md).
 func defaultTable(world int) Table {
 	if world == 2 {
-		return Table{{512 << 10, "oneshot_ll"}, {1 << 20, "twoshot_ll"}, {1 << 62, "twoshot"}}
+		return Table{{1 << 20, "oneshot_ll"}, {1 << 62, "twoshot"}}
 	}
 	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
