@@ -32,12 +32,15 @@ const (
 	// per block after a fence; no barrier round trip, no staging copy.
 	OneShotPush Algorithm = 7
 	// TwoShotPush: two-shot pushing slices and results, flagged per block.
-	TwoShotPush   Algorithm = 8
-	numAlgorithms           = 9
+	TwoShotPush Algorithm = 8
+	// OneShotLL128: one-shot on 128-byte lines of 120 data bytes and a flag
+	// (NCCL's LL128): LL's single trip at 6% overhead instead of 100%.
+	OneShotLL128  Algorithm = 9
+	numAlgorithms           = 10
 )
 
 var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling",
-	"oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push"}
+	"oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot_ll128"}
 
 // Valid reports whether a is a known algorithm.
 func (a Algorithm) Valid() bool { return a >= 0 && a < numAlgorithms }

@@ -59,10 +59,11 @@ func LoadTable(path string, world int) (Table, error) {
 // bandwidth does (crossovers measured with bf16 in CUDA graphs on 4 and 2 x
 // H100/H200; `python -m p2pcomm.tune` writes a table for the machine at
 // hand). Two ranks keep the LL protocols longer: each line crosses one link
-// once, and their flags replace both barriers (docs/BENCHMARKS.md).
+// once, and their flags replace both barriers; at 1 MiB LL128's lines, with
+// their 7% of flags instead of LL's 100% (docs/BENCHMARKS.md).
 func defaultTable(world int) Table {
 	if world == 2 {
-		return Table{{1 << 20, "oneshot_ll"}, {1 << 62, "twoshot"}}
+		return Table{{512 << 10, "oneshot_ll"}, {1 << 20, "oneshot_ll128"}, {1 << 62, "twoshot"}}
 	}
 	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
@@ -102,6 +103,9 @@ func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.
 	if algo == collective.TwoShotLL && sliceBytes(count, dt, b.size) > llMaxPayload {
 		algo = collective.TwoShot
 	}
+	if algo == collective.OneShotLL128 && nbytes > ll128MaxPayload {
+		algo = collective.OneShot
+	}
 	if algo == collective.OneShotPush && nbytes > llSlotBytes {
 		algo = collective.OneShot
 	}
@@ -125,7 +129,7 @@ func sliceBytes(count int64, dt reduce.DType, world int) int64 {
 // isLL: the algorithm runs on the LL buffers (LL and push kernels).
 func isLL(a collective.Algorithm) bool {
 	switch a {
-	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush:
+	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush, collective.OneShotLL128:
 		return true
 	}
 	return false

@@ -29,6 +29,7 @@ var kernelOf = map[collective.Algorithm]struct{ file, name string }{
 	collective.TwoShotLL:         {"allreduce_ll.cu", "allreduce_twoshot_ll"},
 	collective.OneShotPush:       {"allreduce_ll.cu", "allreduce_oneshot_push"},
 	collective.TwoShotPush:       {"allreduce_ll.cu", "allreduce_twoshot_push"},
+	collective.OneShotLL128:      {"allreduce_ll128.cu", "allreduce_oneshot_ll128"},
 }
 
 // kernelCache compiles each source once per process (NVRTC, with the disk

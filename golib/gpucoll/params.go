@@ -120,6 +120,11 @@ func llGridFor(nbytes int64, maxBlocks int) uint32 {
 	return uint32(min(llGrid, maxBlocks))
 }
 
+// LL128 (allreduce_ll128.cu): the a and b regions end to end hold one area
+// of two slots per source rank, in groups of 512 bytes on the wire carrying
+// 480 of data.
+const ll128MaxPayload = 2 * llSlotBytes / 512 * 480
+
 func llHalfBytes(world int) int64 { return llHeaderBytes + 2*int64(world)*llSlotBytes }
 
 // signalBytes is sizeof(Signal) in p2p_common.cuh.

@@ -40,60 +40,6 @@
 // ---------------------------------------------------------------- lines
 // (ll_flag, ll_store, ll_try_load and ll_wait live in p2p_common.cuh.)
 
-// Line<T> views 8 data bytes as elements of T.
-template <typename T> union Line {
-  u64 u;
-  T e[kLLData / sizeof(T)];
-};
-
-// read_line returns bytes [8 i, 8 i + 8) of src, zero past nbytes.
-template <typename T> DINLINE u64 read_line(const char* src, i64 i, i64 nbytes) {
-  const i64 at = i * kLLData;
-  if (at + kLLData <= nbytes) return ld_bits(reinterpret_cast<const u64*>(src + at));
-  Line<T> l;
-  l.u = 0;
-  for (int k = 0; at + (i64)(k + 1) * (i64)sizeof(T) <= nbytes; ++k) l.e[k] = ld_elem<T>(src + at + k * sizeof(T));
-  return l.u;
-}
-
-// write_line stores line i into dst, only the bytes below nbytes.
-template <typename T> DINLINE void write_line(char* dst, i64 i, i64 nbytes, u64 v) {
-  const i64 at = i * kLLData;
-  if (at + kLLData <= nbytes) {
-    st_bits(reinterpret_cast<u64*>(dst + at), v);
-    return;
-  }
-  Line<T> l;
-  l.u = v;
-  for (int k = 0; at + (i64)(k + 1) * (i64)sizeof(T) <= nbytes; ++k) st_elem<T>(dst + at + k * sizeof(T), l.e[k]);
-}
-
-// ---------------------------------------------------------------- reduction of lines
-
-// ll_combine reduces one line of every rank, in rank order 0..world-1 (the
-// same order on every rank: bit-identical results).
-template <typename T, typename O>
-DINLINE u64 ll_combine(const u64 (&v)[kMaxRanks], int world, int divisor, const O red) {
-  typedef typename Num<T>::Acc Acc;
-  constexpr int N = (int)(kLLData / sizeof(T));
-  Line<T> in, out;
-  in.u = v[0];
-  Acc acc[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) acc[j] = Num<T>::to(in.e[j]);
-#pragma unroll
-  for (int s = 1; s < kMaxRanks; ++s) {
-    if (s < world) {
-      in.u = v[s];
-#pragma unroll
-      for (int j = 0; j < N; ++j) acc[j] = red.apply(acc[j], Num<T>::to(in.e[j]));
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) out.e[j] = Num<T>::from(finish(acc[j], divisor));
-  return out.u;
-}
-
 // gather_line fills v with every rank's line i: this rank's own value, the
 // others polled from their slots (a or b region) of this rank's buffer.
 // False when a wait failed.
