@@ -149,7 +149,7 @@ type geometry struct {
 func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int64) geometry {
 	nbytes := count * int64(dt.Size())
 	if isLL(algo) {
-		return geometry{grid: llGridFor(nbytes, b.opts.MaxBlocks)}
+		return geometry{grid: llGridFor(nbytes, b.size, b.opts.MaxBlocks)}
 	}
 	if algo == collective.OneShot && nbytes <= deferredHalfBytes {
 		return geometry{grid: deferredGrid, deferred: true}

@@ -87,16 +87,20 @@ func TestSliceBytesRoundsToPacks(t *testing.T) {
 }
 
 func TestLLGridsBySize(t *testing.T) {
-	b := &Backend{size: 4, opts: Options{MaxBlocks: kMaxBlocks}}
+	b := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks}}
 	for _, tt := range []struct {
+		world int
 		count int64
 		grid  uint32
-	}{{1, llSmallGrid}, {llSmallBytes / 4, llSmallGrid}, {llSmallBytes/4 + 1, llMidGrid}, {llMidBytes / 4, llMidGrid},
-		{llMidBytes/4 + 1, llGrid}, {500000, llGrid}} {
+	}{{2, 1, llSmallGrid}, {2, llSmallBytes / 4, llSmallGrid}, {2, llSmallBytes/4 + 1, llMidGrid},
+		{2, llMidBytes / 4, llMidGrid}, {2, llMidBytes/4 + 1, llGrid}, {2, 500000, llGrid},
+		{4, llSmallBytes / 4, llSmallGrid}, {4, llMidBytes/4 + 1, llMidGrid}, {4, 500000, llMidGrid}} {
+		b.size = tt.world
 		if g := b.geometry(collective.OneShotLL, reduce.Float32, tt.count); g.grid != tt.grid || g.deferred {
-			t.Errorf("oneshot_ll of %d floats: geometry %+v, want grid %d", tt.count, g, tt.grid)
+			t.Errorf("oneshot_ll of %d floats on %d ranks: geometry %+v, want grid %d", tt.count, tt.world, g, tt.grid)
 		}
 	}
+	b.size = 2
 	b.opts.MaxBlocks = 8
 	if g := b.geometry(collective.TwoShotLL, reduce.Float32, 1<<20); g.grid != 8 {
 		t.Errorf("P2PCOMM_MAX_BLOCKS=8 bounds LL grids: got %d", g.grid)

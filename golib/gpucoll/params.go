@@ -109,12 +109,15 @@ const (
 	llGrid       = kMaxBlocks
 )
 
-// llGridFor is the grid of an LL call moving nbytes, at most maxBlocks.
-func llGridFor(nbytes int64, maxBlocks int) uint32 {
+// llGridFor is the grid of an LL call moving nbytes among world ranks, at
+// most maxBlocks. The 128-block grid was measured on two ranks; more ranks,
+// whose blocks each exchange headers with more peers, keep 64 until
+// measured.
+func llGridFor(nbytes int64, world, maxBlocks int) uint32 {
 	switch {
 	case nbytes <= llSmallBytes:
 		return uint32(min(llSmallGrid, maxBlocks))
-	case nbytes <= llMidBytes:
+	case nbytes <= llMidBytes || world > 2:
 		return uint32(min(llMidGrid, maxBlocks))
 	}
 	return uint32(min(llGrid, maxBlocks))

@@ -154,7 +154,7 @@ func (b *Backend) chooseRMSNorm(requested collective.Algorithm, nbytes int64) co
 // their blocks (a mismatch, not a timeout).
 func (b *Backend) rmsNormGrid(algo collective.Algorithm, rows, nbytes int64) uint32 {
 	if algo == collective.OneShotLL {
-		return llGridFor(nbytes, b.opts.MaxBlocks)
+		return llGridFor(nbytes, b.size, b.opts.MaxBlocks)
 	}
 	per := (rows + int64(b.size) - 1) / int64(b.size)
 	g := int64(1)

@@ -108,7 +108,7 @@ func TestRMSNormGrid(t *testing.T) {
 	}{
 		{"LL small", collective.OneShotLL, 1, 8 << 10, llSmallGrid},
 		{"LL middle", collective.OneShotLL, 16, 128 << 10, llMidGrid},
-		{"LL large", collective.OneShotLL, 64, 1 << 20, llGrid},
+		{"LL large, 4 ranks", collective.OneShotLL, 64, 1 << 20, llMidGrid},
 		{"two-shot one row per slice", collective.TwoShot, 3, 3 << 14, 1},
 		{"two-shot 5 rows per slice", collective.TwoShot, 17, 17 << 14, 8},
 		{"two-shot capped", collective.TwoShot, 8192, 8192 << 14, kMaxBlocks},
@@ -118,6 +118,10 @@ func TestRMSNormGrid(t *testing.T) {
 		if got := b.rmsNormGrid(tt.algo, tt.rows, tt.nbytes); got != tt.want {
 			t.Errorf("%s: rmsNormGrid(%s, %d rows, %d bytes) = %d, want %d", tt.name, tt.algo, tt.rows, tt.nbytes, got, tt.want)
 		}
+	}
+	two := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks}}
+	if got := two.rmsNormGrid(collective.OneShotLL, 64, 1<<20); got != llGrid {
+		t.Errorf("LL large, 2 ranks: grid %d, want %d", got, llGrid)
 	}
 	b.opts.MaxBlocks = 65 // a share of a GPU's SMs under MPS
 	if got := b.rmsNormGrid(collective.TwoShot, 8192, 8192<<14); got != 65 {

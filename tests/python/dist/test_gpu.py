@@ -457,7 +457,7 @@ def test_two_shot_in_place_on_registered_buffers(comms, dtype):
 
 
 # Above 64 KiB the LL kernels run up to 128 blocks of 512 threads (fewer on
-# GPUs with fewer SMs or shared ones); a thread takes every (threads)th
+# more than two ranks, GPUs with fewer SMs or shared ones); a thread takes every (threads)th
 # 8-byte line. A slot holds 1 MiB: the largest oneshot_ll call, and the
 # largest slice of a twoshot_ll call (golib/gpucoll llMaxPayload).
 LL_THREADS, LL_MAX = 128 * 512, 1 << 20
