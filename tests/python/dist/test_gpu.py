@@ -456,33 +456,16 @@ def test_two_shot_in_place_on_registered_buffers(comms, dtype):
             assert same_on_all_ranks(x), f"{op} n={n}: ranks differ"
 
 
-# Above 64 KiB the LL kernels run up to 128 blocks of 512 threads (fewer on
-# more than two ranks, GPUs with fewer SMs or shared ones); a thread takes every (threads)th
-# 8-byte line. A slot holds 1 MiB: the largest oneshot_ll call, and the
-# largest slice of a twoshot_ll call (golib/gpucoll llMaxPayload).
-LL_THREADS, LL_MAX = 128 * 512, 1 << 20
-
-
-@pytest.mark.parametrize("algorithm", ["oneshot_ll", "twoshot_ll"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int64],
-                         ids=lambda d: str(d).split(".")[1])
-def test_ll_threads_with_several_lines(comms, algorithm, dtype):
-    """The LL kernels where threads have one line or several, at the largest
-    call and past what the slots hold (the plain kernels then): in place
-    on comm.empty memory and from ordinary tensors, every op, every element
-    against a float64 reduction (exact for integers, min and max), nothing
-    written past the output, the same bits on every rank."""
-    comm = comms("cuda")
+def check_every_op_at(comm, algorithm, dtype, sizes, seed):
+    """Every op at each of sizes with algorithm, in place on comm.empty memory
+    and from ordinary tensors: every element against a float64 reduction
+    (exact for integers, min and max), nothing written past the output, in
+    place and out of place alike, the same bits on every rank."""
     w, r = comm.world_size, comm.rank
-    e = dtype.itemsize
-    most = LL_MAX if algorithm == "oneshot_ll" else w * LL_MAX
-    line = 8 // e if e < 8 else 1
-    sizes = sorted({64 * 1024 // e + 1, LL_THREADS * 4 // e + 1, LL_THREADS * 8 // e, LL_THREADS * 8 // e + 1,
-                    3 * LL_THREADS * 4 // e + 5 * line + 1, most // e - line, most // e, most // e + 1})
     buf = comm.empty(max(sizes) + 64, dtype=dtype)
     for si, n in enumerate(sizes):
         for oi, op in enumerate(["sum", "prod", "min", "max", "avg"]):
-            parts = [make_input(n, dtype, op, q, 300 + si * 8 + oi) for q in range(w)]
+            parts = [make_input(n, dtype, op, q, seed + si * 8 + oi) for q in range(w)]
             wide = torch.stack([p.double() if dtype.is_floating_point else p.long() for p in parts])
             want = {"sum": lambda: wide.sum(0), "prod": lambda: wide.prod(0), "min": lambda: wide.amin(0),
                     "max": lambda: wide.amax(0),
@@ -512,6 +495,30 @@ def test_ll_threads_with_several_lines(comms, algorithm, dtype):
             assert same_on_all_ranks(out), f"{op} n={n}: ranks differ"
 
 
+# Above 64 KiB the LL kernels run up to 128 blocks of 512 threads (fewer on
+# more than two ranks, GPUs with fewer SMs or shared ones); a thread takes
+# every (threads)th 8-byte line. A slot holds 1 MiB: the largest oneshot_ll
+# call, and the largest slice of a twoshot_ll call (golib/gpucoll
+# llMaxPayload).
+LL_THREADS, LL_MAX = 128 * 512, 1 << 20
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot_ll", "twoshot_ll"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int64],
+                         ids=lambda d: str(d).split(".")[1])
+def test_ll_threads_with_several_lines(comms, algorithm, dtype):
+    """The LL kernels where threads have one line or several, at the largest
+    call and past what the slots hold (the plain kernels then), every op
+    (check_every_op_at)."""
+    comm = comms("cuda")
+    e = dtype.itemsize
+    most = LL_MAX if algorithm == "oneshot_ll" else comm.world_size * LL_MAX
+    line = 8 // e if e < 8 else 1
+    sizes = sorted({64 * 1024 // e + 1, LL_THREADS * 4 // e + 1, LL_THREADS * 8 // e, LL_THREADS * 8 // e + 1,
+                    3 * LL_THREADS * 4 // e + 5 * line + 1, most // e - line, most // e, most // e + 1})
+    check_every_op_at(comm, algorithm, dtype, sizes, 300)
+
+
 # LL128 lines carry 120 data bytes, groups of four lines 480, a warp's step;
 # the largest call fills two LL slots (golib/gpucoll ll128MaxPayload).
 LL128_MAX = 2 * (2 << 20) // 512 * 480
@@ -520,48 +527,15 @@ LL128_MAX = 2 * (2 << 20) // 512 * 480
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.int32,
                                    torch.int64], ids=lambda d: str(d).split(".")[1])
 def test_ll128_lines_groups_and_tails(comms, dtype):
-    """oneshot_ll128 at sizes around its lines, groups and warps' steps, its
-    largest call and one past it (the plain one-shot), in place on comm.empty
-    memory and from ordinary tensors, every op: every element against a
-    float64 reduction (exact for integers, min and max), nothing written past
-    the output, the same bits on every rank."""
+    """oneshot_ll128 at sizes around its lines, groups and the steps of a
+    64- and a 128-block grid, its largest call and one past it (the plain
+    one-shot), every op (check_every_op_at)."""
     comm = comms("cuda")
-    w, r = comm.world_size, comm.rank
     e = dtype.itemsize
     sizes = sorted({1, 3, 120 // e, 120 // e + 1, 480 // e - 1, 480 // e, 480 // e + 1, 7 * 480 // e + 3,
                     64 * 16 * 480 // e + 5, 128 * 16 * 480 // e + 5, (1 << 20) // e + 3, LL128_MAX // e,
                     LL128_MAX // e + 1})
-    buf = comm.empty(max(sizes) + 64, dtype=dtype)
-    for si, n in enumerate(sizes):
-        for oi, op in enumerate(["sum", "prod", "min", "max", "avg"]):
-            parts = [make_input(n, dtype, op, q, 100 + si * 8 + oi) for q in range(w)]
-            wide = torch.stack([p.double() if dtype.is_floating_point else p.long() for p in parts])
-            want = {"sum": lambda: wide.sum(0), "prod": lambda: wide.prod(0), "min": lambda: wide.amin(0),
-                    "max": lambda: wide.amax(0),
-                    "avg": lambda: wide.sum(0) / w if dtype.is_floating_point
-                    else torch.div(wide.sum(0), w, rounding_mode="floor")}[op]()
-            poison = float("nan") if dtype.is_floating_point else -7
-            buf.fill_(poison)
-            placed = buf[:n]
-            placed.copy_(parts[r])
-            plain = parts[r].clone()
-            out = torch.full_like(plain, poison)
-            comm.all_reduce_(placed, op, algorithm="oneshot_ll128")
-            comm._reduce(plain, out, op, "oneshot_ll128")
-            torch.cuda.synchronize()
-            comm.check()
-            past = buf[n:].isnan() if dtype.is_floating_point else buf[n:] == poison
-            assert past.all(), f"{op} n={n}: wrote past the tensor"
-            for got in (placed, out):
-                if dtype.is_floating_point and op not in ("min", "max"):
-                    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-2)
-                    scale = wide.abs().sum(0) if op in ("sum", "avg") else wide.abs().prod(0)
-                    bad = (got.double() - want).abs() > tol * (scale + 1e-3) + want.abs() * (tol if op == "prod" else 0)
-                    assert not bad.any(), f"{op} n={n}: {int(bad.sum())} of {n} elements wrong"
-                else:
-                    assert torch.equal(got.double() if dtype.is_floating_point else got.long(), want), f"{op} n={n}"
-            assert torch.equal(placed, out), f"{op} n={n}: in place and out of place differ"
-            assert same_on_all_ranks(out), f"{op} n={n}: ranks differ"
+    check_every_op_at(comm, "oneshot_ll128", dtype, sizes, 100)
 
 
 @pytest.mark.parametrize("k", [100_000, 9 * 2**20 // 4 + 5])
