@@ -152,7 +152,7 @@ func (b *Backend) geometry(algo collective.Algorithm, dt reduce.DType, count int
 		return geometry{grid: llGridFor(nbytes, b.size, b.opts.MaxBlocks)}
 	}
 	if algo == collective.OneShot && nbytes <= deferredHalfBytes {
-		return geometry{grid: deferredGrid, deferred: true}
+		return geometry{grid: uint32(min(deferredGrid, b.opts.MaxBlocks)), deferred: true}
 	}
 	g := int64(1)
 	for g < int64(b.opts.MaxBlocks) && g*(16<<10) < nbytes {

@@ -105,6 +105,9 @@ func TestLLGridsBySize(t *testing.T) {
 	if g := b.geometry(collective.TwoShotLL, reduce.Float32, 1<<20); g.grid != 8 {
 		t.Errorf("P2PCOMM_MAX_BLOCKS=8 bounds LL grids: got %d", g.grid)
 	}
+	if g := b.geometry(collective.OneShot, reduce.Float32, 1024); g.grid != 8 || !g.deferred {
+		t.Errorf("P2PCOMM_MAX_BLOCKS=8 bounds the deferred one-shot's fixed grid: got %+v", g)
+	}
 	// Shared GPUs leave each rank a share of the SMs, no power of two.
 	b.opts.MaxBlocks = 65
 	for _, algo := range []collective.Algorithm{collective.TwoShot, collective.OneShot, collective.OneShotLL} {

@@ -56,9 +56,10 @@ constexpr int kCallAllReduce = 0;      // an all-reduce's own barriers
 constexpr int kCallStreamBarrier = 1;  // comm.stream_barrier()
 constexpr int kCallMoeDispatch = 2;    // an MoE dispatch's barrier kernels
 constexpr int kCallMoeCombine = 3;     // an MoE combine's barrier kernels
-// Deferred one-shot (AllReduceParams.half_bytes != 0) always runs on
-// kDeferredGrid blocks, and block b owns chunks b, b + grid, ... of
-// kChunkPacks packs, whatever the size: see allreduce_oneshot.cu.
+// Deferred one-shot (AllReduceParams.half_bytes != 0) always runs on the
+// same grid, kDeferredGrid blocks (fewer under a lower block limit), and
+// block b owns chunks b, b + grid, ... of kChunkPacks packs, whatever the
+// size: see allreduce_oneshot.cu.
 constexpr int kDeferredGrid = 16;
 constexpr int kChunkPacks = kThreads;
 // kStepBits: step flags carry (epoch << kStepBits) | step, step < 2^kStepBits.
@@ -712,11 +713,13 @@ DINLINE void publish(const AllReduceParams& p, Signal* to, int phase, int from_r
 
 // staged_nothing: this kernel wrote nothing its peers will read before the
 // start barrier (the input is peer_in[rank] already, written by earlier
-// kernels of the stream, which peers read coherently), and the caller asked
-// for no fence. Its start flag then orders no data and goes out relaxed,
-// which reaches the peer sooner than a release store (tools/flag_latency.cu).
+// kernels of the stream, which peers read coherently; the deferred one-shot
+// always stages), and the caller asked for no fence. Its start flag then
+// orders no data and goes out relaxed, which reaches the peer sooner than a
+// release store (tools/flag_latency.cu).
 DINLINE bool staged_nothing(const AllReduceParams& p) {
-  return (p.local_src == nullptr || p.local_src == p.peer_in[p.rank]) && (p.flags & kFlagFence) == 0;
+  const bool staged = p.local_src != nullptr && (p.local_src != p.peer_in[p.rank] || p.half_bytes != 0);
+  return !staged && (p.flags & kFlagFence) == 0;
 }
 
 // barrier_all: block b of every rank waits until block b of every other rank
