@@ -34,7 +34,7 @@ const (
 	// TwoShotPush: two-shot pushing slices and results, flagged per block.
 	TwoShotPush Algorithm = 8
 	// OneShotLL128: one-shot on 128-byte lines of 120 data bytes and a flag
-	// (NCCL's LL128): LL's single trip at 6% overhead instead of 100%.
+	// (NCCL's LL128): LL's single trip at 7% overhead instead of 100%.
 	OneShotLL128  Algorithm = 9
 	numAlgorithms           = 10
 )
