@@ -319,8 +319,9 @@ def test_thousand_calls_without_sync(comms):
 
 @pytest.mark.parametrize("sizes", [(1000, 100_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])
 def test_calls_of_different_sizes_fail_together(comms, sizes):
-    """Under auto these pick different LL kernels and grids (oneshot_ll on 16
-    blocks, twoshot_ll on 64), or one rank has nothing to send: every rank
+    """Under auto these pick different LL grids or kernels (oneshot_ll on 16
+    blocks against oneshot_ll on 128 on two ranks, twoshot_ll on 64 on four),
+    or one rank has nothing to send: every rank
     still raises MismatchError, none times out. (Calls so different that one
     rank takes an LL kernel and another a barrier kernel time out instead:
     README, Errors.)"""
@@ -495,11 +496,11 @@ def check_every_op_at(comm, algorithm, dtype, sizes, seed):
             assert same_on_all_ranks(out), f"{op} n={n}: ranks differ"
 
 
-# Above 64 KiB the LL kernels run up to 128 blocks of 512 threads (fewer on
-# more than two ranks, GPUs with fewer SMs or shared ones); a thread takes
-# every (threads)th 8-byte line. A slot holds 1 MiB: the largest oneshot_ll
-# call, and the largest slice of a twoshot_ll call (golib/gpucoll
-# llMaxPayload).
+# The LL kernels run 64 blocks of 512 threads from 64 KiB to 256 KiB, and 128
+# above on two ranks (64 on more; fewer on GPUs with fewer SMs or shared
+# ones); a thread takes every (threads)th 8-byte line. A slot holds 1 MiB:
+# the largest oneshot_ll call, and the largest slice of a twoshot_ll call
+# (golib/gpucoll llMaxPayload).
 LL_THREADS, LL_MAX = 128 * 512, 1 << 20
 
 
@@ -512,10 +513,14 @@ def test_ll_threads_with_several_lines(comms, algorithm, dtype):
     (check_every_op_at)."""
     comm = comms("cuda")
     e = dtype.itemsize
-    most = LL_MAX if algorithm == "oneshot_ll" else comm.world_size * LL_MAX
+    # Grids go by the call's bytes, a thread's lines by what it sends: the
+    # whole input (oneshot_ll) or a slice of it (twoshot_ll).
+    per = 1 if algorithm == "oneshot_ll" else comm.world_size
+    most = per * LL_MAX
     line = 8 // e if e < 8 else 1
-    sizes = sorted({64 * 1024 // e + 1, LL_THREADS * 4 // e + 1, LL_THREADS * 8 // e, LL_THREADS * 8 // e + 1,
-                    3 * LL_THREADS * 4 // e + 5 * line + 1, most // e - line, most // e, most // e + 1})
+    sizes = sorted({64 * 1024 // e + 1, 256 * 1024 // e, 256 * 1024 // e + 1, per * LL_THREADS * 8 // e,
+                    per * LL_THREADS * 8 // e + line, 3 * per * LL_THREADS * 4 // e + 5 * line + 1,
+                    most // e - line, most // e, most // e + 1})
     check_every_op_at(comm, algorithm, dtype, sizes, 300)
 
 
@@ -527,13 +532,15 @@ LL128_MAX = 2 * (2 << 20) // 512 * 480
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64, torch.int32,
                                    torch.int64], ids=lambda d: str(d).split(".")[1])
 def test_ll128_lines_groups_and_tails(comms, dtype):
-    """oneshot_ll128 at sizes around its lines, groups and the steps of a
-    64- and a 128-block grid, its largest call and one past it (the plain
-    one-shot), every op (check_every_op_at)."""
+    """oneshot_ll128 at sizes around its lines, groups, grids (16 blocks to
+    64 KiB, 64 to 256 KiB, then 128 on two ranks) and their steps, its
+    largest call and one past it (the plain one-shot), every op
+    (check_every_op_at)."""
     comm = comms("cuda")
     e = dtype.itemsize
     sizes = sorted({1, 3, 120 // e, 120 // e + 1, 480 // e - 1, 480 // e, 480 // e + 1, 7 * 480 // e + 3,
-                    64 * 16 * 480 // e + 5, 128 * 16 * 480 // e + 5, (1 << 20) // e + 3, LL128_MAX // e,
+                    16 * 16 * 480 // e + 5, 64 * 1024 // e + 1, 64 * 16 * 480 // e + 5, 256 * 1024 // e,
+                    128 * 16 * 480 // e, 128 * 16 * 480 // e + 5, (1 << 20) // e + 3, LL128_MAX // e,
                     LL128_MAX // e + 1})
     check_every_op_at(comm, "oneshot_ll128", dtype, sizes, 100)
 
