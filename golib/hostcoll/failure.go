@@ -126,15 +126,8 @@ func (c *Comm) netFailure(peer int, why string, sure bool) error {
 	return c.fail(status.Errorf(status.Timeout, "all-reduce across nodes: %s", rec.text()))
 }
 
-// blameWait is how long a rank whose wait timed out listens for the blame
-// of the rank it waited for: a quarter of the timeout, at most 2 s. That
-// rank started its own wait (and will time out) later by however much it
-// entered the call later; on a busy host that skew reached a few hundred
-// milliseconds, and a shorter window then blamed the waiting neighbour.
-func blameWait(timeout time.Duration) time.Duration { return min(timeout/4, 2*time.Second) }
-
 // resolve publishes rec as tentative and follows the chain of blame from
-// peer for up to blameWait.
+// peer for up to collective.BlameWait.
 func (c *Comm) resolve(peer int, rec record) record {
 	c.publish(rec)
 	deadline := time.Now().Add(c.net.blameWait)

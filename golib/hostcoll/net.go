@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
+	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/transport"
 	"github.com/p2pcomm/p2pcomm/golib/transport/ucx"
@@ -108,20 +109,18 @@ func (l netLayout) record(version uint64, world, sender int) uint64 {
 // network is this rank's UCX side: the transport, the region, and what its
 // group has sent so far.
 type network struct {
-	t        *ucx.Transport
-	lay      netLayout
-	region   []byte
-	regionL  transport.Local
-	stagingL transport.Local
-	regionR  []transport.Remote // by node; nil for this rank's
-	stagingR []transport.Remote
-	group    []int // group[m]: the rank of node m with this rank's local index
-	node     int
-	chunk    int64 // bytes of partials per put
-	linger   time.Duration
-	// blameWait: how long a timed-out rank listens for the blame of the rank
-	// it waited for (failure.go).
-	blameWait time.Duration
+	t         *ucx.Transport
+	lay       netLayout
+	region    []byte
+	regionL   transport.Local
+	stagingL  transport.Local
+	regionR   []transport.Remote // by node; nil for this rank's
+	stagingR  []transport.Remote
+	group     []int // group[m]: the rank of node m with this rank's local index
+	node      int
+	chunk     int64 // bytes of partials per put
+	linger    time.Duration
+	blameWait time.Duration   // collective.BlameWait of the timeout
 	calls     uint64          // all-reduces across nodes so far
 	dataSent  []uint64        // by node: data chunks signalled to that node's group rank
 	dataBase  []uint64        // by node: data chunks its group rank had signalled before this call
@@ -155,7 +154,7 @@ func (c *Comm) openNetwork() error {
 	n := &network{t: t, node: c.topo.Node(), chunk: c.opts.NetChunkBytes, dataSent: make([]uint64, nodes),
 		dataBase: make([]uint64, nodes), results: make([]uint64, nodes)}
 	n.linger = min(c.opts.Timeout/8, 500*time.Millisecond)
-	n.blameWait = blameWait(c.opts.Timeout)
+	n.blameWait = collective.BlameWait(c.opts.Timeout)
 	n.lay = newNetLayout(c.size, nodes, len(c.topo.Local()), c.opts.StagingBytes)
 	li := c.topo.LocalRank()
 	for _, ranks := range c.topo.Nodes {

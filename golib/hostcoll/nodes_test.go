@@ -350,7 +350,7 @@ func checkAbsentRank(t *testing.T, nc nodesCase, how string, timeout time.Durati
 			t.Errorf("rank %d: %v", r, err)
 		}
 		// The timeout, the wait for whom the awaited rank blames, and a second.
-		if limit := timeout + blameWait(timeout) + time.Second; took[r] > limit {
+		if limit := timeout + collective.BlameWait(timeout) + time.Second; took[r] > limit {
 			t.Errorf("rank %d raised after %v, want within %v", r, took[r], limit)
 		}
 	}

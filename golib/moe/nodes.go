@@ -118,10 +118,7 @@ func openNetPeers(g Group, host Host, base uintptr, size int64, mapped []uintptr
 		flagOff: uint64(flagOff), flags: make([][]uint64, g.Size()), blames: make([][]uint64, g.Size()),
 		seen: make([]uint64, g.Size()), pids: make([]*uint64, g.Size())}
 	n.linger = min(n.timeout/8, 500*time.Millisecond)
-	// A timed-out rank listens this long for the blame of the rank it waited
-	// for, which timed out (or will) later by however much it entered the
-	// call later: a quarter of the timeout, at most 2 s (as hostcoll's).
-	n.blameWait = min(n.timeout/4, 2*time.Second)
+	n.blameWait = collective.BlameWait(n.timeout)
 	boxes := 0
 	for r := range n.world {
 		n.box[r] = -1
