@@ -128,39 +128,13 @@ DINLINE V16 sum_ranks(const V16 (&in)[kMaxRanks], int world) {
   return o.v;
 }
 
-// LineOf<T> views the 8 data bytes of an LL line as elements of T.
-template <typename T> union LineOf {
-  u64 u;
-  T e[kLLData / sizeof(T)];
-};
-
-// sum_ranks_line and add_residual_line are sum_ranks and add_residual on
-// the 8 data bytes of an LL line (the same arithmetic, element by element).
-template <typename T>
-DINLINE u64 sum_ranks_line(const u64 (&in)[kMaxRanks], int world) {
-  constexpr int N = kLLData / sizeof(T);
-  LineOf<T> l;
-  l.u = in[0];
-  float acc[N];
-#pragma unroll
-  for (int e = 0; e < N; ++e) acc[e] = Num<T>::to(l.e[e]);
-#pragma unroll
-  for (int s = 1; s < kMaxRanks; ++s) {
-    if (s < world) {
-      l.u = in[s];
-#pragma unroll
-      for (int e = 0; e < N; ++e) acc[e] = acc[e] + Num<T>::to(l.e[e]);
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < N; ++e) l.e[e] = Num<T>::from(acc[e]);
-  return l.u;
-}
-
+// add_residual_line is add_residual on the 8 data bytes of an LL line (the
+// same arithmetic, element by element); the line's sum over the ranks is
+// ll_combine's (ll.cuh), sum_ranks' on a line.
 template <typename T>
 DINLINE u64 add_residual_line(u64 sum, u64 residual, float& ss) {
   constexpr int N = kLLData / sizeof(T);
-  LineOf<T> a, b;
+  Line<T> a, b;
   a.u = sum;
   b.u = residual;
 #pragma unroll
@@ -318,7 +292,7 @@ DINLINE bool ll_row_pass1(const RMSNormParams& q, const LLHalf& h, i64 row, floa
       }, seen, peer, kPhaseData, -1, h.flag);
       if (!ok) return false;
     }
-    const u64 r = add_residual_line<T>(sum_ranks_line<T>(in, p.world), residual, ss);
+    const u64 r = add_residual_line<T>(ll_combine<T>(in, p.world, 0, OpSum{}), residual, ss);
     st_bits(reinterpret_cast<u64*>((char*)q.residual_out + i * kLLData), r);
   }
   return true;
