@@ -35,12 +35,16 @@ const (
 	TwoShotPush Algorithm = 8
 	// OneShotLL128: one-shot on 128-byte lines of 120 data bytes and a flag
 	// (NCCL's LL128): LL's single trip at 7% overhead instead of 100%.
-	OneShotLL128  Algorithm = 9
-	numAlgorithms           = 10
+	OneShotLL128 Algorithm = 9
+	// OneShotLamport: one-shot on plain data, arrival told by the data itself
+	// (a sentinel every free word holds): floating-point sums only.
+	OneShotLamport Algorithm = 10
+	numAlgorithms            = 11
 )
 
 var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling",
-	"oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot_ll128"}
+	"oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot_ll128",
+	"oneshot_lamport"}
 
 // Valid reports whether a is a known algorithm.
 func (a Algorithm) Valid() bool { return a >= 0 && a < numAlgorithms }

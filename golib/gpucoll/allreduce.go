@@ -32,7 +32,7 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 		return err
 	}
 	nbytes := req.Bytes()
-	algo := b.choose(req.Algo, req.Count, req.DType)
+	algo := b.choose(req.Algo, req.Count, req.DType, req.Op)
 	g := b.geometry(algo, req.DType, req.Count)
 	sig := signature(req.Count, req.DType, req.Op, algo)
 	if req.Count == 0 {
@@ -45,7 +45,7 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	case isLL(algo):
 		// Peers receive into their own LL buffers: the input is read where
 		// it is, registered or not.
-		b.useLL(p)
+		b.useLL(p, algo)
 		return b.launchGrid(algo, req.DType, g.grid, req.Stream)
 	case g.deferred:
 		// Small one-shot: always staged (a local copy is cheaper than the end
@@ -91,11 +91,15 @@ func (b *Backend) AllReduce(req collective.AllReduce) error {
 	return b.launchGrid(algo, req.DType, g.grid, req.Stream)
 }
 
-// useLL points the kernel at every rank's LL buffers.
-func (b *Backend) useLL(p *allReduceParams) {
+// useLL points the kernel at every rank's LL buffers, and Lamport's at
+// every rank's Lamport buffers too.
+func (b *Backend) useLL(p *allReduceParams, algo collective.Algorithm) {
 	p.HalfBytes = uint32(llHalfBytes(b.size))
 	for r := range b.size {
 		p.PeerIn[r] = uint64(b.ll.Peers[r])
+		if algo == collective.OneShotLamport {
+			p.PeerScratch[r] = uint64(b.lamport.Peers[r])
+		}
 	}
 }
 
@@ -132,7 +136,7 @@ func (b *Backend) reject(req collective.AllReduce) error {
 	if !dt.Valid() {
 		dt = reduce.Float32
 	}
-	algo := b.choose(req.Algo, req.Count, dt)
+	algo := b.choose(req.Algo, req.Count, dt, req.Op)
 	return b.refuse(algo, dt, b.geometry(algo, dt, req.Count), req.Stream, req.Reject)
 }
 
@@ -166,7 +170,7 @@ func (b *Backend) launchEmpty(algo collective.Algorithm, dt reduce.DType, g geom
 	}
 	switch {
 	case isLL(algo):
-		b.useLL(p)
+		b.useLL(p, algo)
 	case g.deferred:
 		b.useHalves(p)
 	}

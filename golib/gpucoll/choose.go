@@ -68,10 +68,11 @@ func defaultTable(world int) Table {
 	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
 
-// choose resolves the algorithm of a call of count elements of dt: the
-// request, else P2PCOMM_ALGO, else the table; then what the world and the
-// LL buffers allow. Every rank resolves the same call the same way.
-func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.DType) collective.Algorithm {
+// choose resolves the algorithm of a call of count elements of dt reduced
+// by op: the request, else P2PCOMM_ALGO, else the table; then what the
+// world, the dtype and op, and the LL buffers allow. Every rank resolves the
+// same call the same way.
+func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.DType, op reduce.Op) collective.Algorithm {
 	nbytes := count * int64(dt.Size())
 	algo := requested
 	if algo == collective.Auto {
@@ -103,6 +104,15 @@ func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.
 	if algo == collective.TwoShotLL && sliceBytes(count, dt, b.size) > llMaxPayload {
 		algo = collective.TwoShot
 	}
+	// Lamport words carry float sums up to the size of an area; other calls
+	// take its nearest kin: LL128 up to 1 MiB, two-shot above, where LL128
+	// is slower (docs/BENCHMARKS.md).
+	if algo == collective.OneShotLamport && (!lamportFits(dt, op) || nbytes > lamportMaxPayload(b.size)) {
+		algo = collective.TwoShot
+		if nbytes <= lamportFallbackLL128 {
+			algo = collective.OneShotLL128
+		}
+	}
 	if algo == collective.OneShotLL128 && nbytes > ll128MaxPayload {
 		algo = collective.OneShot
 	}
@@ -129,7 +139,8 @@ func sliceBytes(count int64, dt reduce.DType, world int) int64 {
 // isLL: the algorithm runs on the LL buffers (LL and push kernels).
 func isLL(a collective.Algorithm) bool {
 	switch a {
-	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush, collective.OneShotLL128:
+	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush, collective.OneShotLL128,
+		collective.OneShotLamport:
 		return true
 	}
 	return false

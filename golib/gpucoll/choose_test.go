@@ -23,36 +23,45 @@ func TestChooseResolvesEveryRequest(t *testing.T) {
 		req   collective.Algorithm
 		count int64
 		dt    reduce.DType
+		op    reduce.Op
 		want  collective.Algorithm
 	}{
-		{"auto small", four, collective.Auto, 1024, reduce.BFloat16, collective.OneShotLL},
-		{"auto 128 KiB", four, collective.Auto, 64 << 10, reduce.BFloat16, collective.OneShotLL},
-		{"auto 256 KiB", four, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShot},
-		{"auto 512 KiB", four, collective.Auto, 256 << 10, reduce.BFloat16, collective.TwoShotLL},
-		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, collective.TwoShot},
-		{"auto 4 MiB", four, collective.Auto, 2 << 20, reduce.BFloat16, collective.TwoShot},
-		{"two ranks auto 256 KiB", two, collective.Auto, 128 << 10, reduce.BFloat16, collective.OneShotLL},
-		{"two ranks auto 512 KiB", two, collective.Auto, 256 << 10, reduce.BFloat16, collective.OneShotLL},
-		{"two ranks auto 512 KiB + 2", two, collective.Auto, 256<<10 + 1, reduce.BFloat16, collective.OneShotLL128},
-		{"two ranks auto 1 MiB", two, collective.Auto, 512 << 10, reduce.BFloat16, collective.OneShotLL128},
-		{"two ranks auto 1 MiB + 2", two, collective.Auto, 512<<10 + 1, reduce.BFloat16, collective.TwoShot},
-		{"two ranks auto 2 MiB", two, collective.Auto, 1 << 20, reduce.BFloat16, collective.TwoShot},
-		{"oneshot_ll fits", four, collective.OneShotLL, llMaxPayload / 4, reduce.Float32, collective.OneShotLL},
-		{"oneshot_ll too big", four, collective.OneShotLL, llMaxPayload/4 + 1, reduce.Float32, collective.OneShot},
-		{"twoshot_ll fits", four, collective.TwoShotLL, 4 * llMaxPayload / 8, reduce.Float64, collective.TwoShotLL},
-		{"twoshot_ll too big", four, collective.TwoShotLL, 4*llMaxPayload/8 + 1, reduce.Float64, collective.TwoShot},
-		{"oneshot_push fits", four, collective.OneShotPush, llSlotBytes / 2, reduce.BFloat16, collective.OneShotPush},
-		{"oneshot_push too big", four, collective.OneShotPush, llSlotBytes/2 + 1, reduce.BFloat16, collective.OneShot},
-		{"oneshot_ll128 fits", two, collective.OneShotLL128, ll128MaxPayload / 2, reduce.BFloat16, collective.OneShotLL128},
-		{"oneshot_ll128 too big", two, collective.OneShotLL128, ll128MaxPayload/2 + 1, reduce.BFloat16, collective.OneShot},
-		{"twoshot_push fits", four, collective.TwoShotPush, 4 * llSlotBytes / 4, reduce.Float32, collective.TwoShotPush},
-		{"twoshot_push too big", four, collective.TwoShotPush, 4*llSlotBytes/4 + 1, reduce.Float32, collective.TwoShot},
-		{"rd non power of two", three, collective.RecursiveDoubling, 100, reduce.Float32, collective.TwoShot},
-		{"rd power of two", four, collective.RecursiveDoubling, 100, reduce.Float32, collective.RecursiveDoubling},
-		{"world one", one, collective.TwoShotLL, 100, reduce.Float32, collective.OneShot},
+		{"auto small", four, collective.Auto, 1024, reduce.BFloat16, reduce.Sum, collective.OneShotLL},
+		{"auto 128 KiB", four, collective.Auto, 64 << 10, reduce.BFloat16, reduce.Sum, collective.OneShotLL},
+		{"auto 256 KiB", four, collective.Auto, 128 << 10, reduce.BFloat16, reduce.Sum, collective.OneShot},
+		{"auto 512 KiB", four, collective.Auto, 256 << 10, reduce.BFloat16, reduce.Sum, collective.TwoShotLL},
+		{"auto 1 MiB", four, collective.Auto, 512 << 10, reduce.BFloat16, reduce.Sum, collective.TwoShot},
+		{"auto 4 MiB", four, collective.Auto, 2 << 20, reduce.BFloat16, reduce.Sum, collective.TwoShot},
+		{"two ranks auto 256 KiB", two, collective.Auto, 128 << 10, reduce.BFloat16, reduce.Sum, collective.OneShotLL},
+		{"two ranks auto 512 KiB", two, collective.Auto, 256 << 10, reduce.BFloat16, reduce.Sum, collective.OneShotLL},
+		{"two ranks auto 512 KiB + 2", two, collective.Auto, 256<<10 + 1, reduce.BFloat16, reduce.Sum, collective.OneShotLL128},
+		{"two ranks auto 1 MiB", two, collective.Auto, 512 << 10, reduce.BFloat16, reduce.Sum, collective.OneShotLL128},
+		{"two ranks auto 1 MiB + 2", two, collective.Auto, 512<<10 + 1, reduce.BFloat16, reduce.Sum, collective.TwoShot},
+		{"two ranks auto 2 MiB", two, collective.Auto, 1 << 20, reduce.BFloat16, reduce.Sum, collective.TwoShot},
+		{"oneshot_ll fits", four, collective.OneShotLL, llMaxPayload / 4, reduce.Float32, reduce.Sum, collective.OneShotLL},
+		{"oneshot_ll too big", four, collective.OneShotLL, llMaxPayload/4 + 1, reduce.Float32, reduce.Sum, collective.OneShot},
+		{"twoshot_ll fits", four, collective.TwoShotLL, 4 * llMaxPayload / 8, reduce.Float64, reduce.Sum, collective.TwoShotLL},
+		{"twoshot_ll too big", four, collective.TwoShotLL, 4*llMaxPayload/8 + 1, reduce.Float64, reduce.Sum, collective.TwoShot},
+		{"oneshot_push fits", four, collective.OneShotPush, llSlotBytes / 2, reduce.BFloat16, reduce.Sum, collective.OneShotPush},
+		{"oneshot_push too big", four, collective.OneShotPush, llSlotBytes/2 + 1, reduce.BFloat16, reduce.Sum, collective.OneShot},
+		{"oneshot_ll128 fits", two, collective.OneShotLL128, ll128MaxPayload / 2, reduce.BFloat16, reduce.Sum, collective.OneShotLL128},
+		{"oneshot_ll128 too big", two, collective.OneShotLL128, ll128MaxPayload/2 + 1, reduce.BFloat16, reduce.Sum, collective.OneShot},
+		{"oneshot_lamport fits", two, collective.OneShotLamport, 2 << 20, reduce.BFloat16, reduce.Avg, collective.OneShotLamport},
+		{"oneshot_lamport float32", four, collective.OneShotLamport, lamportMaxPayload(4) / 4, reduce.Float32, reduce.Sum, collective.OneShotLamport},
+		{"oneshot_lamport too big", four, collective.OneShotLamport, lamportMaxPayload(4)/4 + 4, reduce.Float32, reduce.Sum, collective.TwoShot},
+		{"oneshot_lamport integers 1 MiB", two, collective.OneShotLamport, 256 << 10, reduce.Int32, reduce.Sum, collective.OneShotLL128},
+		{"oneshot_lamport integers 1 MiB + 4", two, collective.OneShotLamport, 256<<10 + 1, reduce.Int32, reduce.Sum, collective.TwoShot},
+		{"oneshot_lamport integers", two, collective.OneShotLamport, 1024, reduce.Int32, reduce.Sum, collective.OneShotLL128},
+		{"oneshot_lamport float64", two, collective.OneShotLamport, 1024, reduce.Float64, reduce.Sum, collective.OneShotLL128},
+		{"oneshot_lamport max", two, collective.OneShotLamport, 1024, reduce.Float16, reduce.Max, collective.OneShotLL128},
+		{"twoshot_push fits", four, collective.TwoShotPush, 4 * llSlotBytes / 4, reduce.Float32, reduce.Sum, collective.TwoShotPush},
+		{"twoshot_push too big", four, collective.TwoShotPush, 4*llSlotBytes/4 + 1, reduce.Float32, reduce.Sum, collective.TwoShot},
+		{"rd non power of two", three, collective.RecursiveDoubling, 100, reduce.Float32, reduce.Sum, collective.TwoShot},
+		{"rd power of two", four, collective.RecursiveDoubling, 100, reduce.Float32, reduce.Sum, collective.RecursiveDoubling},
+		{"world one", one, collective.TwoShotLL, 100, reduce.Float32, reduce.Sum, collective.OneShot},
 	}
 	for _, tt := range tests {
-		if got := tt.b.choose(tt.req, tt.count, tt.dt); got != tt.want {
+		if got := tt.b.choose(tt.req, tt.count, tt.dt, tt.op); got != tt.want {
 			t.Errorf("%s: choose(%s, %d x %s) = %s, want %s", tt.name, tt.req, tt.count, tt.dt, got, tt.want)
 		}
 	}
@@ -60,18 +69,18 @@ func TestChooseResolvesEveryRequest(t *testing.T) {
 
 func TestForcedAlgorithmAndTuneTable(t *testing.T) {
 	b := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks, ForceAlgo: collective.Ring}}
-	if got := b.choose(collective.Auto, 10, reduce.Float32); got != collective.Ring {
+	if got := b.choose(collective.Auto, 10, reduce.Float32, reduce.Sum); got != collective.Ring {
 		t.Errorf("P2PCOMM_ALGO=ring: got %s", got)
 	}
-	if got := b.choose(collective.OneShot, 10, reduce.Float32); got != collective.OneShot {
+	if got := b.choose(collective.OneShot, 10, reduce.Float32, reduce.Sum); got != collective.OneShot {
 		t.Errorf("a per-call algorithm beats P2PCOMM_ALGO: got %s", got)
 	}
 	b.opts.ForceAlgo = collective.Auto
 	b.opts.Tune = Table{{4096, "oneshot"}, {1 << 62, "ring"}}
-	if got := b.choose(collective.Auto, 1024, reduce.Float32); got != collective.OneShot {
+	if got := b.choose(collective.Auto, 1024, reduce.Float32, reduce.Sum); got != collective.OneShot {
 		t.Errorf("4 KiB with the tune table: got %s", got)
 	}
-	if got := b.choose(collective.Auto, 1025, reduce.Float32); got != collective.Ring {
+	if got := b.choose(collective.Auto, 1025, reduce.Float32, reduce.Sum); got != collective.Ring {
 		t.Errorf("above 4 KiB with the tune table: got %s", got)
 	}
 }

@@ -52,6 +52,7 @@ type Backend struct {
 	scratch *symm.Buffer
 	halves  *symm.Buffer // deferred one-shot staging: two halves per rank
 	ll      *symm.Buffer // LL receive buffers: two halves of llHalfBytes
+	lamport *symm.Buffer // Lamport receive buffers: two halves of lamportHalfBytes, free words hold lamportFree
 	bs      bootstrap.Bootstrap
 	graph   graphSlots
 	errHost unsafe.Pointer // *errorWord in pinned host memory
@@ -168,6 +169,17 @@ func (b *Backend) allocWorkspace() error {
 	}
 	if b.ll, err = b.space.Alloc(uint64(2 * llHalfBytes(b.size))); err != nil {
 		return fmt.Errorf("allocate LL buffers: %w", err)
+	}
+	// Every word free before any peer can send: the next allocation is
+	// collective, and no peer gets past it before this rank does.
+	if b.lamport, err = b.space.Alloc(2 * lamportHalfBytes); err != nil {
+		return fmt.Errorf("allocate Lamport buffers: %w", err)
+	}
+	if err = b.drv.MemsetD32Async(b.lamport.Local, lamportFree, 2*lamportHalfBytes/4, 0); err == nil {
+		err = b.drv.StreamSynchronize(0)
+	}
+	if err != nil {
+		return fmt.Errorf("free the Lamport buffers: %w", err)
 	}
 	if b.graph.table, err = b.space.Alloc(maxGraphSlots * graphSlotBytes); err != nil {
 		return fmt.Errorf("allocate graph slots: %w", err)

@@ -128,6 +128,25 @@ func llGridFor(nbytes int64, world, maxBlocks int) uint32 {
 // 480 of data.
 const ll128MaxPayload = 2 * llSlotBytes / 512 * 480
 
+// Lamport buffers (allreduce_lamport.cu): per rank two halves of
+// lamportHalfBytes, each world areas of lamportMaxPayload, every free word
+// holding lamportFree.
+const (
+	lamportHalfBytes = 8 << 20
+	lamportFree      = 0x80000000
+)
+
+// lamportFallbackLL128: Lamport calls it cannot carry run LL128 up to here.
+const lamportFallbackLL128 = 1 << 20
+
+func lamportMaxPayload(world int) int64 { return lamportHalfBytes / int64(world) / 16 * 16 }
+
+// lamportFits: Lamport words carry sums of 16- and 32-bit floats only.
+func lamportFits(dt reduce.DType, op reduce.Op) bool {
+	return (dt == reduce.Float32 || dt == reduce.Float16 || dt == reduce.BFloat16) &&
+		(op == reduce.Sum || op == reduce.Avg)
+}
+
 func llHalfBytes(world int) int64 { return llHeaderBytes + 2*int64(world)*llSlotBytes }
 
 // signalBytes is sizeof(Signal) in p2p_common.cuh.

@@ -102,7 +102,7 @@ func (b *Backend) AllReduceRMSNorm(req collective.RMSNorm) error {
 		Eps: req.Eps}
 	q.AR.LocalSrc, q.AR.Out = uint64(req.X), uint64(req.Normed)
 	if algo == collective.OneShotLL {
-		b.useLL(&q.AR)
+		b.useLL(&q.AR, algo)
 	}
 	return b.launchRMSNorm(algo, dt, grid, &q, req.Stream)
 }
@@ -123,7 +123,7 @@ func (b *Backend) emptyRMSNorm(algo collective.Algorithm, sig int32) *rmsNormPar
 	q := &rmsNormParams{AR: *b.fill(0, reduce.Sum, sig), Hidden: 8}
 	q.AR.Out = uint64(b.ll.Local)
 	if algo == collective.OneShotLL {
-		b.useLL(&q.AR)
+		b.useLL(&q.AR, algo)
 		q.AR.Out = uint64(b.scratch.Local)
 	}
 	return q

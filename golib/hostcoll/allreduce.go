@@ -74,7 +74,7 @@ func (c *Comm) pickAlgo(req collective.AllReduce) collective.Algorithm {
 	switch req.Algo {
 	case collective.OneShot, collective.TwoShot:
 		return req.Algo
-	case collective.OneShotLL, collective.OneShotPush, collective.OneShotLL128:
+	case collective.OneShotLL, collective.OneShotPush, collective.OneShotLL128, collective.OneShotLamport:
 		return collective.OneShot // GPU protocols; shared memory has the one-shot shape
 	case collective.TwoShotLL, collective.TwoShotPush:
 		return collective.TwoShot

@@ -24,9 +24,11 @@ import torch.distributed as dist  # noqa: E402
 
 # Only algorithms that round 16-bit floats once: ring and recursive doubling
 # round at every step, so auto never runs them.
-CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot_ll128", "oneshot_push", "twoshot_push", "oneshot", "twoshot")
-# Above this the LL and push algorithms fall back to the plain ones (their
-# slots hold 1 MiB of LL payload, 2 MiB pushed, 3.75 MiB of LL128, per rank).
+CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot_ll128", "oneshot_lamport", "oneshot_push", "twoshot_push", "oneshot",
+              "twoshot")
+# Above this the LL, push and Lamport algorithms fall back to the plain ones
+# (their slots hold 1 MiB of LL payload, 2 MiB pushed, 3.75 MiB of LL128, 8
+# MiB / world of Lamport, per rank).
 LL_MAX_BYTES = 8 << 20
 
 
@@ -90,7 +92,7 @@ def main(argv=None) -> None:
         iters = 200 if nbytes <= (1 << 20) else 20
         results = {}
         for algo in CANDIDATES:
-            if nbytes > LL_MAX_BYTES and algo.endswith(("_ll", "_push", "_ll128")):
+            if nbytes > LL_MAX_BYTES and algo.endswith(("_ll", "_push", "_ll128", "_lamport")):
                 continue  # past their slots these run the plain algorithms
             try:
                 comm.all_reduce_(x, algorithm=algo)

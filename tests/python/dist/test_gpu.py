@@ -51,7 +51,7 @@ def replay_checked(comm, graph, x, out, seed):
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
-                                       "oneshot_push", "twoshot_push", "oneshot_ll128"])
+                                       "oneshot_push", "twoshot_push", "oneshot_ll128", "oneshot_lamport"])
 def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
@@ -543,6 +543,98 @@ def test_ll128_lines_groups_and_tails(comms, dtype):
                     128 * 16 * 480 // e, 128 * 16 * 480 // e + 5, (1 << 20) // e + 3, LL128_MAX // e,
                     LL128_MAX // e + 1})
     check_every_op_at(comm, "oneshot_ll128", dtype, sizes, 100)
+
+
+# Lamport areas: 8 MiB per call parity shared by the world's ranks (golib/gpucoll
+# lamportHalfBytes); a thread moves 16-byte vectors, four at a time.
+def lamport_max(world):
+    return (8 << 20) // world // 16 * 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=lambda d: str(d).split(".")[1])
+def test_lamport_vectors_grids_and_tails(comms, dtype):
+    """oneshot_lamport at sizes around its vectors, a thread's four vectors
+    on each grid (16, 64, 128 blocks of 512 threads), its largest call and one
+    past it (two-shot), every op (the others run LL128 to 1 MiB, two-shot
+    above: check_every_op_at)."""
+    comm = comms("cuda")
+    e, most = dtype.itemsize, lamport_max(comm.world_size)
+    sizes = sorted({1, 3, 16 // e - 1, 16 // e + 1, 16 * 512 * 16 * 4 // e + 3, 64 * 1024 // e + 1,
+                    64 * 512 * 16 * 4 // e - 1, 256 * 1024 // e + 16 // e, 128 * 512 * 16 * 4 // e + 5,
+                    most // e - 1, most // e, most // e + 1})
+    check_every_op_at(comm, "oneshot_lamport", dtype, sizes, 500)
+
+
+def zeros_of_both_signs(n, dtype, rank, seed):
+    """Random values, 30% of them +0 and 30% -0."""
+    g = torch.Generator(device="cuda").manual_seed(seed * 16 + rank)
+    x = torch.randn(n, device="cuda", generator=g).to(dtype)
+    pick = torch.rand(n, device="cuda", generator=g)
+    x[pick < 0.3] = 0.0
+    x[pick > 0.7] = -0.0
+    return x
+
+
+def randn_of(n, dtype, rank, seed):
+    return torch.randn(n, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed * 16 + rank)).to(dtype)
+
+
+def check_sum(parts, got, tol, what):
+    want = torch.stack(parts).double().sum(0)
+    scale = torch.stack(parts).double().abs().sum(0) + 1e-3
+    bad = (got.double() - want).abs() > tol * scale
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {got.numel()} elements wrong"
+    assert same_on_all_ranks(got), f"{what}: ranks differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d).split(".")[1])
+def test_lamport_inputs_that_look_free(comms, dtype):
+    """Inputs full of zeros of both signs, among them words equal to the
+    free sentinel (0x80000000: -0.0f, or the 16-bit pair +0, -0), still
+    arrive: the sums are right (only the sign of a zero may change), the
+    same on every rank; and calls of other sizes after them are right too
+    (nothing was left behind as if it had arrived)."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for n in (8191, 300_001):
+        parts = [zeros_of_both_signs(n, dtype, q, n) for q in range(w)]
+        out = torch.full_like(parts[r], float("nan"))
+        comm._reduce(parts[r], out, "sum", "oneshot_lamport")
+        torch.cuda.synchronize()
+        comm.check()
+        check_sum(parts, out, tol, f"zeros n={n}")
+    for i, n in enumerate((5, 4096, 123_457, 1 << 20, 17)):
+        parts = [randn_of(n, dtype, q, 40 + i) for q in range(w)]
+        got = comm.all_reduce(parts[r], algorithm="oneshot_lamport")
+        torch.cuda.synchronize()
+        check_sum(parts, got, tol, f"n={n} after the zeros")
+
+
+@pytest.mark.parametrize("other", ["oneshot_lamport", "oneshot_ll", "oneshot_ll128"])
+def test_lamport_mismatch_leaves_the_areas_free(comms, other):
+    """Rank 0 makes a Lamport call while its peers make another (a longer
+    Lamport call, or the same size on LL or LL128): every rank raises
+    MismatchError, and the Lamport calls after it, on both call parities and
+    at the larger size, reduce right (a sender frees what nobody read)."""
+    comm = comms("cuda")
+    w, r = comm.world_size, comm.rank
+    n = 200_003
+    x = torch.full((n + 4096,), float(r + 1), device="cuda")
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        if r == 0:
+            comm.all_reduce(x[:n], algorithm="oneshot_lamport")
+        else:
+            comm.all_reduce(x if other == "oneshot_lamport" else x[:n], algorithm=other)
+        torch.cuda.synchronize()
+        comm.check()
+    torch.cuda.synchronize()
+    comm.check()
+    for i, k in enumerate((n + 4096, n, n + 4096, 999, n + 4096)):
+        parts = [randn_of(k, torch.float32, q, 60 + i) for q in range(w)]
+        got = comm.all_reduce(parts[r], algorithm="oneshot_lamport")
+        torch.cuda.synchronize()
+        check_sum(parts, got, 1e-5, f"call {i} of {k} after the mismatch")
 
 
 @pytest.mark.parametrize("k", [100_000, 9 * 2**20 // 4 + 5])
