@@ -58,12 +58,13 @@ func LoadTable(path string, world int) (Table, error) {
 // defaultTable: the LL protocols while latency dominates, two-shot once
 // bandwidth does (crossovers measured with bf16 in CUDA graphs on 4 and 2 x
 // H100/H200; `python -m p2pcomm.tune` writes a table for the machine at
-// hand). Two ranks keep the LL protocols longer: each line crosses one link
-// once, and their flags replace both barriers; at 1 MiB LL128's lines, with
-// their 7% of flags instead of LL's 100% (docs/BENCHMARKS.md).
+// hand). Two ranks keep one-shots longer: each byte crosses one link once,
+// in one trip with no barrier; from 256 KiB to 3 MiB on Lamport's plain
+// words, which put no flags on the wire (docs/BENCHMARKS.md). Calls that
+// Lamport cannot carry take LL128 to 1 MiB, then two-shot (choose).
 func defaultTable(world int) Table {
 	if world == 2 {
-		return Table{{512 << 10, "oneshot_ll"}, {1 << 20, "oneshot_ll128"}, {1 << 62, "twoshot"}}
+		return Table{{256 << 10, "oneshot_ll"}, {3 << 20, "oneshot_lamport"}, {1 << 62, "twoshot"}}
 	}
 	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
 }
