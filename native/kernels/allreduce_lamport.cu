@@ -26,90 +26,11 @@
 //     sentinel back over what it sent, after it (the same thread, the same
 //     addresses), before its call ends, so again before the peer's next call
 //     on that half can read.
-#include "ll.cuh"
+#include "lamport.cuh"
 
 // p2pcomm:instantiate allreduce_oneshot_lamport<float>
 // p2pcomm:instantiate allreduce_oneshot_lamport<half16>
 // p2pcomm:instantiate allreduce_oneshot_lamport<bf16>
-
-constexpr u32 kLamportFree = 0x80000000u;
-// kLamportHalf: the bytes of one half, shared by the world's areas
-// (gpucoll lamportHalfBytes).
-constexpr i64 kLamportHalf = 8ll << 20;
-DINLINE i64 lamport_area_bytes(int world) { return kLamportHalf / world / kPackBytes * kPackBytes; }
-
-// lamport_area is rank src's area in owner's buffer, in the half of epoch.
-DINLINE char* lamport_area(const AllReduceParams& p, u64 epoch, int owner, int src) {
-  return (char*)pick(p.peer_scratch, owner) + (i64)(epoch & 1) * kLamportHalf + (i64)src * lamport_area_bytes(p.world);
-}
-
-DINLINE u32 lamport_word(u32 w) { return w == kLamportFree ? 0u : w; }
-
-// lamport_load reads vector v of src (nbytes long; zeros past the end) as
-// it travels: no word equal to the sentinel.
-template <typename T>
-DINLINE V16 lamport_load(const char* src, i64 nbytes, i64 v) {
-  V16 x;
-  if ((v + 1) * kPackBytes <= nbytes) {
-    x = ld_v16(src + v * kPackBytes);
-  } else {
-    const u64 a = read_line<T>(src, 2 * v, nbytes), b = read_line<T>(src, 2 * v + 1, nbytes);
-    x = V16{(u32)a, (u32)(a >> 32), (u32)b, (u32)(b >> 32)};
-  }
-  return V16{lamport_word(x.x), lamport_word(x.y), lamport_word(x.z), lamport_word(x.w)};
-}
-
-DINLINE bool lamport_arrived(const V16& x) {
-  return x.x != kLamportFree && x.y != kLamportFree && x.z != kLamportFree && x.w != kLamportFree;
-}
-
-DINLINE V16 ld_v16_volatile(const char* at) {
-  V16 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(at) : "memory");
-  return v;
-}
-
-constexpr V16 kLamportFreeVector = {kLamportFree, kLamportFree, kLamportFree, kLamportFree};
-
-// lamport_span is this block's run of vectors [begin, end): the vectors
-// split evenly over the grid in whole warps' worth, so that every block (and
-// SM) moves its share at every size; a grid-wide stride would leave the last
-// blocks idle when there are fewer vectors than threads. A thread pushes and
-// reduces the same vectors (in place, it reads its input before it writes).
-DINLINE void lamport_span(i64 vectors, i64& begin, i64& end) {
-  const i64 per = ((vectors + gridDim.x - 1) / gridDim.x + 31) / 32 * 32;
-  begin = min(vectors, (i64)blockIdx.x * per);
-  end = min(vectors, begin + per);
-}
-
-// lamport_push stores (or, with free, frees again) this thread's vectors of
-// the input in every peer's area [rank]. One vector at a time: a thread with
-// more in flight took longer at every size (docs/BENCHMARKS.md).
-template <typename T>
-DINLINE void lamport_push(const AllReduceParams& p, u64 epoch, i64 vectors, bool free) {
-  const i64 nbytes = p.count * (i64)sizeof(T);
-  const char* src = (const char*)p.local_src;
-  i64 begin, end;
-  lamport_span(vectors, begin, end);
-  for (i64 v = begin + threadIdx.x; v < end; v += blockDim.x) {
-    const V16 x = free ? kLamportFreeVector : lamport_load<T>(src, nbytes, v);
-#pragma unroll
-    for (int d = 0; d < kMaxRanks; ++d) {
-      if (d < p.world && d != p.rank) st_v16(lamport_area(p, epoch, d, p.rank) + v * kPackBytes, x);
-    }
-  }
-}
-
-// lamport_wait polls a peer's vector until every word arrived.
-DINLINE bool lamport_wait(const AllReduceParams& p, const char* at, int peer, V16& x) {
-  u64 seen = 0;
-  return spin_until(p, [&] {
-    x = ld_v16_volatile(at);
-    seen = ((u64)x.y << 32) | x.x;
-    return lamport_arrived(x);
-  }, seen, peer, kPhaseData, -1, 0);
-}
 
 // lamport_recv reduces this thread's vectors for worlds of at most W ranks:
 // every peer's vector polled once, any missing waited for in turn, each
@@ -164,11 +85,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_oneshot_lamport(const AllR
   LLHalf h;
   const i64 nbytes = p.count * (i64)sizeof(T);
   const i64 vectors = (nbytes + kPackBytes - 1) / kPackBytes;
-  bool ok = p.world > 0 && p.world <= kMaxRanks && (p.op == kOpSum || p.op == kOpAvg) &&
-            vectors * kPackBytes <= lamport_area_bytes(p.world);
-  for (int r = 0; r < p.world && r < kMaxRanks; ++r) ok = ok && p.peer_scratch[r] != nullptr &&
-                                                          aligned(p.peer_scratch[r], kPackBytes);
-  if (!ok) {
+  if (!lamport_params_ok(p, vectors)) {
     if (blockIdx.x == 0 && threadIdx.x == 0) report_error(p, kErrBadParams, -1, -1, -1, 0, 0);
     return;
   }
