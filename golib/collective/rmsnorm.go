@@ -35,7 +35,7 @@ type RMSNorm struct {
 	Hidden              int64
 	DType               reduce.DType
 	Eps                 float32
-	Algo                Algorithm // Auto, OneShotLL or TwoShot
+	Algo                Algorithm // Auto, OneShotLL, OneShotLamport or TwoShot
 	Stream              uintptr
 	// Reject, when set, is this rank's own validation failure: the backend
 	// takes part in the call anyway, so that every peer fails too instead
@@ -76,9 +76,9 @@ func (r RMSNorm) Validate() error {
 		return status.Errorf(status.InvalidArgument, "all-reduce + RMSNorm: eps %g is not a finite number >= 0", r.Eps)
 	}
 	switch r.Algo {
-	case Auto, OneShotLL, TwoShot:
+	case Auto, OneShotLL, OneShotLamport, TwoShot:
 	default:
-		return status.Errorf(status.Unsupported, "all-reduce + RMSNorm runs auto, oneshot_ll or twoshot, not %s", r.Algo)
+		return status.Errorf(status.Unsupported, "all-reduce + RMSNorm runs auto, oneshot_ll, oneshot_lamport or twoshot, not %s", r.Algo)
 	}
 	if r.Rows > 0 && (r.X == 0 || r.Residual == 0 || r.Weight == 0 || r.Normed == 0 || r.ResidualOut == 0) {
 		return status.Errorf(status.InvalidArgument, "all-reduce + RMSNorm: a null tensor")

@@ -31,7 +31,9 @@ const rmsNormFile = "allreduce_rmsnorm.cu"
 // rmsNormKernels names each algorithm's kernel for float16 and bfloat16.
 var rmsNormKernels = map[collective.Algorithm][2]string{
 	collective.OneShotLL: {"allreduce_rmsnorm_oneshot_ll<half16>", "allreduce_rmsnorm_oneshot_ll<bf16>"},
-	collective.TwoShot:   {"allreduce_rmsnorm_twoshot<half16>", "allreduce_rmsnorm_twoshot<bf16>"},
+	collective.OneShotLamport: {"allreduce_rmsnorm_oneshot_lamport<half16>",
+		"allreduce_rmsnorm_oneshot_lamport<bf16>"},
+	collective.TwoShot: {"allreduce_rmsnorm_twoshot<half16>", "allreduce_rmsnorm_twoshot<bf16>"},
 }
 
 // rmsNormLLMaxBytes is the input per rank up to which auto runs the LL
@@ -40,12 +42,23 @@ var rmsNormKernels = map[collective.Algorithm][2]string{
 // per rank in all and waits at two barriers, so more peers move the
 // crossover down: on 4 x H200 in graphs the two-shot took 15.8-16.2 µs at
 // 256 KiB against the LL one-shot's 19.2-19.4, which won at 128 KiB
-// (docs/BENCHMARKS.md).
+// (docs/BENCHMARKS.md). Two ranks run the Lamport one-shot instead, up to
+// rmsNormLamportMaxBytes: it sends the input once, with no flags, and was as
+// fast or faster from one row on.
 func rmsNormLLMaxBytes(ranks int) int64 {
 	if ranks <= 2 {
-		return 256 << 10
+		return 0
 	}
 	return 128 << 10
+}
+
+// rmsNormLamportMaxBytes is where auto stops running the Lamport one-shot
+// on two ranks (0: never, on more): at 4 MiB the two-shot is as fast.
+func rmsNormLamportMaxBytes(ranks int) int64 {
+	if ranks <= 2 {
+		return 2 << 20
+	}
+	return 0
 }
 
 // AllReduceRMSNorm enqueues one fused all-reduce + residual add + RMSNorm
@@ -101,7 +114,7 @@ func (b *Backend) AllReduceRMSNorm(req collective.RMSNorm) error {
 		Weight: uint64(req.Weight), ResidualOut: uint64(req.ResidualOut), Rows: req.Rows, Hidden: int32(req.Hidden),
 		Eps: req.Eps}
 	q.AR.LocalSrc, q.AR.Out = uint64(req.X), uint64(req.Normed)
-	if algo == collective.OneShotLL {
+	if isLL(algo) {
 		b.useLL(&q.AR, algo)
 	}
 	return b.launchRMSNorm(algo, dt, grid, &q, req.Stream)
@@ -122,7 +135,7 @@ func rmsNormValidShape(req collective.RMSNorm) error {
 func (b *Backend) emptyRMSNorm(algo collective.Algorithm, sig int32) *rmsNormParams {
 	q := &rmsNormParams{AR: *b.fill(0, reduce.Sum, sig), Hidden: 8}
 	q.AR.Out = uint64(b.ll.Local)
-	if algo == collective.OneShotLL {
+	if isLL(algo) {
 		b.useLL(&q.AR, algo)
 		q.AR.Out = uint64(b.scratch.Local)
 	}
@@ -131,17 +144,24 @@ func (b *Backend) emptyRMSNorm(algo collective.Algorithm, sig int32) *rmsNormPar
 
 // chooseRMSNorm resolves the algorithm of a call with nbytes of input per
 // rank: the request (an unknown one is taken as auto; Validate refused it),
-// else by size. The LL one-shot sends what fits in its slots; larger calls
+// else by size. The one-shots send what fits in their buffers; larger calls
 // run the two-shot. Every rank resolves the same call the same way.
 func (b *Backend) chooseRMSNorm(requested collective.Algorithm, nbytes int64) collective.Algorithm {
 	algo := requested
 	if _, ok := rmsNormKernels[algo]; !ok {
-		algo = collective.TwoShot
-		if nbytes <= rmsNormLLMaxBytes(b.size) {
+		switch {
+		case nbytes <= rmsNormLLMaxBytes(b.size):
 			algo = collective.OneShotLL
+		case nbytes <= rmsNormLamportMaxBytes(b.size):
+			algo = collective.OneShotLamport
+		default:
+			algo = collective.TwoShot
 		}
 	}
 	if algo == collective.OneShotLL && nbytes > llMaxPayload {
+		algo = collective.TwoShot
+	}
+	if algo == collective.OneShotLamport && nbytes > lamportMaxPayload(b.size) {
 		algo = collective.TwoShot
 	}
 	return algo
@@ -153,7 +173,7 @@ func (b *Backend) chooseRMSNorm(requested collective.Algorithm, nbytes int64) co
 // up to a power of two so that calls of slightly different sizes still pair
 // their blocks (a mismatch, not a timeout).
 func (b *Backend) rmsNormGrid(algo collective.Algorithm, rows, nbytes int64) uint32 {
-	if algo == collective.OneShotLL {
+	if isLL(algo) {
 		return llGridFor(nbytes, b.size, b.opts.MaxBlocks)
 	}
 	per := (rows + int64(b.size) - 1) / int64(b.size)

@@ -81,6 +81,8 @@ func TestChooseRMSNorm(t *testing.T) {
 		{"oneshot_ll fits", collective.OneShotLL, llMaxPayload, collective.OneShotLL},
 		{"oneshot_ll too big", collective.OneShotLL, llMaxPayload + 16, collective.TwoShot},
 		{"twoshot small", collective.TwoShot, 16, collective.TwoShot},
+		{"oneshot_lamport fits", collective.OneShotLamport, lamportMaxPayload(4), collective.OneShotLamport},
+		{"oneshot_lamport too big", collective.OneShotLamport, lamportMaxPayload(4) + 16, collective.TwoShot},
 		{"unknown is auto", collective.Ring, 16, collective.OneShotLL},
 	}
 	for _, tt := range tests {
@@ -88,13 +90,15 @@ func TestChooseRMSNorm(t *testing.T) {
 			t.Errorf("%s: chooseRMSNorm(%s, %d) = %s, want %s", tt.name, tt.req, tt.nbytes, got, tt.want)
 		}
 	}
-	// Two ranks keep the LL one-shot to 256 KiB.
+	// Two ranks run Lamport's one-shot to 2 MiB.
 	two := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks}}
-	if got := two.chooseRMSNorm(collective.Auto, 256<<10); got != collective.OneShotLL {
-		t.Errorf("2 ranks: chooseRMSNorm(auto, 256 KiB) = %s, want %s", got, collective.OneShotLL)
-	}
-	if got := two.chooseRMSNorm(collective.Auto, 256<<10+16); got != collective.TwoShot {
-		t.Errorf("2 ranks: chooseRMSNorm(auto, 256 KiB + 16) = %s, want %s", got, collective.TwoShot)
+	for _, tt := range []struct {
+		nbytes int64
+		want   collective.Algorithm
+	}{{16, collective.OneShotLamport}, {2 << 20, collective.OneShotLamport}, {2<<20 + 16, collective.TwoShot}} {
+		if got := two.chooseRMSNorm(collective.Auto, tt.nbytes); got != tt.want {
+			t.Errorf("2 ranks: chooseRMSNorm(auto, %d) = %s, want %s", tt.nbytes, got, tt.want)
+		}
 	}
 }
 

@@ -17,6 +17,9 @@
 //     its x as LL lines into every peer's LL buffer (ll.cuh; the whole grid
 //     sends), then block b reduces and normalizes rows b, b + grid, ...: a
 //     row stays in one block, so the row's mean is a block reduction.
+//   allreduce_rmsnorm_oneshot_lamport: the same shape on Lamport's plain
+//     vectors (allreduce_lamport.cu: its buffers, sentinel and freeing), the
+//     push spread evenly over the grid, a row's packs polled by its block.
 //   allreduce_rmsnorm_twoshot: larger calls. Rows are cut into world slices
 //     of whole rows. Each rank stages x, rank r reduces slice r from the
 //     peers' staging, pushes the sums into every peer's scratch and
@@ -33,11 +36,13 @@
 // residual and writes residual_out at its own packs only: residual_out may
 // be residual (in place). residual_out and normed (ar.out) must not overlap
 // x, weight or each other otherwise.
-#include "ll.cuh"
+#include "lamport.cuh"
 
 // p2pcomm:no-spills
 // p2pcomm:instantiate allreduce_rmsnorm_oneshot_ll<half16>
 // p2pcomm:instantiate allreduce_rmsnorm_oneshot_ll<bf16>
+// p2pcomm:instantiate allreduce_rmsnorm_oneshot_lamport<half16>
+// p2pcomm:instantiate allreduce_rmsnorm_oneshot_lamport<bf16>
 // p2pcomm:instantiate allreduce_rmsnorm_twoshot<half16>
 // p2pcomm:instantiate allreduce_rmsnorm_twoshot<bf16>
 
@@ -335,6 +340,88 @@ __global__ void __launch_bounds__(kThreads) allreduce_rmsnorm_oneshot_ll(const R
       if (__syncthreads_or(!ll_row_pass1<T>(q, h, row, ss))) break;
       normalize_row<T>(q, packs, row, ss, part);
     }
+  }
+  ll_end(p, st);
+}
+
+// ---------------------------------------------------------------- one-shot, Lamport
+
+// lamport_row finishes a row in registers. A thread's packs of the row are
+// the same in both passes (pack t, t + blockDim.x, ...; kRowPacks at most),
+// so residual_out stays in registers for the norm instead of being read
+// back, and the residual and weight are loaded before any peer is polled.
+// Every rank's pack is summed as it arrives from its area here, which is
+// then freed. False, for the whole block, when a wait failed.
+template <typename T, int W>
+DINLINE bool lamport_row(const RMSNormParams& q, u64 epoch, int packs, i64 row, float* part) {
+  const AllReduceParams& p = q.ar;
+  const i64 nbytes = p.count * (i64)sizeof(T), row_bytes = (i64)packs * kPackBytes;
+  V16 res[kRowPacks], w[kRowPacks], own[kRowPacks];
+#pragma unroll
+  for (int k = 0; k < kRowPacks; ++k) {
+    const i64 off = row_pack(q, packs, row, k);
+    if (off < 0) continue;
+    res[k] = ld_v16((const char*)q.residual + off);
+    w[k] = ld_weight((const char*)q.weight + (off - row * row_bytes));
+    own[k] = lamport_load<T, false>((const char*)p.local_src, nbytes, off / kPackBytes);
+  }
+  float ss = 0.0f;
+  bool ok = true;
+#pragma unroll
+  for (int k = 0; k < kRowPacks; ++k) {
+    const i64 off = row_pack(q, packs, row, k);
+    if (off < 0 || !ok) continue;
+    V16 in[kMaxRanks];
+#pragma unroll
+    for (int s = 0; s < W; ++s) {
+      if (s < p.world) in[s] = s == p.rank ? own[k] : ld_v16_volatile(lamport_area(p, epoch, p.rank, s) + off);
+    }
+#pragma unroll
+    for (int s = 0; s < W; ++s) {
+      if (s < p.world && s != p.rank) {
+        char* at = lamport_area(p, epoch, p.rank, s) + off;
+        ok = ok && (lamport_arrived(in[s]) || lamport_wait(p, at, s, in[s]));
+        st_v16(at, kLamportFreeVector);
+      }
+    }
+    res[k] = add_residual<T>(sum_ranks<T>(in, p.world), res[k], ss);
+    st_v16((char*)q.residual_out + off, res[k]);
+  }
+  if (__syncthreads_or(!ok)) return false;
+  const float inv = rsqrtf(block_sum(ss, part) / (float)q.hidden + q.eps);
+#pragma unroll
+  for (int k = 0; k < kRowPacks; ++k) {
+    const i64 off = row_pack(q, packs, row, k);
+    if (off >= 0) st_v16((char*)q.ar.out + off, scale_pack<T>(res[k], inv, w[k]));
+  }
+  return true;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) allreduce_rmsnorm_oneshot_lamport(const RMSNormParams q) {
+  constexpr int P = PackOf<T>::kElems;
+  const AllReduceParams& p = q.ar;
+  __shared__ BlockState st;
+  __shared__ float part[kThreads / 32];
+  LLHalf h;
+  const i64 vectors = p.count * (i64)sizeof(T) / kPackBytes;  // rows of whole packs
+  if (!rmsnorm_params_ok<T>(q) || !lamport_params_ok(p, vectors)) {
+    bad_params(p);
+    return;
+  }
+  if (!ll_begin(p, 0, st, h)) return;
+  ll_announce(p, h, kRowsStart, false);
+  lamport_push<T, false>(p, st.epoch, vectors, false);
+  if (ll_agree(p, h, st, kRowsStart)) {
+    const int packs = q.hidden / P;
+    for (i64 row = blockIdx.x; row < q.rows; row += gridDim.x) {
+      // As in the LL one-shot: a failed wait takes the whole block out.
+      if (!(p.world <= 2 ? lamport_row<T, 2>(q, st.epoch, packs, row, part)
+                         : lamport_row<T, kMaxRanks>(q, st.epoch, packs, row, part)))
+        break;
+    }
+  } else {
+    lamport_push<T, false>(p, st.epoch, vectors, true);
   }
   ll_end(p, st);
 }

@@ -443,8 +443,8 @@ class Communicator:
         communicator's device; hidden a multiple of 8, at most 16384; any
         number of rows. ``residual_out`` / ``normed_out``: tensors to write
         into (shaped like x) instead of new ones; ``residual_out=residual``
-        updates the residual in place. ``algorithm``: auto, oneshot_ll or
-        twoshot (CPU: the all-reduce's one-shot or two-shot). CUDA graphs and
+        updates the residual in place. ``algorithm``: auto, oneshot_ll,
+        oneshot_lamport or twoshot (CPU: the all-reduce's one-shot or two-shot). CUDA graphs and
         torch.compile (the custom ops ``torch.ops.p2pcomm.all_reduce_residual_rmsnorm``
         and ``all_reduce_residual_rmsnorm_``) work as for :meth:`all_reduce`;
         bad arguments raise on every rank."""

@@ -25,10 +25,12 @@ from . import _lib
 from .errors import InvalidArgumentError, P2PCommError, UnsupportedError
 
 # Algorithms of the fused call: the LL one-shot (no barrier; up to 1 MiB of x
-# per rank) and the two-shot; auto takes the one-shot up to 256 KiB.
-ALGORITHMS = ("auto", "oneshot_ll", "twoshot")
+# per rank), the Lamport one-shot (no barrier, no flags; up to 8 MiB / world)
+# and the two-shot. auto: on two ranks Lamport to 2 MiB, on more LL to 128
+# KiB; then the two-shot.
+ALGORITHMS = ("auto", "oneshot_ll", "oneshot_lamport", "twoshot")
 # Their C ABI codes are golib/collective's Algorithm numbers.
-_ALGO_CODES = {"auto": 0, "oneshot_ll": 5, "twoshot": 2}
+_ALGO_CODES = {"auto": 0, "oneshot_ll": 5, "oneshot_lamport": 10, "twoshot": 2}
 _DTYPES = {torch.float16: 2, torch.bfloat16: 3}
 # p2p_all_reduce_rmsnorm_args: handle, x, residual, weight, normed,
 # residual_out, rows, hidden, dtype, eps, algo, reserved, stream.

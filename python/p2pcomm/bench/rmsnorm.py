@@ -123,8 +123,8 @@ def bench_shape(args, timer: Timer, comm, base_group, hidden: int, tokens: int, 
     for mode in modes:
         times = {}
         for algo in args.algorithms:
-            if algo == "oneshot_ll" and nbytes > (1 << 20):
-                times[algo] = None  # runs the two-shot: the LL buffers hold 1 MiB per rank
+            if algo == "oneshot_ll" and nbytes > (1 << 20) or algo == "oneshot_lamport" and nbytes > (8 << 20) // world:
+                times[algo] = None  # runs the two-shot: the LL (Lamport) buffers hold 1 MiB (8 MiB / world) per rank
                 continue
             times[algo] = measure(fused(algo), mode)
         unfused_us = measure(unfused, mode, after_capture=comm.register_graph_buffers)
@@ -201,8 +201,9 @@ def parser() -> argparse.ArgumentParser:
                    help="rows per call, comma-separated (default 1,2,4,...,512)")
     p.add_argument("--hidden", type=_ints, default=[4096, 8192], help="row lengths, comma-separated (default 4096,8192)")
     p.add_argument("--algorithms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()],
-                   default=["auto", "oneshot_ll", "twoshot"],
-                   help="fused algorithms to time; the speedups are the first one's (default auto,oneshot_ll,twoshot)")
+                   default=["auto", "oneshot_ll", "oneshot_lamport", "twoshot"],
+                   help="fused algorithms to time; the speedups are the first one's (default auto,oneshot_ll,"
+                        "oneshot_lamport,twoshot)")
     p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                    help="GPU: also time CUDA-graph replays of the captured calls (default on)")
     add_timing_args(p, max_iters=1000)

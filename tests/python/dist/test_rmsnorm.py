@@ -109,7 +109,7 @@ def test_cpu_matches_reference(comms, shape, dtype):
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("algorithm", ["auto", "oneshot_ll", "twoshot"])
+@pytest.mark.parametrize("algorithm", ["auto", "oneshot_ll", "oneshot_lamport", "twoshot"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gpu_matches_reference(comms, shape, dtype, algorithm):
@@ -119,7 +119,7 @@ def test_gpu_matches_reference(comms, shape, dtype, algorithm):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algorithm", ["auto", "oneshot_ll", "twoshot"])
+@pytest.mark.parametrize("algorithm", ["auto", "oneshot_ll", "oneshot_lamport", "twoshot"])
 def test_same_residual_gives_the_same_bits_on_every_rank(comms, device, algorithm):
     """The tensor-parallel case: every rank holds the same residual."""
     comm = comms(device)
@@ -376,6 +376,33 @@ def test_ranks_that_disagree_on_the_rows_raise(comms):
             settle(comm, "cuda")
         settle(comm, "cuda")
         still_works(comm, "cuda")
+
+
+@GPU_ONLY
+def test_lamport_mismatch_with_an_all_reduce_leaves_the_areas_free(comms):
+    """Rank 0 makes a fused Lamport call while its peers make a Lamport
+    all-reduce of more elements: every rank raises MismatchError, and the
+    fused and plain Lamport calls after it are right, on both call parities
+    (each sender frees what nobody read)."""
+    comm = comms("cuda")
+    rows, hidden = 64, 4096
+    x, r = rank_data(11, comm.rank, rows, hidden, torch.bfloat16, "cuda")
+    w = weight_for(11, hidden, torch.bfloat16, "cuda")
+    with pytest.raises(p2pcomm.MismatchError, match="disagree"):
+        if comm.rank == 0:
+            comm.all_reduce_residual_rmsnorm(x, r, w, EPS, algorithm="oneshot_lamport")
+        else:
+            comm.all_reduce(torch.ones(rows * hidden + 4096, dtype=torch.bfloat16, device="cuda"),
+                            algorithm="oneshot_lamport")
+        settle(comm, "cuda")
+    settle(comm, "cuda")
+    for i in range(3):
+        normed, out = comm.all_reduce_residual_rmsnorm(x, r, w, EPS, algorithm="oneshot_lamport")
+        check_result(comm, x, r, w, normed, out, 11)
+        y = comm.all_reduce(torch.full((rows * hidden + 4096,), float(comm.rank + 1), dtype=torch.bfloat16,
+                                       device="cuda"), algorithm="oneshot_lamport")
+        assert torch.equal(y, torch.full_like(y, float(sum(range(1, comm.world_size + 1))))), f"round {i}"
+    settle(comm, "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)
