@@ -229,14 +229,17 @@ func p2p_register_graph_buffers(h C.uint64_t, count *C.int64_t) C.int {
 
 // p2p_all_reduce_reject takes part in an all-reduce on behalf of a rank
 // whose arguments Python rejected, so its peers fail with a mismatch
-// instead of waiting for it; it returns code with message.
+// instead of waiting for it; it returns code with message. Count, dtype, op
+// and algo are what the rank asked for, as far as they are known: the
+// backend picks the peers' kernel from them (the op too: some algorithms
+// carry only sums).
 //
 //export p2p_all_reduce_reject
-func p2p_all_reduce_reject(h C.uint64_t, code C.int32_t, message *C.char, count C.int64_t, dtype, algo C.int32_t, stream C.uint64_t) C.int {
+func p2p_all_reduce_reject(h C.uint64_t, code C.int32_t, message *C.char, count C.int64_t, dtype, op, algo C.int32_t, stream C.uint64_t) C.int {
 	return withBackend(h, func(b collective.Backend) error {
 		reject := status.Errorf(status.Code(code), "%s", C.GoString(message))
 		return b.AllReduce(collective.AllReduce{Reject: reject, Count: int64(count), DType: reduce.DType(dtype),
-			Algo: collective.Algorithm(algo), Stream: uintptr(stream)})
+			Op: reduce.Op(op), Algo: collective.Algorithm(algo), Stream: uintptr(stream)})
 	})
 }
 

@@ -42,7 +42,7 @@ _SIGNATURES = {
     "p2p_deregister": ([_u64, _u64], ctypes.c_int),
     "p2p_all_reduce": ([_u64, _u64, _u64, _i64, _i32, _i32, _i32, _u64], ctypes.c_int),
     "p2p_all_reduce_packed": ([ctypes.c_char_p], ctypes.c_int),
-    "p2p_all_reduce_reject": ([_u64, _i32, ctypes.c_char_p, _i64, _i32, _i32, _u64], ctypes.c_int),
+    "p2p_all_reduce_reject": ([_u64, _i32, ctypes.c_char_p, _i64, _i32, _i32, _i32, _u64], ctypes.c_int),
     "p2p_all_reduce_rmsnorm_packed": ([ctypes.c_char_p], ctypes.c_int),
     "p2p_all_reduce_rmsnorm": ([_u64, _u64, _u64, _u64, _u64, _u64, _i64, _i64, _i32, ctypes.c_float, _i32, _u64],
                                ctypes.c_int),

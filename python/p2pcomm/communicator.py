@@ -413,12 +413,14 @@ class Communicator:
             dtype = _DTYPES[src.dtype]
         except P2PCommError as e:
             # Take part anyway, so that peers fail with a mismatch instead of
-            # waiting; size, dtype and algorithm help the GPU pick their grid.
+            # waiting; size, dtype, op and algorithm help the GPU pick their
+            # kernel and grid.
             numel = src.numel() if isinstance(src, torch.Tensor) else 0
             dcode = _DTYPES.get(getattr(src, "dtype", None), 0)
+            ocode = _OP_CODES.get(op, 0) if isinstance(op, (str, ReduceOp)) else 0
             acode = ALGORITHMS.index(algorithm) if algorithm in ALGORITHMS else 0
             stream = _raw_stream(self._device_index)
-            rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode(), numel, dcode, acode, stream)
+            rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode(), numel, dcode, ocode, acode, stream)
             if rc not in (0, e.code):
                 _lib.check(rc)
             raise
