@@ -42,23 +42,25 @@ var rmsNormKernels = map[collective.Algorithm][2]string{
 // per rank in all and waits at two barriers, so more peers move the
 // crossover down: on 4 x H200 in graphs the two-shot took 15.8-16.2 µs at
 // 256 KiB against the LL one-shot's 19.2-19.4, which won at 128 KiB
-// (docs/BENCHMARKS.md). Two ranks run the Lamport one-shot instead, up to
-// rmsNormLamportMaxBytes: it sends the input once, with no flags, and was as
-// fast or faster from one row on.
+// (docs/BENCHMARKS.md). Two ranks take the Lamport one-shot first
+// (rmsNormLamportMaxBytes).
 func rmsNormLLMaxBytes(ranks int) int64 {
 	if ranks <= 2 {
-		return 0
+		return 256 << 10
 	}
 	return 128 << 10
 }
 
-// rmsNormLamportMaxBytes is where auto stops running the Lamport one-shot
-// on two ranks (0: never, on more): at 4 MiB the two-shot is as fast.
+// rmsNormLamportMaxBytes is the input per rank up to which auto runs the
+// Lamport one-shot: on two ranks all it can carry (it sends the input once,
+// with no flags, and was as fast as the LL one-shot or faster from one row
+// on, and 5% faster than the two-shot at 4 MiB); -1 on other worlds, where
+// it was not measured (and one rank needs no exchange).
 func rmsNormLamportMaxBytes(ranks int) int64 {
-	if ranks <= 2 {
-		return 2 << 20
+	if ranks == 2 {
+		return lamportMaxPayload(ranks)
 	}
-	return 0
+	return -1
 }
 
 // AllReduceRMSNorm enqueues one fused all-reduce + residual add + RMSNorm
@@ -150,10 +152,10 @@ func (b *Backend) chooseRMSNorm(requested collective.Algorithm, nbytes int64) co
 	algo := requested
 	if _, ok := rmsNormKernels[algo]; !ok {
 		switch {
-		case nbytes <= rmsNormLLMaxBytes(b.size):
-			algo = collective.OneShotLL
 		case nbytes <= rmsNormLamportMaxBytes(b.size):
 			algo = collective.OneShotLamport
+		case nbytes <= rmsNormLLMaxBytes(b.size):
+			algo = collective.OneShotLL
 		default:
 			algo = collective.TwoShot
 		}

@@ -90,15 +90,21 @@ func TestChooseRMSNorm(t *testing.T) {
 			t.Errorf("%s: chooseRMSNorm(%s, %d) = %s, want %s", tt.name, tt.req, tt.nbytes, got, tt.want)
 		}
 	}
-	// Two ranks run Lamport's one-shot to 2 MiB.
+	// Two ranks run Lamport's one-shot as far as its areas go (4 MiB), from
+	// a call with no rows (a rank that rejected its own) on.
 	two := &Backend{size: 2, opts: Options{MaxBlocks: kMaxBlocks}}
 	for _, tt := range []struct {
 		nbytes int64
 		want   collective.Algorithm
-	}{{16, collective.OneShotLamport}, {2 << 20, collective.OneShotLamport}, {2<<20 + 16, collective.TwoShot}} {
+	}{{0, collective.OneShotLamport}, {16, collective.OneShotLamport}, {4 << 20, collective.OneShotLamport},
+		{4<<20 + 16, collective.TwoShot}} {
 		if got := two.chooseRMSNorm(collective.Auto, tt.nbytes); got != tt.want {
 			t.Errorf("2 ranks: chooseRMSNorm(auto, %d) = %s, want %s", tt.nbytes, got, tt.want)
 		}
+	}
+	one := &Backend{size: 1, opts: Options{MaxBlocks: kMaxBlocks}}
+	if got := one.chooseRMSNorm(collective.Auto, 16); got != collective.OneShotLL {
+		t.Errorf("1 rank: chooseRMSNorm(auto, 16) = %s, want %s", got, collective.OneShotLL)
 	}
 }
 

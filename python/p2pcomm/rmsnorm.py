@@ -26,8 +26,8 @@ from .errors import InvalidArgumentError, P2PCommError, UnsupportedError
 
 # Algorithms of the fused call: the LL one-shot (no barrier; up to 1 MiB of x
 # per rank), the Lamport one-shot (no barrier, no flags; up to 8 MiB / world)
-# and the two-shot. auto: on two ranks Lamport to 2 MiB, on more LL to 128
-# KiB; then the two-shot.
+# and the two-shot. auto: on two ranks Lamport as far as its buffers go, on
+# more LL to 128 KiB; then the two-shot.
 ALGORITHMS = ("auto", "oneshot_ll", "oneshot_lamport", "twoshot")
 # Their C ABI codes are golib/collective's Algorithm numbers.
 _ALGO_CODES = {"auto": 0, "oneshot_ll": 5, "oneshot_lamport": 10, "twoshot": 2}

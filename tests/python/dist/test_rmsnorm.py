@@ -156,8 +156,9 @@ def test_shapes_at_the_edges(comms, device):
 
 @GPU_ONLY
 @pytest.mark.parametrize("in_place", [False, True], ids=["new-outputs", "in-place"])
-@pytest.mark.parametrize("shape", [(5, 4096), (300, 8192)], ids=["oneshot_ll", "twoshot"])
-def test_cuda_graph_replays_with_new_data(comms, shape, in_place):
+@pytest.mark.parametrize("algorithm,shape", [("oneshot_ll", (5, 4096)), ("oneshot_lamport", (5, 4096)),
+                                             ("twoshot", (300, 8192))], ids=["oneshot_ll", "oneshot_lamport", "twoshot"])
+def test_cuda_graph_replays_with_new_data(comms, algorithm, shape, in_place):
     comm = comms("cuda")
     rows, hidden = shape
     dtype = torch.bfloat16
@@ -167,7 +168,7 @@ def test_cuda_graph_replays_with_new_data(comms, shape, in_place):
 
     def step():
         return comm.all_reduce_residual_rmsnorm(x, residual, weight, EPS,
-                                                residual_out=residual if in_place else None)
+                                                residual_out=residual if in_place else None, algorithm=algorithm)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -382,8 +383,8 @@ def test_ranks_that_disagree_on_the_rows_raise(comms):
 def test_lamport_mismatch_with_an_all_reduce_leaves_the_areas_free(comms):
     """Rank 0 makes a fused Lamport call while its peers make a Lamport
     all-reduce of more elements: every rank raises MismatchError, and the
-    fused and plain Lamport calls after it are right, on both call parities
-    (each sender frees what nobody read)."""
+    fused and plain Lamport calls after it are right (the all-reduces run on
+    the mismatched call's half, whose every sender freed what nobody read)."""
     comm = comms("cuda")
     rows, hidden = 64, 4096
     x, r = rank_data(11, comm.rank, rows, hidden, torch.bfloat16, "cuda")
@@ -418,8 +419,9 @@ def test_can_follow_and_precede_all_reduce(comms, device):
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("rows", [4, 300], ids=["oneshot_ll", "twoshot"])
-def test_rank_that_never_arrives(group, monkeypatch, rows):
+@pytest.mark.parametrize("algorithm,rows", [("oneshot_ll", 4), ("oneshot_lamport", 4), ("twoshot", 300)],
+                         ids=["oneshot_ll", "oneshot_lamport", "twoshot"])
+def test_rank_that_never_arrives(group, monkeypatch, algorithm, rows):
     """Rank 1 skips a call: the others' kernels give up after
     P2PCOMM_TIMEOUT_MS and raise PeerTimeoutError naming it."""
     monkeypatch.setenv("P2PCOMM_TIMEOUT_MS", "2000")
@@ -427,12 +429,12 @@ def test_rank_that_never_arrives(group, monkeypatch, rows):
     comm = p2pcomm.Communicator(group, device=torch.cuda.current_device())
     x, residual = rank_data(12, comm.rank, rows, 8192, torch.bfloat16, "cuda")
     weight = weight_for(12, 8192, torch.bfloat16, "cuda")
-    comm.all_reduce_residual_rmsnorm(x, residual, weight)  # every rank has its kernels loaded
+    comm.all_reduce_residual_rmsnorm(x, residual, weight, algorithm=algorithm)  # every rank has its kernels loaded
     torch.cuda.synchronize()
     dist.barrier()
     if comm.rank != 1:
         start = time.monotonic()
-        comm.all_reduce_residual_rmsnorm(x, residual, weight)
+        comm.all_reduce_residual_rmsnorm(x, residual, weight, algorithm=algorithm)
         torch.cuda.synchronize()
         assert time.monotonic() - start < 20
         with pytest.raises(p2pcomm.PeerTimeoutError, match="rank 1 never arrived"):
