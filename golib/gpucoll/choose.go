@@ -137,7 +137,8 @@ func sliceBytes(count int64, dt reduce.DType, world int) int64 {
 	return (per + pack - 1) / pack * pack * int64(dt.Size())
 }
 
-// isLL: the algorithm runs on the LL buffers (LL and push kernels).
+// isLL: the algorithm runs on the LL buffers (LL, LL128, push and Lamport
+// kernels: Lamport's headers are there).
 func isLL(a collective.Algorithm) bool {
 	switch a {
 	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush, collective.OneShotLL128,

@@ -100,3 +100,24 @@ func TestHierLayoutMatchesTheKernel(t *testing.T) {
 		}
 	}
 }
+
+// The Lamport buffers' size and sentinel are lamport.cuh's.
+func TestLamportConstantsMatchTheKernels(t *testing.T) {
+	src := kernels.Sources()["lamport.cuh"]
+	half := regexp.MustCompile(`constexpr i64 kLamportHalf = (\d+)ll << (\d+);`).FindStringSubmatch(src)
+	if half == nil {
+		t.Fatal("kLamportHalf not found in lamport.cuh")
+	}
+	n, _ := strconv.ParseInt(half[1], 10, 64)
+	shift, _ := strconv.Atoi(half[2])
+	if n<<shift != lamportHalfBytes {
+		t.Errorf("lamportHalfBytes = %d, lamport.cuh's kLamportHalf %d << %d", lamportHalfBytes, n, shift)
+	}
+	free := regexp.MustCompile(`constexpr u32 kLamportFree = 0x([0-9a-fA-F]+)u;`).FindStringSubmatch(src)
+	if free == nil {
+		t.Fatal("kLamportFree not found in lamport.cuh")
+	}
+	if v, _ := strconv.ParseUint(free[1], 16, 32); v != lamportFree {
+		t.Errorf("lamportFree = %#x, lamport.cuh's kLamportFree %#x", lamportFree, v)
+	}
+}

@@ -56,6 +56,8 @@ DINLINE bool lamport_recv(const AllReduceParams& p, u64 epoch, i64 vectors) {
     for (int s = 0; s < W; ++s) {
       if (s < p.world && s != p.rank) {
         char* at = lamport_area(p, epoch, p.rank, s) + v * kPackBytes;
+        // A failed wait leaves the rest unread and unfreed: it timed out or
+        // another block failed, and the communicator is unusable.
         if (!lamport_arrived(x[s]) && !lamport_wait(p, at, s, x[s])) return false;
         st_v16(at, kLamportFreeVector);
       }

@@ -54,11 +54,12 @@ constexpr int kRMSNormMaxHidden = 16384;
 constexpr int kRowPacks = kRMSNormMaxHidden / PackOf<bf16>::kElems / kThreads;
 static_assert(kRowPacks * PackOf<bf16>::kElems * kThreads == kRMSNormMaxHidden, "rows split evenly");
 
-// RMSNormParams is the one by-value argument of both kernels: the
+// RMSNormParams is the one by-value argument of each kernel: the
 // all-reduce's parameters, then the fused call's own. In ar: local_src = x
 // ([rows][hidden]), out = normed ([rows][hidden]), count = rows * hidden,
-// op = sum; peer_in = every rank's LL buffer (one-shot, half_bytes its half)
-// or staging (two-shot, with peer_scratch).
+// op = sum; peer_in = every rank's LL buffer (one-shots, half_bytes its half;
+// Lamport's with peer_scratch = every rank's Lamport buffer) or staging
+// (two-shot, with peer_scratch).
 //
 //   offset size field
 //   0      264  ar            AllReduceParams

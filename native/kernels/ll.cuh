@@ -1,7 +1,8 @@
 // ll.cuh: the LL call protocol, shared by the kernels that exchange data
 // without a barrier (allreduce_ll.cu, allreduce_ll128.cu,
-// allreduce_rmsnorm.cu): every rank's LL buffer, the call's epoch and half,
-// and the header each block exchanges with every peer in every call.
+// allreduce_lamport.cu, allreduce_rmsnorm.cu): every rank's LL buffer, the
+// call's epoch and half, and the header each block exchanges with every peer
+// in every call.
 //
 // Buffers: peer_in[r] is rank r's LL buffer, two halves of half_bytes; a
 // call uses half (epoch & 1), where epoch counts this rank's LL kernels

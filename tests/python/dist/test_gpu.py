@@ -320,7 +320,8 @@ def test_thousand_calls_without_sync(comms):
 @pytest.mark.parametrize("sizes", [(1000, 100_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])
 def test_calls_of_different_sizes_fail_together(comms, sizes):
     """Under auto these pick different LL grids or kernels (oneshot_ll on 16
-    blocks against oneshot_ll on 128 on two ranks, twoshot_ll on 64 on four),
+    blocks against oneshot_lamport on 128 on two ranks, twoshot_ll on 64 on
+    four),
     or one rank has nothing to send: every rank
     still raises MismatchError, none times out. (Calls so different that one
     rank takes an LL kernel and another a barrier kernel time out instead:
@@ -335,6 +336,27 @@ def test_calls_of_different_sizes_fail_together(comms, sizes):
     comm.check()
     out = comm.all_reduce(torch.ones(300_000, device="cuda"))
     assert torch.equal(out, torch.full_like(out, comm.world_size))
+
+
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_rejected_call_meets_its_peers_kernel(comms, op):
+    """Rank 1 passes a strided tensor of 1.5 MiB of bf16, its peers a
+    contiguous one: rank 1 raises its own error and every other rank
+    MismatchError, none times out, whether auto takes the Lamport one-shot
+    there (sum, on two ranks) or the two-shot (max): the rejected call
+    carries the op, so it runs the peers' kind of kernel."""
+    comm = comms("cuda")
+    n = 768 * 1024
+    x = torch.ones(2 * n, dtype=torch.bfloat16, device="cuda")
+    src = x[::2] if comm.rank == 1 else x[:n]
+    with pytest.raises(p2pcomm.InvalidArgumentError if comm.rank == 1 else p2pcomm.MismatchError):
+        comm.all_reduce(src, op)
+        torch.cuda.synchronize()
+        comm.check()
+    torch.cuda.synchronize()
+    comm.check()
+    out = comm.all_reduce(x[:n], op)
+    assert torch.equal(out, torch.full_like(out, comm.world_size if op == "sum" else 1))
 
 
 def test_rank_that_never_arrives(group, monkeypatch):
@@ -546,22 +568,24 @@ def test_ll128_lines_groups_and_tails(comms, dtype):
 
 
 # Lamport areas: 8 MiB per call parity shared by the world's ranks (golib/gpucoll
-# lamportHalfBytes); a thread moves 16-byte vectors, four at a time.
+# lamportHalfBytes). Each block takes an even run of 16-byte vectors, in whole
+# warps' worth, and each thread one vector at a time.
 def lamport_max(world):
     return (8 << 20) // world // 16 * 16
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=lambda d: str(d).split(".")[1])
 def test_lamport_vectors_grids_and_tails(comms, dtype):
-    """oneshot_lamport at sizes around its vectors, a thread's four vectors
-    on each grid (16, 64, 128 blocks of 512 threads), its largest call and one
-    past it (two-shot), every op (the others run LL128 to 1 MiB, two-shot
-    above: check_every_op_at)."""
+    """oneshot_lamport at sizes around its vectors (tails), the grids' steps
+    (16 blocks to 64 KiB, 64 to 256 KiB, then 128), runs that end inside a
+    warp's worth, threads with a second vector (past 1 MiB on 128 blocks)
+    and more, its largest call and one past it (two-shot), every op (the
+    others run LL128 to 1 MiB, two-shot above: check_every_op_at)."""
     comm = comms("cuda")
     e, most = dtype.itemsize, lamport_max(comm.world_size)
     sizes = sorted({1, 3, 16 // e - 1, 16 // e + 1, 16 * 512 * 16 * 4 // e + 3, 64 * 1024 // e + 1,
-                    64 * 512 * 16 * 4 // e - 1, 256 * 1024 // e + 16 // e, 128 * 512 * 16 * 4 // e + 5,
-                    most // e - 1, most // e, most // e + 1})
+                    64 * 512 * 16 * 4 // e - 1, 256 * 1024 // e + 16 // e, (1 << 20) // e + 16 // e + 1,
+                    3 * (1 << 20) // e + 5, 128 * 512 * 16 * 4 // e + 5, most // e - 1, most // e, most // e + 1})
     check_every_op_at(comm, "oneshot_lamport", dtype, sizes, 500)
 
 
