@@ -28,7 +28,7 @@ CASES += [(n, a) for n in (256 * KB, 512 * KB, 1 * MB)
           for a in ("oneshot_ll", "oneshot_push", "twoshot_ll", "twoshot_push", "oneshot", "twoshot")]
 CASES += [(n, a) for n in (2 * MB, 4 * MB, 8 * MB) for a in ("twoshot_ll", "twoshot_push", "twoshot")]
 CHECKED = ("oneshot", "twoshot", "ring", "oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot_ll128",
-           "oneshot_lamport")
+           "oneshot_lamport", "twoshot_lamport")
 
 
 def timed(fn, iters, graph):

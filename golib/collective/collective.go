@@ -39,12 +39,15 @@ const (
 	// OneShotLamport: one-shot on plain data, arrival told by the data itself
 	// (a sentinel every free word holds): floating-point sums only.
 	OneShotLamport Algorithm = 10
-	numAlgorithms            = 11
+	// TwoShotLamport: two-shot on the same plain data (reduce-scatter, then
+	// all-gather, no barrier): floating-point sums only.
+	TwoShotLamport Algorithm = 11
+	numAlgorithms            = 12
 )
 
 var algoNames = [numAlgorithms]string{"auto", "oneshot", "twoshot", "ring", "recursive_doubling",
 	"oneshot_ll", "twoshot_ll", "oneshot_push", "twoshot_push", "oneshot_ll128",
-	"oneshot_lamport"}
+	"oneshot_lamport", "twoshot_lamport"}
 
 // Valid reports whether a is a known algorithm.
 func (a Algorithm) Valid() bool { return a >= 0 && a < numAlgorithms }

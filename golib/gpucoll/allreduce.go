@@ -97,7 +97,7 @@ func (b *Backend) useLL(p *allReduceParams, algo collective.Algorithm) {
 	p.HalfBytes = uint32(llHalfBytes(b.size))
 	for r := range b.size {
 		p.PeerIn[r] = uint64(b.ll.Peers[r])
-		if algo == collective.OneShotLamport {
+		if algo == collective.OneShotLamport || algo == collective.TwoShotLamport {
 			p.PeerScratch[r] = uint64(b.lamport.Peers[r])
 		}
 	}

@@ -55,18 +55,25 @@ func LoadTable(path string, world int) (Table, error) {
 	return t, nil
 }
 
-// defaultTable: the LL protocols while latency dominates, two-shot once
-// bandwidth does (crossovers measured with bf16 in CUDA graphs on 4 and 2 x
-// H100/H200; `python -m p2pcomm.tune` writes a table for the machine at
-// hand). Two ranks keep one-shots longer: each byte crosses one link once,
-// in one trip with no barrier; from 256 KiB to 3 MiB on Lamport's plain
-// words, which put no flags on the wire (docs/BENCHMARKS.md). Calls that
-// Lamport cannot carry take LL128 to 1 MiB, then two-shot (choose).
+// defaultTable: LL while latency dominates, then Lamport's plain words,
+// which put no flag on the wire, then two-shot once bandwidth does
+// (crossovers measured with bf16 in CUDA graphs on 4 and 2 x H200;
+// `python -m p2pcomm.tune` writes a table for the machine at hand;
+// docs/BENCHMARKS.md). Two ranks keep the Lamport one-shot to 1 MiB (each
+// byte crosses the link once, in one trip) and its two-shot to 4 MiB (half
+// the polling and reducing per rank, and each rank sends its half as soon
+// as it is reduced). More ranks leave the Lamport one-shot after 256 KiB,
+// where it ties the two-shot on 4 ranks: beyond, world - 1 copies of the
+// input cost more than the two-shot's barriers. Lamport's two-shot is no
+// faster than the barrier two-shot there.
+// Calls that Lamport cannot carry take LL128 to 1 MiB, then two-shot
+// (choose).
 func defaultTable(world int) Table {
 	if world == 2 {
-		return Table{{256 << 10, "oneshot_ll"}, {3 << 20, "oneshot_lamport"}, {1 << 62, "twoshot"}}
+		return Table{{128 << 10, "oneshot_ll"}, {1 << 20, "oneshot_lamport"}, {4 << 20, "twoshot_lamport"},
+			{1 << 62, "twoshot"}}
 	}
-	return Table{{128 << 10, "oneshot_ll"}, {256 << 10, "oneshot"}, {512 << 10, "twoshot_ll"}, {1 << 62, "twoshot"}}
+	return Table{{64 << 10, "oneshot_ll"}, {256 << 10, "oneshot_lamport"}, {1 << 62, "twoshot"}}
 }
 
 // choose resolves the algorithm of a call of count elements of dt reduced
@@ -114,6 +121,9 @@ func (b *Backend) choose(requested collective.Algorithm, count int64, dt reduce.
 			algo = collective.OneShotLL128
 		}
 	}
+	if algo == collective.TwoShotLamport && (!lamportFits(dt, op) || !lamportTwoShotFits(nbytes, b.size)) {
+		algo = collective.TwoShot
+	}
 	if algo == collective.OneShotLL128 && nbytes > ll128MaxPayload {
 		algo = collective.OneShot
 	}
@@ -142,7 +152,7 @@ func sliceBytes(count int64, dt reduce.DType, world int) int64 {
 func isLL(a collective.Algorithm) bool {
 	switch a {
 	case collective.OneShotLL, collective.TwoShotLL, collective.OneShotPush, collective.TwoShotPush, collective.OneShotLL128,
-		collective.OneShotLamport:
+		collective.OneShotLamport, collective.TwoShotLamport:
 		return true
 	}
 	return false

@@ -31,6 +31,7 @@ var kernelOf = map[collective.Algorithm]struct{ file, name string }{
 	collective.TwoShotPush:       {"allreduce_ll.cu", "allreduce_twoshot_push"},
 	collective.OneShotLL128:      {"allreduce_ll128.cu", "allreduce_oneshot_ll128"},
 	collective.OneShotLamport:    {"allreduce_lamport.cu", "allreduce_oneshot_lamport"},
+	collective.TwoShotLamport:    {"allreduce_lamport.cu", "allreduce_twoshot_lamport"},
 }
 
 // kernelCache compiles each source once per process (NVRTC, with the disk

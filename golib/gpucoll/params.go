@@ -141,6 +141,14 @@ const lamportFallbackLL128 = 1 << 20
 
 func lamportMaxPayload(world int) int64 { return lamportHalfBytes / int64(world) / 16 * 16 }
 
+// lamportTwoShotFits: the two-shot's slices (whole vectors, world of them)
+// and their results fit one area together (allreduce_twoshot_lamport).
+func lamportTwoShotFits(nbytes int64, world int) bool {
+	vectors := (nbytes + 15) / 16
+	slice := (vectors + int64(world) - 1) / int64(world)
+	return 2*slice*16 <= lamportMaxPayload(world)
+}
+
 // lamportFits: Lamport words carry sums of 16- and 32-bit floats only.
 func lamportFits(dt reduce.DType, op reduce.Op) bool {
 	return (dt == reduce.Float32 || dt == reduce.Float16 || dt == reduce.BFloat16) &&

@@ -36,29 +36,23 @@ var rmsNormKernels = map[collective.Algorithm][2]string{
 	collective.TwoShot: {"allreduce_rmsnorm_twoshot<half16>", "allreduce_rmsnorm_twoshot<bf16>"},
 }
 
-// rmsNormLLMaxBytes is the input per rank up to which auto runs the LL
-// one-shot, the two-shot beyond. The LL one-shot sends twice the input to
-// every peer and has no barrier; the two-shot moves about twice the input
-// per rank in all and waits at two barriers, so more peers move the
-// crossover down: on 4 x H200 in graphs the two-shot took 15.8-16.2 µs at
-// 256 KiB against the LL one-shot's 19.2-19.4, which won at 128 KiB
-// (docs/BENCHMARKS.md). Two ranks take the Lamport one-shot first
-// (rmsNormLamportMaxBytes).
-func rmsNormLLMaxBytes(ranks int) int64 {
-	if ranks <= 2 {
-		return 256 << 10
-	}
-	return 128 << 10
-}
+// rmsNormLLMaxBytes is the input up to which auto runs the LL one-shot on
+// one rank, which has no Lamport areas to share; the two-shot beyond.
+const rmsNormLLMaxBytes = 256 << 10
 
 // rmsNormLamportMaxBytes is the input per rank up to which auto runs the
-// Lamport one-shot: on two ranks all it can carry (it sends the input once,
-// with no flags, and was as fast as the LL one-shot or faster from one row
-// on, and 5% faster than the two-shot at 4 MiB); -1 on other worlds, where
-// it was not measured (and one rank needs no exchange).
+// Lamport one-shot (it sends the input once, with no flags): on two ranks
+// all it can carry (as fast as the LL one-shot or faster from one row on,
+// and 5% faster than the two-shot at 4 MiB); on more, 512 KiB, where each
+// rank sends world - 1 copies (on 4 x H200 ahead of the LL one-shot at every
+// size and of the two-shot to 512 KiB, behind it from 1 MiB:
+// docs/BENCHMARKS.md); -1 on one rank, which needs no exchange.
 func rmsNormLamportMaxBytes(ranks int) int64 {
-	if ranks == 2 {
+	switch {
+	case ranks == 2:
 		return lamportMaxPayload(ranks)
+	case ranks > 2:
+		return min(512<<10, lamportMaxPayload(ranks))
 	}
 	return -1
 }
@@ -154,7 +148,7 @@ func (b *Backend) chooseRMSNorm(requested collective.Algorithm, nbytes int64) co
 		switch {
 		case nbytes <= rmsNormLamportMaxBytes(b.size):
 			algo = collective.OneShotLamport
-		case nbytes <= rmsNormLLMaxBytes(b.size):
+		case b.size == 1 && nbytes <= rmsNormLLMaxBytes:
 			algo = collective.OneShotLL
 		default:
 			algo = collective.TwoShot

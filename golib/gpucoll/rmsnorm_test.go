@@ -75,15 +75,15 @@ func TestChooseRMSNorm(t *testing.T) {
 		nbytes int64
 		want   collective.Algorithm
 	}{
-		{"auto small", collective.Auto, 16 << 10, collective.OneShotLL},
-		{"auto at the crossover", collective.Auto, 128 << 10, collective.OneShotLL},
-		{"auto above it", collective.Auto, 128<<10 + 16, collective.TwoShot},
+		{"auto small", collective.Auto, 16 << 10, collective.OneShotLamport},
+		{"auto at the crossover", collective.Auto, 512 << 10, collective.OneShotLamport},
+		{"auto above it", collective.Auto, 512<<10 + 16, collective.TwoShot},
 		{"oneshot_ll fits", collective.OneShotLL, llMaxPayload, collective.OneShotLL},
 		{"oneshot_ll too big", collective.OneShotLL, llMaxPayload + 16, collective.TwoShot},
 		{"twoshot small", collective.TwoShot, 16, collective.TwoShot},
 		{"oneshot_lamport fits", collective.OneShotLamport, lamportMaxPayload(4), collective.OneShotLamport},
 		{"oneshot_lamport too big", collective.OneShotLamport, lamportMaxPayload(4) + 16, collective.TwoShot},
-		{"unknown is auto", collective.Ring, 16, collective.OneShotLL},
+		{"unknown is auto", collective.Ring, 16, collective.OneShotLamport},
 	}
 	for _, tt := range tests {
 		if got := b.chooseRMSNorm(tt.req, tt.nbytes); got != tt.want {

@@ -76,7 +76,7 @@ func (c *Comm) pickAlgo(req collective.AllReduce) collective.Algorithm {
 		return req.Algo
 	case collective.OneShotLL, collective.OneShotPush, collective.OneShotLL128, collective.OneShotLamport:
 		return collective.OneShot // GPU protocols; shared memory has the one-shot shape
-	case collective.TwoShotLL, collective.TwoShotPush:
+	case collective.TwoShotLL, collective.TwoShotPush, collective.TwoShotLamport:
 		return collective.TwoShot
 	case collective.Auto:
 		if req.Bytes() <= c.opts.OneShotMaxBytes || c.size == 1 {

@@ -26,17 +26,45 @@
 //     sentinel back over what it sent, after it (the same thread, the same
 //     addresses), before its call ends, so again before the peer's next call
 //     on that half can read.
+//
+// allreduce_twoshot_lamport: a reduce-scatter then an all-gather on the same
+// buffers, for larger calls. The input splits into world slices of whole
+// vectors; rank s sends slice j of its input to rank j, in the first half of
+// area [s]; rank j reduces its slice as it arrives and sends the result to
+// every peer, in the second half of area [j]. Each rank polls and reduces
+// one slice instead of the whole input, and sends 2 (world - 1) slices
+// instead of world - 1 inputs, at the cost of a second trip. Both stages
+// free as above: a reader frees what it read; on a mismatch nothing was
+// reduced, and each sender frees the slices it sent.
+//
+// Both kernels are bound to one block per SM (a grid is at most kMaxBlocks):
+// registers for every peer's vector, which the default bound would spill.
 #include "lamport.cuh"
 
 // p2pcomm:instantiate allreduce_oneshot_lamport<float>
 // p2pcomm:instantiate allreduce_oneshot_lamport<half16>
 // p2pcomm:instantiate allreduce_oneshot_lamport<bf16>
+// p2pcomm:instantiate allreduce_twoshot_lamport<float>
+// p2pcomm:instantiate allreduce_twoshot_lamport<half16>
+// p2pcomm:instantiate allreduce_twoshot_lamport<bf16>
+
+// lamport_store_out writes vector v of the result, only the bytes below
+// nbytes.
+template <typename T>
+DINLINE void lamport_store_out(const AllReduceParams& p, i64 nbytes, i64 v, u64 a, u64 b) {
+  if ((v + 1) * kPackBytes <= nbytes) {
+    st_v16((char*)p.out + v * kPackBytes, V16{(u32)a, (u32)(a >> 32), (u32)b, (u32)(b >> 32)});
+  } else {
+    write_line<T>((char*)p.out, 2 * v, nbytes, a);
+    write_line<T>((char*)p.out, 2 * v + 1, nbytes, b);
+  }
+}
 
 // lamport_recv reduces this thread's vectors for worlds of at most W ranks:
 // every peer's vector polled once, any missing waited for in turn, each
 // freed once read.
 template <typename T, int W>
-DINLINE bool lamport_recv(const AllReduceParams& p, u64 epoch, i64 vectors) {
+DINLINE bool lamport_recv(const AllReduceParams& p, const LamportHalf& l, i64 vectors) {
   const i64 nbytes = p.count * (i64)sizeof(T);
   const char* src = (const char*)p.local_src;
   const int divisor = p.op == kOpAvg ? p.world : 0;
@@ -49,13 +77,13 @@ DINLINE bool lamport_recv(const AllReduceParams& p, u64 epoch, i64 vectors) {
       x[s] = kLamportFreeVector;
       if (s < p.world) {
         x[s] = s == p.rank ? lamport_load<T>(src, nbytes, v)
-                           : ld_v16_volatile(lamport_area(p, epoch, p.rank, s) + v * kPackBytes);
+                           : ld_v16_volatile(lamport_area(p, l, p.rank, s) + v * kPackBytes);
       }
     }
 #pragma unroll
     for (int s = 0; s < W; ++s) {
       if (s < p.world && s != p.rank) {
-        char* at = lamport_area(p, epoch, p.rank, s) + v * kPackBytes;
+        char* at = lamport_area(p, l, p.rank, s) + v * kPackBytes;
         // A failed wait leaves the rest unread and unfreed: it timed out or
         // another block failed, and the communicator is unusable.
         if (!lamport_arrived(x[s]) && !lamport_wait(p, at, s, x[s])) return false;
@@ -70,18 +98,13 @@ DINLINE bool lamport_recv(const AllReduceParams& p, u64 epoch, i64 vectors) {
       hi[s] = ((u64)y.w << 32) | y.z;
     }
     const u64 a = ll_combine<T>(lo, p.world, divisor, OpSum{}), b = ll_combine<T>(hi, p.world, divisor, OpSum{});
-    if ((v + 1) * kPackBytes <= nbytes) {
-      st_v16((char*)p.out + v * kPackBytes, V16{(u32)a, (u32)(a >> 32), (u32)b, (u32)(b >> 32)});
-    } else {
-      write_line<T>((char*)p.out, 2 * v, nbytes, a);
-      write_line<T>((char*)p.out, 2 * v + 1, nbytes, b);
-    }
+    lamport_store_out<T>(p, nbytes, v, a, b);
   }
   return true;
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) allreduce_oneshot_lamport(const AllReduceParams p) {
+__global__ void __launch_bounds__(kThreads, 1) allreduce_oneshot_lamport(const AllReduceParams p) {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Lamport words hold 16- or 32-bit floats");
   __shared__ BlockState st;
   LLHalf h;
@@ -93,16 +116,148 @@ __global__ void __launch_bounds__(kThreads) allreduce_oneshot_lamport(const AllR
   }
   if (!ll_begin(p, 0, st, h)) return;
   ll_announce(p, h, kRowsStart, false);
-  lamport_push<T>(p, st.epoch, vectors, false);
+  const LamportHalf l = lamport_half(p, st.epoch);
+  lamport_push<T>(p, l, vectors, false);
   if (ll_agree(p, h, st, kRowsStart)) {
     if (p.world <= 2) {
-      lamport_recv<T, 2>(p, st.epoch, vectors);
+      lamport_recv<T, 2>(p, l, vectors);
+    } else if (p.world <= 4) {
+      lamport_recv<T, 4>(p, l, vectors);
     } else {
-      lamport_recv<T, kMaxRanks>(p, st.epoch, vectors);
+      lamport_recv<T, kMaxRanks>(p, l, vectors);
     }
   } else {
     // Nobody reads this call's areas: free what this thread sent.
-    lamport_push<T>(p, st.epoch, vectors, true);
+    lamport_push<T>(p, l, vectors, true);
+  }
+  ll_end(p, st);
+}
+
+// ---------------------------------------------------------------- two-shot
+
+// lamport_slice_vectors is the vectors of every slice but the last (which
+// may be shorter, or empty). A slice and its result each take half an area.
+DINLINE i64 lamport_slice_vectors(const AllReduceParams& p, i64 vectors) { return (vectors + p.world - 1) / p.world; }
+
+// lamport_scatter stores (or, with free, frees again) this thread's vectors
+// of every peer's slice, vector i of slice d into area [rank] of rank d.
+// Index i of every slice belongs to the same thread in both stages.
+template <typename T>
+DINLINE void lamport_scatter(const AllReduceParams& p, const LamportHalf& l, i64 vectors, i64 sv, bool free) {
+  const i64 nbytes = p.count * (i64)sizeof(T);
+  const char* src = (const char*)p.local_src;
+  i64 begin, end;
+  lamport_span(sv, begin, end);
+  for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      const i64 v = d * sv + i;
+      if (d < p.world && d != p.rank && v < vectors) {
+        st_v16(lamport_area(p, l, d, p.rank) + i * kPackBytes,
+               free ? kLamportFreeVector : lamport_load<T>(src, nbytes, v));
+      }
+    }
+  }
+}
+
+// lamport_reduce_slice reduces this thread's vectors of this rank's slice
+// (every peer's part polled once, any missing waited for in turn, each freed
+// once read), writes the result and sends it to every peer, in the second
+// half of area [rank]. The result goes out as every rank will store it: a
+// word equal to the sentinel becomes 0 here too.
+template <typename T, int W>
+DINLINE bool lamport_reduce_slice(const AllReduceParams& p, const LamportHalf& l, i64 vectors, i64 sv) {
+  const i64 nbytes = p.count * (i64)sizeof(T), second = l.area / 2 / kPackBytes * kPackBytes;
+  const char* src = (const char*)p.local_src;
+  const int divisor = p.op == kOpAvg ? p.world : 0;
+  char* const mine = lamport_area(p, l, p.rank, 0);
+  i64 begin, end;
+  lamport_span(sv, begin, end);
+  for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const i64 v = p.rank * sv + i;
+    if (v >= vectors) break;
+    V16 x[W];
+#pragma unroll
+    for (int s = 0; s < W; ++s) {
+      x[s] = kLamportFreeVector;
+      if (s < p.world) {
+        x[s] = s == p.rank ? lamport_load<T>(src, nbytes, v) : ld_v16_volatile(mine + s * l.area + i * kPackBytes);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < W; ++s) {
+      if (s < p.world && s != p.rank) {
+        char* at = mine + s * l.area + i * kPackBytes;
+        if (!lamport_arrived(x[s]) && !lamport_wait(p, at, s, x[s])) return false;
+        st_v16(at, kLamportFreeVector);
+      }
+    }
+    u64 lo[kMaxRanks], hi[kMaxRanks];
+#pragma unroll
+    for (int s = 0; s < kMaxRanks; ++s) {
+      const V16 y = s < W ? x[s] : V16{0, 0, 0, 0};
+      lo[s] = ((u64)y.y << 32) | y.x;
+      hi[s] = ((u64)y.w << 32) | y.z;
+    }
+    const u64 a = ll_combine<T>(lo, p.world, divisor, OpSum{}), b = ll_combine<T>(hi, p.world, divisor, OpSum{});
+    const V16 r = {lamport_word((u32)a), lamport_word((u32)(a >> 32)), lamport_word((u32)b),
+                   lamport_word((u32)(b >> 32))};
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      if (d < p.world && d != p.rank) st_v16(lamport_area(p, l, d, p.rank) + second + i * kPackBytes, r);
+    }
+    lamport_store_out<T>(p, nbytes, v, ((u64)r.y << 32) | r.x, ((u64)r.w << 32) | r.z);
+  }
+  return true;
+}
+
+// lamport_gather waits for this thread's vectors of every peer's result,
+// writes them and frees them.
+template <typename T>
+DINLINE bool lamport_gather(const AllReduceParams& p, const LamportHalf& l, i64 vectors, i64 sv) {
+  const i64 nbytes = p.count * (i64)sizeof(T), second = l.area / 2 / kPackBytes * kPackBytes;
+  char* const mine = lamport_area(p, l, p.rank, 0) + second;
+  i64 begin, end;
+  lamport_span(sv, begin, end);
+  for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
+#pragma unroll
+    for (int s = 0; s < kMaxRanks; ++s) {
+      const i64 v = s * sv + i;
+      if (s < p.world && s != p.rank && v < vectors) {
+        char* at = mine + s * l.area + i * kPackBytes;
+        V16 x = ld_v16_volatile(at);
+        if (!lamport_arrived(x) && !lamport_wait(p, at, s, x)) return false;
+        st_v16(at, kLamportFreeVector);
+        lamport_store_out<T>(p, nbytes, v, ((u64)x.y << 32) | x.x, ((u64)x.w << 32) | x.z);
+      }
+    }
+  }
+  return true;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot_lamport(const AllReduceParams p) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Lamport words hold 16- or 32-bit floats");
+  __shared__ BlockState st;
+  LLHalf h;
+  const i64 vectors = (p.count * (i64)sizeof(T) + kPackBytes - 1) / kPackBytes;
+  const i64 sv = p.world > 0 ? lamport_slice_vectors(p, vectors) : 0;
+  if (!lamport_params_ok(p, 2 * sv)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(p, kErrBadParams, -1, -1, -1, 0, 0);
+    return;
+  }
+  if (!ll_begin(p, 0, st, h)) return;
+  ll_announce(p, h, kRowsStart, false);
+  const LamportHalf l = lamport_half(p, st.epoch);
+  lamport_scatter<T>(p, l, vectors, sv, false);
+  if (ll_agree(p, h, st, kRowsStart)) {
+    // A failed wait leaves the rest as it is: the communicator is unusable.
+    const bool ok = p.world <= 2   ? lamport_reduce_slice<T, 2>(p, l, vectors, sv)
+                    : p.world <= 4 ? lamport_reduce_slice<T, 4>(p, l, vectors, sv)
+                                   : lamport_reduce_slice<T, kMaxRanks>(p, l, vectors, sv);
+    if (ok) lamport_gather<T>(p, l, vectors, sv);
+  } else {
+    lamport_scatter<T>(p, l, vectors, sv, true);
   }
   ll_end(p, st);
 }

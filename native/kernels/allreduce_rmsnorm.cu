@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads) allreduce_rmsnorm_oneshot_ll(const R
 // Every rank's pack is summed as it arrives from its area here, which is
 // then freed. False, for the whole block, when a wait failed.
 template <typename T, int W>
-DINLINE bool lamport_row(const RMSNormParams& q, u64 epoch, int packs, i64 row, float* part) {
+DINLINE bool lamport_row(const RMSNormParams& q, const LamportHalf& l, int packs, i64 row, float* part) {
   const AllReduceParams& p = q.ar;
   const i64 nbytes = p.count * (i64)sizeof(T), row_bytes = (i64)packs * kPackBytes;
   V16 res[kRowPacks], w[kRowPacks], own[kRowPacks];
@@ -375,12 +375,12 @@ DINLINE bool lamport_row(const RMSNormParams& q, u64 epoch, int packs, i64 row, 
     V16 in[kMaxRanks];
 #pragma unroll
     for (int s = 0; s < W; ++s) {
-      if (s < p.world) in[s] = s == p.rank ? own[k] : ld_v16_volatile(lamport_area(p, epoch, p.rank, s) + off);
+      if (s < p.world) in[s] = s == p.rank ? own[k] : ld_v16_volatile(lamport_area(p, l, p.rank, s) + off);
     }
 #pragma unroll
     for (int s = 0; s < W; ++s) {
       if (s < p.world && s != p.rank) {
-        char* at = lamport_area(p, epoch, p.rank, s) + off;
+        char* at = lamport_area(p, l, p.rank, s) + off;
         ok = ok && (lamport_arrived(in[s]) || lamport_wait(p, at, s, in[s]));
         st_v16(at, kLamportFreeVector);
       }
@@ -412,17 +412,19 @@ __global__ void __launch_bounds__(kThreads) allreduce_rmsnorm_oneshot_lamport(co
   }
   if (!ll_begin(p, 0, st, h)) return;
   ll_announce(p, h, kRowsStart, false);
-  lamport_push<T, false>(p, st.epoch, vectors, false);
+  const LamportHalf l = lamport_half(p, st.epoch);
+  lamport_push<T, false>(p, l, vectors, false);
   if (ll_agree(p, h, st, kRowsStart)) {
     const int packs = q.hidden / P;
     for (i64 row = blockIdx.x; row < q.rows; row += gridDim.x) {
       // As in the LL one-shot: a failed wait takes the whole block out.
-      if (!(p.world <= 2 ? lamport_row<T, 2>(q, st.epoch, packs, row, part)
-                         : lamport_row<T, kMaxRanks>(q, st.epoch, packs, row, part)))
+      if (!(p.world <= 2   ? lamport_row<T, 2>(q, l, packs, row, part)
+            : p.world <= 4 ? lamport_row<T, 4>(q, l, packs, row, part)
+                           : lamport_row<T, kMaxRanks>(q, l, packs, row, part)))
         break;
     }
   } else {
-    lamport_push<T, false>(p, st.epoch, vectors, true);
+    lamport_push<T, false>(p, l, vectors, true);
   }
   ll_end(p, st);
 }

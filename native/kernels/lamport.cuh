@@ -9,11 +9,25 @@ constexpr u32 kLamportFree = 0x80000000u;
 // kLamportHalf: the bytes of one half, shared by the world's areas
 // (gpucoll lamportHalfBytes).
 constexpr i64 kLamportHalf = 8ll << 20;
-DINLINE i64 lamport_area_bytes(int world) { return kLamportHalf / world / kPackBytes * kPackBytes; }
+// A 32-bit division: a 64-bit one is a called subroutine.
+DINLINE i64 lamport_area_bytes(int world) {
+  return (i64)((u32)kLamportHalf / (u32)world / (u32)kPackBytes * (u32)kPackBytes);
+}
 
-// lamport_area is rank src's area in owner's buffer, in the half of epoch.
-DINLINE char* lamport_area(const AllReduceParams& p, u64 epoch, int owner, int src) {
-  return (char*)pick(p.peer_scratch, owner) + (i64)(epoch & 1) * kLamportHalf + (i64)src * lamport_area_bytes(p.world);
+// LamportHalf locates a call's areas: the offset of the half of its parity
+// in every rank's buffer, and the bytes of one area. A thread computes it
+// once (lamport_half), not per vector: the size of an area is a division.
+struct LamportHalf {
+  i64 offset;
+  i64 area;
+};
+DINLINE LamportHalf lamport_half(const AllReduceParams& p, u64 epoch) {
+  return LamportHalf{(i64)(epoch & 1) * kLamportHalf, lamport_area_bytes(p.world)};
+}
+
+// lamport_area is rank src's area in owner's buffer.
+DINLINE char* lamport_area(const AllReduceParams& p, const LamportHalf& l, int owner, int src) {
+  return (char*)pick(p.peer_scratch, owner) + l.offset + (i64)src * l.area;
 }
 
 DINLINE u32 lamport_word(u32 w) { return w == kLamportFree ? 0u : w; }
@@ -62,7 +76,7 @@ DINLINE void lamport_span(i64 vectors, i64& begin, i64& end) {
 // the input in every peer's area [rank]. One vector at a time: a thread with
 // more in flight took longer at every size (docs/BENCHMARKS.md).
 template <typename T, bool Tail = true>
-DINLINE void lamport_push(const AllReduceParams& p, u64 epoch, i64 vectors, bool free) {
+DINLINE void lamport_push(const AllReduceParams& p, const LamportHalf& l, i64 vectors, bool free) {
   const i64 nbytes = p.count * (i64)sizeof(T);
   const char* src = (const char*)p.local_src;
   i64 begin, end;
@@ -71,7 +85,7 @@ DINLINE void lamport_push(const AllReduceParams& p, u64 epoch, i64 vectors, bool
     const V16 x = free ? kLamportFreeVector : lamport_load<T, Tail>(src, nbytes, v);
 #pragma unroll
     for (int d = 0; d < kMaxRanks; ++d) {
-      if (d < p.world && d != p.rank) st_v16(lamport_area(p, epoch, d, p.rank) + v * kPackBytes, x);
+      if (d < p.world && d != p.rank) st_v16(lamport_area(p, l, d, p.rank) + v * kPackBytes, x);
     }
   }
 }

@@ -35,7 +35,7 @@ _DTYPES = {
     torch.bfloat16: 3, torch.int32: 4, torch.int64: 5,
 }
 ALGORITHMS = ("auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll", "oneshot_push",
-              "twoshot_push", "oneshot_ll128", "oneshot_lamport")
+              "twoshot_push", "oneshot_ll128", "oneshot_lamport", "twoshot_lamport")
 _ALGO_CODES = {name: i for i, name in enumerate(ALGORITHMS)}
 # The operation a stream barrier serves (golib/collective Call; the C ABI's numbers).
 BARRIER_STREAM, BARRIER_MOE_DISPATCH, BARRIER_MOE_COMBINE = 1, 2, 3

@@ -24,8 +24,8 @@ import torch.distributed as dist  # noqa: E402
 
 # Only algorithms that round 16-bit floats once: ring and recursive doubling
 # round at every step, so auto never runs them.
-CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot_ll128", "oneshot_lamport", "oneshot_push", "twoshot_push", "oneshot",
-              "twoshot")
+CANDIDATES = ("oneshot_ll", "twoshot_ll", "oneshot_ll128", "oneshot_lamport", "twoshot_lamport", "oneshot_push",
+              "twoshot_push", "oneshot", "twoshot")
 # Above this the LL, push and Lamport algorithms fall back to the plain ones
 # (their slots hold 1 MiB of LL payload, 2 MiB pushed, 3.75 MiB of LL128, 8
 # MiB / world of Lamport, per rank).

@@ -373,8 +373,8 @@ def parser() -> argparse.ArgumentParser:
     add_timing_args(p, max_iters=2000)
     p.add_argument("--graph", action="store_true", help="GPU: also time CUDA-graph replays of the captured calls")
     p.add_argument("--algorithms", type=lambda s: [a.strip() for a in s.split(",") if a.strip()], default=None,
-                   help="p2pcomm algorithms: auto, oneshot_ll, twoshot_ll, oneshot_ll128, oneshot_lamport, oneshot_push, "
-                        "twoshot_push, oneshot, twoshot, ring, recursive_doubling (default: auto and every distinct "
+                   help="p2pcomm algorithms: auto, oneshot_ll, twoshot_ll, oneshot_ll128, oneshot_lamport, "
+                        "twoshot_lamport, oneshot_push, twoshot_push, oneshot, twoshot, ring, recursive_doubling (default: auto and every distinct "
                         "algorithm of the device: on CPU the _ll, _lamport and _push names run one-shot and two-shot, so "
                         "they are left out)")
     p.add_argument("--out", default=None, help="directory for the CSV, markdown and PNG (default: print only)")
@@ -387,8 +387,8 @@ def run(args) -> int:
 
     if args.algorithms is None:
         args.algorithms = ["auto", "oneshot", "twoshot"] if args.device == "cpu" else [
-            "auto", "oneshot_ll", "twoshot_ll", "oneshot_ll128", "oneshot_lamport", "oneshot_push", "twoshot_push", "oneshot",
-            "twoshot"]
+            "auto", "oneshot_ll", "twoshot_ll", "oneshot_ll128", "oneshot_lamport", "twoshot_lamport", "oneshot_push",
+            "twoshot_push", "oneshot", "twoshot"]
 
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
     if bad:

@@ -51,7 +51,8 @@ def replay_checked(comm, graph, x, out, seed):
 
 
 @pytest.mark.parametrize("algorithm", ["auto", "oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
-                                       "oneshot_push", "twoshot_push", "oneshot_ll128", "oneshot_lamport"])
+                                       "oneshot_push", "twoshot_push", "oneshot_ll128", "oneshot_lamport",
+                                       "twoshot_lamport"])
 def test_cuda_graph_replays_with_new_inputs(comms, algorithm):
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
@@ -317,12 +318,11 @@ def test_thousand_calls_without_sync(comms):
         assert torch.equal(out.double(), want), f"call {i} ({n} elements) wrong"
 
 
-@pytest.mark.parametrize("sizes", [(1000, 100_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])
+@pytest.mark.parametrize("sizes", [(1000, 40_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])
 def test_calls_of_different_sizes_fail_together(comms, sizes):
-    """Under auto these pick different LL grids or kernels (oneshot_ll on 16
-    blocks against oneshot_lamport on 128 on two ranks, twoshot_ll on 64 on
-    four),
-    or one rank has nothing to send: every rank
+    """Under auto these pick different LL grids and kernels (oneshot_ll on 16
+    blocks against oneshot_lamport on 128 on two ranks, on 64 on four), or
+    one rank has nothing to send: every rank
     still raises MismatchError, none times out. (Calls so different that one
     rank takes an LL kernel and another a barrier kernel time out instead:
     README, Errors.)"""
@@ -342,7 +342,7 @@ def test_calls_of_different_sizes_fail_together(comms, sizes):
 def test_rejected_call_meets_its_peers_kernel(comms, op):
     """Rank 1 passes a strided tensor of 1.5 MiB of bf16, its peers a
     contiguous one: rank 1 raises its own error and every other rank
-    MismatchError, none times out, whether auto takes the Lamport one-shot
+    MismatchError, none times out, whether auto takes the Lamport two-shot
     there (sum, on two ranks) or the two-shot (max): the rejected call
     carries the op, so it runs the peers' kind of kernel."""
     comm = comms("cuda")
@@ -570,23 +570,32 @@ def test_ll128_lines_groups_and_tails(comms, dtype):
 # Lamport areas: 8 MiB per call parity shared by the world's ranks (golib/gpucoll
 # lamportHalfBytes). Each block takes an even run of 16-byte vectors, in whole
 # warps' worth, and each thread one vector at a time.
-def lamport_max(world):
-    return (8 << 20) // world // 16 * 16
+# The two-shot splits the input into world slices of whole vectors; a slice
+# and its result share one area.
+LAMPORT = ["oneshot_lamport", "twoshot_lamport"]
 
 
+def lamport_max(world, algorithm="oneshot_lamport"):
+    area = (8 << 20) // world // 16 * 16
+    return area if algorithm == "oneshot_lamport" else area // 32 * world * 16
+
+
+@pytest.mark.parametrize("algorithm", LAMPORT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=lambda d: str(d).split(".")[1])
-def test_lamport_vectors_grids_and_tails(comms, dtype):
-    """oneshot_lamport at sizes around its vectors (tails), the grids' steps
-    (16 blocks to 64 KiB, 64 to 256 KiB, then 128), runs that end inside a
-    warp's worth, threads with a second vector (past 1 MiB on 128 blocks)
-    and more, its largest call and one past it (two-shot), every op (the
-    others run LL128 to 1 MiB, two-shot above: check_every_op_at)."""
+def test_lamport_vectors_grids_and_tails(comms, dtype, algorithm):
+    """The Lamport kernels at sizes around their vectors (tails) and slices
+    (some empty), the grids' steps (16 blocks to 64 KiB, 64 to 256 KiB, then
+    128 on two ranks), runs that end inside a warp's worth, threads with a
+    second vector (past 1 MiB on 128 blocks) and more, the largest call and
+    one past it (two-shot), every op (the others run LL128 to 1 MiB, two-shot
+    above: check_every_op_at)."""
     comm = comms("cuda")
-    e, most = dtype.itemsize, lamport_max(comm.world_size)
-    sizes = sorted({1, 3, 16 // e - 1, 16 // e + 1, 16 * 512 * 16 * 4 // e + 3, 64 * 1024 // e + 1,
-                    64 * 512 * 16 * 4 // e - 1, 256 * 1024 // e + 16 // e, (1 << 20) // e + 16 // e + 1,
-                    3 * (1 << 20) // e + 5, 128 * 512 * 16 * 4 // e + 5, most // e - 1, most // e, most // e + 1})
-    check_every_op_at(comm, "oneshot_lamport", dtype, sizes, 500)
+    e, most = dtype.itemsize, lamport_max(comm.world_size, algorithm)
+    sizes = sorted({1, 3, 16 // e - 1, 16 // e + 1, 16 * comm.world_size // e + 1, 16 * 512 * 16 * 4 // e + 3,
+                    64 * 1024 // e + 1, 64 * 512 * 16 * 4 // e - 1, 256 * 1024 // e + 16 // e,
+                    (1 << 20) // e + 16 // e + 1, 3 * (1 << 20) // e + 5, 128 * 512 * 16 * 4 // e + 5, most // e - 1,
+                    most // e, most // e + 1})
+    check_every_op_at(comm, algorithm, dtype, sizes, 500)
 
 
 def zeros_of_both_signs(n, dtype, rank, seed):
@@ -611,8 +620,9 @@ def check_sum(parts, got, tol, what):
     assert same_on_all_ranks(got), f"{what}: ranks differ"
 
 
+@pytest.mark.parametrize("algorithm", LAMPORT)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=lambda d: str(d).split(".")[1])
-def test_lamport_inputs_that_look_free(comms, dtype):
+def test_lamport_inputs_that_look_free(comms, dtype, algorithm):
     """Inputs full of zeros of both signs, among them words equal to the
     free sentinel (0x80000000: -0.0f, or the 16-bit pair +0, -0), still
     arrive: the sums are right (only the sign of a zero may change), the
@@ -624,39 +634,42 @@ def test_lamport_inputs_that_look_free(comms, dtype):
     for n in (8191, 300_001):
         parts = [zeros_of_both_signs(n, dtype, q, n) for q in range(w)]
         out = torch.full_like(parts[r], float("nan"))
-        comm._reduce(parts[r], out, "sum", "oneshot_lamport")
+        comm._reduce(parts[r], out, "sum", algorithm)
         torch.cuda.synchronize()
         comm.check()
         check_sum(parts, out, tol, f"zeros n={n}")
     for i, n in enumerate((5, 4096, 123_457, 1 << 20, 17)):
         parts = [randn_of(n, dtype, q, 40 + i) for q in range(w)]
-        got = comm.all_reduce(parts[r], algorithm="oneshot_lamport")
+        got = comm.all_reduce(parts[r], algorithm=algorithm)
         torch.cuda.synchronize()
         check_sum(parts, got, tol, f"n={n} after the zeros")
 
 
-@pytest.mark.parametrize("other", ["oneshot_lamport", "oneshot_ll", "oneshot_ll128"])
-def test_lamport_mismatch_leaves_the_areas_free(comms, other):
+@pytest.mark.parametrize("mine,other", [("oneshot_lamport", "oneshot_lamport"), ("oneshot_lamport", "oneshot_ll"),
+                                        ("oneshot_lamport", "oneshot_ll128"), ("twoshot_lamport", "twoshot_lamport"),
+                                        ("twoshot_lamport", "oneshot_lamport"), ("twoshot_lamport", "oneshot_ll")])
+def test_lamport_mismatch_leaves_the_areas_free(comms, mine, other):
     """Rank 0 makes a Lamport call while its peers make another (a longer
-    Lamport call, or the same size on LL or LL128): every rank raises
-    MismatchError, and the Lamport calls after it, on both call parities and
-    at the larger size, reduce right (a sender frees what nobody read)."""
+    call of the same kind, or the same size on another Lamport kernel, LL or
+    LL128): every rank raises MismatchError, and the calls of rank 0's kind
+    after it, on both call parities and at the larger size, reduce right (a
+    sender frees what nobody read)."""
     comm = comms("cuda")
     w, r = comm.world_size, comm.rank
     n = 200_003
     x = torch.full((n + 4096,), float(r + 1), device="cuda")
     with pytest.raises(p2pcomm.MismatchError, match="disagree"):
         if r == 0:
-            comm.all_reduce(x[:n], algorithm="oneshot_lamport")
+            comm.all_reduce(x[:n], algorithm=mine)
         else:
-            comm.all_reduce(x if other == "oneshot_lamport" else x[:n], algorithm=other)
+            comm.all_reduce(x if other == mine else x[:n], algorithm=other)
         torch.cuda.synchronize()
         comm.check()
     torch.cuda.synchronize()
     comm.check()
     for i, k in enumerate((n + 4096, n, n + 4096, 999, n + 4096)):
         parts = [randn_of(k, torch.float32, q, 60 + i) for q in range(w)]
-        got = comm.all_reduce(parts[r], algorithm="oneshot_lamport")
+        got = comm.all_reduce(parts[r], algorithm=mine)
         torch.cuda.synchronize()
         check_sum(parts, got, 1e-5, f"call {i} of {k} after the mismatch")
 

@@ -52,7 +52,8 @@ def make_input(n, dtype, op, rank, seed):
 
 @pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "ring", "recursive_doubling", "oneshot_ll", "twoshot_ll",
-                                       "oneshot_push", "twoshot_push", "oneshot_ll128", "oneshot_lamport"])
+                                       "oneshot_push", "twoshot_push", "oneshot_ll128", "oneshot_lamport",
+                                       "twoshot_lamport"])
 def test_matrix(big_comm, algorithm, n):
     if n == SIZES[-1] and algorithm.endswith(("_ll", "_push", "_ll128", "_lamport")):
         pytest.skip("runs the plain one-shot/two-shot at this size (past the LL slots), tested above")
