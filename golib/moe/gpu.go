@@ -173,20 +173,24 @@ func (g *gpuEngine) launch(k kernel, grid, block, shared uint32, stream uintptr,
 }
 
 // stage copies a's T rows into xs on stream; fp8 rows' scales go after
-// the Tm rows' place (xsScales).
+// the Tm rows' place (xsScales). Rows or scales built in place stay.
 func (g *gpuEngine) stage(a *DispatchArgs, T int, stream uintptr) error {
 	g.trace.add("stage", 0, 0, 0, stream == g.side)
-	if err := g.dev.MemcpyAsync(g.xs, a.X, uint64(int64(T)*g.p.dispatchRowBytes()), stream); err != nil {
-		return err
+	if a.X != g.xs {
+		if err := g.dev.MemcpyAsync(g.xs, a.X, uint64(int64(T)*g.p.dispatchRowBytes()), stream); err != nil {
+			return err
+		}
 	}
-	if !g.p.fp8 {
+	if !g.p.fp8 || a.Scales == g.xsScalesAt() {
 		return nil
 	}
-	return g.dev.MemcpyAsync(g.xs+uintptr(g.xsScales()), a.Scales, uint64(int64(T)*g.p.scaleBytes()), stream)
+	return g.dev.MemcpyAsync(g.xsScalesAt(), a.Scales, uint64(int64(T)*g.p.scaleBytes()), stream)
 }
 
 // xsScales is where in xs the staged rows' scales start (fp8).
 func (g *gpuEngine) xsScales() int64 { return int64(g.p.maxTokens) * g.p.dispatchRowBytes() }
+
+func (g *gpuEngine) xsScalesAt() uintptr { return g.xs + uintptr(g.xsScales()) }
 
 // postChecks runs an eager call's start barrier, moe_post_status: it posts
 // this rank's check (code, or on the device whether every expert id in idx
@@ -237,7 +241,9 @@ func (g *gpuEngine) dispatch(a *DispatchArgs, checks []int32) (int64, error) {
 			return 0, err
 		}
 	}
-	d := p.dispatch(T, a.X == g.xs, a.X%16 == 0, a.Capturable, a.Check != 0)
+	// fp8 rows are in the buffer when their scales were built there too.
+	inBuffer := a.X == g.xs && (!p.fp8 || a.Scales == g.xsScalesAt())
+	d := p.dispatch(T, inBuffer, a.X%16 == 0, a.Capturable, a.Check != 0)
 	dp := &g.dp
 	dp.TopkIdx, dp.TopkW, dp.IdxBytes = 0, 0, 4
 	if a.Check == 0 {

@@ -329,32 +329,49 @@ func TestGPUCapturableDispatchSteps(t *testing.T) {
 	})
 }
 
-// fp8 dispatch stages the float8 rows and their scales apart in xs (two
-// copies, even for x at the buffer's start) and tells the expand kernel
-// where each part sits and goes.
+// fp8 dispatch stages the float8 rows and their scales apart in xs, each
+// unless it was built there (the rows at the buffer's start, the scales at
+// xsScales), and tells the expand kernel where each part sits and goes.
 func TestGPUFP8DispatchSteps(t *testing.T) {
 	c := bf16Config
 	c.DispatchFP8 = true
 	fakeRanks(t, 2, c, func(r int, ep *EP, g *fakeGPU) error {
 		out := Rows{X: 0xc000, Scales: 0xc800, Info: 0xd000, Counts: 0xe000, Rows: ep.maxRecvRows}
-		for _, x := range []uintptr{0x9000, ep.Info().Staging} {
+		xs := ep.Info().Staging
+		scalesAt := xs + 4096*7168
+		// 16 rows of 7168 float8, and their 56 scales each.
+		rowsCopy := [3]uint64{uint64(xs), 0x9000, 16 * 7168}
+		scalesCopy := [3]uint64{uint64(scalesAt), 0x9800, 16 * 56 * 4}
+		for _, tc := range []struct {
+			x, scales uintptr
+			copies    [][3]uint64
+			steps     []string
+		}{
+			{0x9000, 0x9800, [][3]uint64{rowsCopy, scalesCopy},
+				capturableStagedSteps("copy 114688 bytes on side", "copy 3584 bytes on side")},
+			{xs, 0x9800, [][3]uint64{scalesCopy}, capturableStagedSteps("copy 3584 bytes on side")},
+			{0x9000, scalesAt, [][3]uint64{rowsCopy}, capturableStagedSteps("copy 114688 bytes on side")},
+			{xs, scalesAt, nil, []string{"moe_dispatch_send grid 24 block 512 shared 576 on main",
+				"moe_dispatch_expand grid 24 block 512 shared 96 on main"}},
+		} {
 			g.steps, g.params, g.copies = nil, nil, nil
-			if _, err := ep.Dispatch(&DispatchArgs{X: x, Scales: 0x9800, TopkIdx: 0xa000, TopkWeights: 0xb000, NumTokens: 16,
-				IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); err != nil {
+			if _, err := ep.Dispatch(&DispatchArgs{X: tc.x, Scales: tc.scales, TopkIdx: 0xa000, TopkWeights: 0xb000,
+				NumTokens: 16, IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); err != nil {
 				return err
 			}
-			// 16 rows of 7168 float8, and their 56 scales each.
-			if err := want(g.steps, capturableStagedSteps("copy 114688 bytes on side", "copy 3584 bytes on side")); err != nil {
+			if err := want(g.steps, tc.steps); err != nil {
 				return err
 			}
-			ex := decode[expandParams](g.params[3])
+			ex := decode[expandParams](g.params[len(g.params)-1])
 			if ex.OutX != 0xc000 || ex.OutScales != 0xc800 || ex.RowBytes != 7168 || ex.ScaleBytes != 224 ||
 				ex.XsScales != 4096*7168 {
 				return fmt.Errorf("expand %+v", ex)
 			}
-			xs := uint64(ep.Info().Staging)
-			if want := [][3]uint64{{xs, uint64(x), 16 * 7168}, {xs + 4096*7168, 0x9800, 16 * 56 * 4}}; !reflect.DeepEqual(g.copies, want) {
-				return fmt.Errorf("copies %#x, want %#x", g.copies, want)
+			if !reflect.DeepEqual(g.copies, tc.copies) {
+				return fmt.Errorf("x %#x scales %#x: copies %#x, want %#x", tc.x, tc.scales, g.copies, tc.copies)
+			}
+			if send := decode[dispatchParams](g.params[0]); tc.copies == nil && send.Sync.Mode&syncPostStaged == 0 {
+				return fmt.Errorf("rows and scales in place: send mode %#x does not post the staged flags", send.Sync.Mode)
 			}
 		}
 		// Without scales, or without room for the received ones: refused.

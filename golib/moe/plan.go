@@ -127,14 +127,15 @@ type dispatchLaunch struct {
 
 // dispatch plans a dispatch of T tokens (0 when this rank rejected its
 // arguments: it then only takes part in the barriers); inBuffer says x is
-// xs itself, aligned that x may be copied by 16-byte packs. Capturable
+// xs itself (fp8: and its scales are at xsScales), aligned that x may be
+// copied by 16-byte packs. Capturable
 // calls put both barriers inside the kernels; eager ones start with
 // moe_post_status (the argument checks and the start barrier), and the
 // send kernel's last block runs the middle one (every block posts its
 // middle flags in both) and hands the host the counts.
 func (p *plan) dispatch(T int, inBuffer, aligned, capturable, rejected bool) dispatchLaunch {
 	var d dispatchLaunch
-	d.staged = T > 0 && (!inBuffer || p.fp8)
+	d.staged = T > 0 && !inBuffer
 	// Capturable: the copy runs on the side stream, which the send kernel's
 	// block 0 releases (moe_stage_gate) once past its start barrier, before
 	// which peers may still read the previous rows; moe_stage_done's staged

@@ -209,6 +209,12 @@ class ExpertParallel:
         # GPU: the staging buffer peers read rows from, where x may be built in place.
         self._xs = (comm._wrap(info["staging"], Tm * H * torch.empty(0, dtype=dtype).element_size())
                     .view(dtype).view(Tm, H) if self._kernels else None)
+        # fp8: float8 rows at its start, their float32 scales after Tm rows (golib/moe xsScales).
+        self._fp8_xs = None
+        if self._xs is not None and fp8:
+            raw = self._xs.view(-1).view(torch.uint8)
+            self._fp8_xs = (raw[:Tm * H].view(FP8).view(Tm, H),
+                            raw[Tm * H:Tm * H + Tm * H // FP8_BLOCK * 4].view(torch.float32).view(Tm, H // FP8_BLOCK))
         self._local_xs = None  # get_dispatch_buffer's tensor on the CPU
         ExpertParallel._next_id += 1
         self._id = ExpertParallel._next_id
@@ -331,7 +337,7 @@ class ExpertParallel:
             idx, w = topk_idx.contiguous(), topk_weights.contiguous()
             xp, ip, wp, idx_bytes = x.data_ptr(), idx.data_ptr(), w.data_ptr(), idx.element_size()
             if self._fp8:
-                scales = self._aligned(scales)
+                scales = self._fp8_in_buffer(scales, self._fp8_xs[1])
                 sp = scales.data_ptr()
         stream = _raw_stream(self.comm._device_index)
         # The counts' size is known before the call: an eager call makes them while the GPU works.
@@ -372,13 +378,23 @@ class ExpertParallel:
         it is copied into (x built at the buffer's start is read in place, not copied)."""
         if self._xs is None:
             return x.contiguous()
-        if self._fp8:  # always copied into the buffer, data and scales apart
-            return self._aligned(x)
+        if self._fp8:
+            return self._fp8_in_buffer(x, self._fp8_xs[0])
         if x.data_ptr() == self._xs.data_ptr() and x.is_contiguous():
             return x
         if not x.is_contiguous() or _overlaps(x, self._xs):
             return x.clone(memory_format=torch.contiguous_format)
         return x
+
+    def _fp8_in_buffer(self, t: torch.Tensor, place: torch.Tensor) -> torch.Tensor:
+        """fp8 rows or scales as golib/moe reads them: in place when built at the start of their place in the
+        staging buffer (get_dispatch_buffer), cloned when a view elsewhere inside that buffer (the copy into
+        place would overwrite it), else contiguous and 16-byte aligned."""
+        if t.data_ptr() == place.data_ptr() and t.is_contiguous():
+            return t
+        if _overlaps(t, self._xs):
+            return t.clone(memory_format=torch.contiguous_format)
+        return self._aligned(t)
 
     @staticmethod
     def _code(problem: Optional[P2PCommError]) -> int:
@@ -467,7 +483,7 @@ class ExpertParallel:
         t = t.contiguous()
         return t if self._xs is None or t.data_ptr() % 16 == 0 else t.clone()
 
-    def get_dispatch_buffer(self, num_tokens: Optional[int] = None) -> torch.Tensor:
+    def get_dispatch_buffer(self, num_tokens: Optional[int] = None):
         """[num_tokens, H] tensor (default max_tokens_per_rank rows) of the
         ep's dtype, for building the next dispatch's ``x`` in place: passing
         it as ``x`` skips the copy of x into the symmetric staging buffer
@@ -478,13 +494,17 @@ class ExpertParallel:
         until then peers may still be reading the previous tokens from it.
         Any other x is copied into its rows [0, T) (on GPU), so a view of x
         elsewhere inside it changes there. Not collective. On the CPU a
-        plain tensor (never written by dispatch)."""
+        plain tensor (never written by dispatch). With
+        ``dispatch_dtype=torch.float8_e4m3fn``, a pair ``(x, scales)``:
+        [num_tokens, H] float8_e4m3fn and [num_tokens, H/128] float32 in the
+        same buffer; passing both (``dispatch(x, ..., scales=scales)``) skips
+        both copies, passing one skips its own."""
         n = self.max_tokens_per_rank if num_tokens is None else num_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_tokens_per_rank:
             raise InvalidArgumentError(f"num_tokens must be an int in [0, {self.max_tokens_per_rank}], got {n!r}")
-        if self._fp8:
-            raise UnsupportedError("get_dispatch_buffer: an fp8 ep copies x and its scales into its buffer on "
-                                   "every dispatch")
+        if self._fp8:  # GPU only (construction refuses fp8 elsewhere)
+            rows, scales = self._fp8_xs
+            return rows[:n], scales[:n]
         if self._xs is None:
             if self._local_xs is None:
                 self._local_xs = torch.empty(self.max_tokens_per_rank, self.hidden, dtype=self.dtype,

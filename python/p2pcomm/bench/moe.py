@@ -386,7 +386,7 @@ class P2PRun:
         from ..moe import ExpertParallel
 
         a, T, H, label = self.args, self.tokens, self.hidden, _name(transit)
-        modes = ["eager"] + (["graph"] if not a.no_graph else [])
+        modes = ["eager"] + (["graph", "graph+buf", "graph+buf b2b"] if not a.no_graph else [])
         try:
             ep = ExpertParallel(self.comm, num_experts=a.experts, hidden=H, max_tokens_per_rank=T, topk=a.topk,
                                 dtype=self.dtype, num_sms=a.num_sms, combine_dtype=transit,
@@ -401,15 +401,20 @@ class P2PRun:
         for mode in modes:
             try:
                 capturable = mode != "eager"
-                recv = ep.dispatch(x8, idx, w, scales=scales, capturable=capturable)
+                xin, sin = x8, scales
+                if "+buf" in mode:  # quantized into the staging buffer: no copy
+                    xin, sin = ep.get_dispatch_buffer(T)
+                    xin.copy_(x8)
+                    sin.copy_(scales)
+                recv = ep.dispatch(xin, idx, w, scales=sin, capturable=capturable)
                 expert_out = (recv.x.float() * recv.scales.repeat_interleave(128, dim=1)).to(self.dtype)
                 y = ep.combine(expert_out, recv)
                 ok = agree_all(self.ref is None or _near(y, self.ref), self.ctl)
-                dispatch = lambda: ep.dispatch(x8, idx, w, scales=scales, capturable=capturable)  # noqa: E731
+                dispatch = lambda: ep.dispatch(xin, idx, w, scales=sin, capturable=capturable)  # noqa: E731
                 combine = lambda r: ep.combine(expert_out, r)  # noqa: E731
                 if capturable:
                     td, tc = time_graphs(dispatch, combine, a.reps, self.device, self.ctl,
-                                         aligned_start(self.comm, True))
+                                         aligned_start(self.comm, True), back_to_back=mode.endswith("b2b"))
                 else:
                     td, tc = time_pair(dispatch, combine, a.reps, a.warmup, self.device, self.ctl,
                                        aligned_start(self.comm, False))

@@ -95,10 +95,12 @@ def test_fp8_dispatch_rows_and_scales_then_combine(comms, case):
 
 
 @GPU_ONLY
+@pytest.mark.parametrize("where", ["plain", "buffer"])
 @pytest.mark.parametrize("tokens", ["full", "uneven"])
-def test_fp8_dispatch_captured_in_a_graph(comms, tokens):
+def test_fp8_dispatch_captured_in_a_graph(comms, tokens, where):
     """Capturable fp8 dispatch + dequantize + expert + combine captured once, replayed with new rows, scales
-    and routing; the received rows and scales are poisoned before each replay."""
+    and routing (in plain tensors, or built in ep.get_dispatch_buffer(): no copy in the graph); the received
+    rows and scales are poisoned before each replay."""
     comm = comms("cuda")
     W, r = comm.world_size, comm.rank
     E, K, H, Tm, dtype = 8 * W, 4, 512, 16, torch.bfloat16
@@ -106,8 +108,11 @@ def test_fp8_dispatch_captured_in_a_graph(comms, tokens):
     ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
                                 capturable=True, dispatch_dtype=FP8)
     rounds = [fp8_inputs(200 + i, W, sizes, H, E, K, dtype, "random", 0.25) for i in range(3)]
-    static_x = torch.zeros(sizes[r], H, dtype=FP8, device="cuda")
-    static_s = torch.zeros(sizes[r], H // BLOCK, dtype=torch.float32, device="cuda")
+    if where == "buffer":
+        static_x, static_s = ep.get_dispatch_buffer(sizes[r])
+    else:
+        static_x = torch.zeros(sizes[r], H, dtype=FP8, device="cuda")
+        static_s = torch.zeros(sizes[r], H // BLOCK, dtype=torch.float32, device="cuda")
     static_idx = torch.zeros(sizes[r], K, dtype=torch.int64, device="cuda")
     static_w = torch.zeros(sizes[r], K, dtype=torch.float32, device="cuda")
 
@@ -129,10 +134,13 @@ def test_fp8_dispatch_captured_in_a_graph(comms, tokens):
         step()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    ep._trace()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         recv, y = step()
     assert recv.x.shape == (W * Tm * K, H) and recv.scales.shape == (W * Tm * K, H // BLOCK)
+    staged = [step["name"] for step in ep._trace() if step["name"] == "stage"]
+    assert staged == (["stage"] if where == "plain" and sizes[r] else []), staged
     for quant, deq in rounds[1:] + rounds[:1]:
         load((quant, deq))
         recv.x.view(torch.uint8).fill_(0x7F)  # NaN in e4m3
@@ -142,6 +150,55 @@ def test_fp8_dispatch_captured_in_a_graph(comms, tokens):
         check_fp8_rows(recv, quant, deq, r, W, E, K, capturable=True)
         check_combine(y, deq, r, W, E, K, dtype)
         assert_same_bits(y, emulate_combine(deq, r, W, E, K, dtype), "captured combine after fp8 dispatch")
+    comm.check()
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+def test_fp8_dispatch_from_its_buffer(comms, capturable):
+    """Rows and scales built in ep.get_dispatch_buffer() (nothing to copy), the rows alone or the scales alone
+    there (the other copied), both as views elsewhere inside the buffer (copied out first), and plain tensors,
+    each rank in its own order, so that ranks differ in every round (and one has no tokens): rows and scales
+    arrive bit for bit and combine matches; what was built in place is unchanged, and golib/moe copies only
+    when something was not in place."""
+    comm = comms("cuda")
+    W, r = comm.world_size, comm.rank
+    E, K, H, Tm, dtype = 4 * W, 4, 512, 24, torch.bfloat16
+    ep = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype,
+                                dispatch_dtype=FP8)
+    rows, scales = ep.get_dispatch_buffer()
+    assert rows.shape == (Tm, H) and rows.dtype == FP8
+    assert scales.shape == (Tm, H // BLOCK) and scales.dtype == torch.float32
+    assert [t.shape[0] for t in ep.get_dispatch_buffer(0)] == [0, 0]
+    with pytest.raises(p2pcomm.InvalidArgumentError, match="num_tokens"):
+        ep.get_dispatch_buffer(Tm + 1)
+    sizes = [0 if q == W - 1 else Tm - 3 * q for q in range(W)]
+    wheres = ("both", "rows", "scales", "inside", "plain")
+    for i in range(len(wheres)):
+        where, T = wheres[(i + r) % len(wheres)], sizes[r]
+        quant, deq = fp8_inputs(300 + i, W, sizes, H, E, K, dtype, "random", 0.1)
+        x8, s = quant[r]
+        x, sc = x8.cuda(), s.cuda()
+        if where in ("both", "rows"):
+            x = ep.get_dispatch_buffer(T)[0].copy_(x8)
+        if where in ("both", "scales"):
+            sc = ep.get_dispatch_buffer(T)[1].copy_(s)
+        if where == "inside":  # views that end at the buffer's last row: copied out unless they start it
+            all_x, all_s = ep.get_dispatch_buffer()
+            all_x.view(torch.uint8).fill_(0x7F)
+            all_s.fill_(float("nan"))
+            x, sc = all_x[Tm - T:].copy_(x8), all_s[Tm - T:].copy_(s)
+        ep._trace()
+        recv = ep.dispatch(x, deq[r].idx.cuda(), deq[r].w.cuda(), scales=sc, capturable=capturable)
+        staged = [step["name"] for step in ep._trace() if step["name"] == "stage"]
+        check_fp8_rows(recv, quant, deq, r, W, E, K, capturable=capturable)
+        y = ep.combine(expert_of(recv, dtype), recv)
+        check_combine(y, deq, r, W, E, K, dtype)
+        in_place = where == "both" or (where == "inside" and T == Tm)
+        assert staged == ([] if in_place or T == 0 else ["stage"]), (where, staged)
+        if where == "both":
+            assert torch.equal(x.cpu().view(torch.uint8), x8.view(torch.uint8)), "dispatch changed x"
+            assert torch.equal(sc.cpu().view(torch.int32), s.view(torch.int32)), "dispatch changed the scales"
     comm.check()
 
 
@@ -171,8 +228,6 @@ def test_fp8_bad_inputs_raise_on_every_rank(comms):
                 ep.dispatch(x8, idx, w, scales=s)
     recv = ep.dispatch(x8, idx, w, scales=s)  # usable after all that
     check_fp8_rows(recv, quant, deq, r, W, E, K)
-    with pytest.raises(p2pcomm.UnsupportedError, match="get_dispatch_buffer"):
-        ep.get_dispatch_buffer()
     # A bf16 ep refuses scales, on every rank.
     plain = p2pcomm.ExpertParallel(comm, num_experts=E, hidden=H, max_tokens_per_rank=Tm, topk=K, dtype=dtype)
     if r == 0:
