@@ -60,44 +60,53 @@ DINLINE void lamport_store_out(const AllReduceParams& p, i64 nbytes, i64 v, u64 
   }
 }
 
-// lamport_recv reduces this thread's vectors for worlds of at most W ranks:
-// every peer's vector polled once, any missing waited for in turn, each
-// freed once read.
+// lamport_reduce_at reduces vector off of every rank, in rank order, for
+// worlds of at most W ranks: own is this rank's; each peer's is polled once
+// in its area of this rank's buffer (mine: area 0, areas of area bytes), any
+// missing waited for in turn, and freed once read. False when a wait failed,
+// leaving the rest unread and unfreed: it timed out or another block failed,
+// and the communicator is unusable.
+template <typename T, int W>
+DINLINE bool lamport_reduce_at(const AllReduceParams& p, char* mine, i64 area, i64 off, const V16& own, u64& a,
+                               u64& b) {
+  V16 x[W];
+#pragma unroll
+  for (int s = 0; s < W; ++s) {
+    x[s] = kLamportFreeVector;
+    if (s < p.world) x[s] = s == p.rank ? own : ld_v16_volatile(mine + s * area + off);
+  }
+#pragma unroll
+  for (int s = 0; s < W; ++s) {
+    if (s < p.world && s != p.rank) {
+      char* at = mine + s * area + off;
+      if (!lamport_arrived(x[s]) && !lamport_wait(p, at, s, x[s])) return false;
+      st_v16(at, kLamportFreeVector);
+    }
+  }
+  u64 lo[kMaxRanks], hi[kMaxRanks];
+#pragma unroll
+  for (int s = 0; s < kMaxRanks; ++s) {
+    const V16 y = s < W ? x[s] : V16{0, 0, 0, 0};
+    lo[s] = ((u64)y.y << 32) | y.x;
+    hi[s] = ((u64)y.w << 32) | y.z;
+  }
+  const int divisor = p.op == kOpAvg ? p.world : 0;
+  a = ll_combine<T>(lo, p.world, divisor, OpSum{});
+  b = ll_combine<T>(hi, p.world, divisor, OpSum{});
+  return true;
+}
+
+// lamport_recv reduces this thread's vectors (lamport_reduce_at).
 template <typename T, int W>
 DINLINE bool lamport_recv(const AllReduceParams& p, const LamportHalf& l, i64 vectors) {
   const i64 nbytes = p.count * (i64)sizeof(T);
   const char* src = (const char*)p.local_src;
-  const int divisor = p.op == kOpAvg ? p.world : 0;
+  char* const mine = lamport_area(p, l, p.rank, 0);
   i64 begin, end;
   lamport_span(vectors, begin, end);
   for (i64 v = begin + threadIdx.x; v < end; v += blockDim.x) {
-    V16 x[W];
-#pragma unroll
-    for (int s = 0; s < W; ++s) {
-      x[s] = kLamportFreeVector;
-      if (s < p.world) {
-        x[s] = s == p.rank ? lamport_load<T>(src, nbytes, v)
-                           : ld_v16_volatile(lamport_area(p, l, p.rank, s) + v * kPackBytes);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < W; ++s) {
-      if (s < p.world && s != p.rank) {
-        char* at = lamport_area(p, l, p.rank, s) + v * kPackBytes;
-        // A failed wait leaves the rest unread and unfreed: it timed out or
-        // another block failed, and the communicator is unusable.
-        if (!lamport_arrived(x[s]) && !lamport_wait(p, at, s, x[s])) return false;
-        st_v16(at, kLamportFreeVector);
-      }
-    }
-    u64 lo[kMaxRanks], hi[kMaxRanks];
-#pragma unroll
-    for (int s = 0; s < kMaxRanks; ++s) {
-      const V16 y = s < W ? x[s] : V16{0, 0, 0, 0};
-      lo[s] = ((u64)y.y << 32) | y.x;
-      hi[s] = ((u64)y.w << 32) | y.z;
-    }
-    const u64 a = ll_combine<T>(lo, p.world, divisor, OpSum{}), b = ll_combine<T>(hi, p.world, divisor, OpSum{});
+    u64 a, b;
+    if (!lamport_reduce_at<T, W>(p, mine, l.area, v * kPackBytes, lamport_load<T>(src, nbytes, v), a, b)) return false;
     lamport_store_out<T>(p, nbytes, v, a, b);
   }
   return true;
@@ -108,15 +117,9 @@ __global__ void __launch_bounds__(kThreads, 1) allreduce_oneshot_lamport(const A
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Lamport words hold 16- or 32-bit floats");
   __shared__ BlockState st;
   LLHalf h;
-  const i64 nbytes = p.count * (i64)sizeof(T);
-  const i64 vectors = (nbytes + kPackBytes - 1) / kPackBytes;
-  if (!lamport_params_ok(p, vectors)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(p, kErrBadParams, -1, -1, -1, 0, 0);
-    return;
-  }
-  if (!ll_begin(p, 0, st, h)) return;
-  ll_announce(p, h, kRowsStart, false);
-  const LamportHalf l = lamport_half(p, st.epoch);
+  LamportHalf l;
+  const i64 vectors = (p.count * (i64)sizeof(T) + kPackBytes - 1) / kPackBytes;
+  if (!lamport_begin(p, vectors, st, h, l)) return;
   lamport_push<T>(p, l, vectors, false);
   if (ll_agree(p, h, st, kRowsStart)) {
     if (p.world <= 2) {
@@ -161,45 +164,21 @@ DINLINE void lamport_scatter(const AllReduceParams& p, const LamportHalf& l, i64
 }
 
 // lamport_reduce_slice reduces this thread's vectors of this rank's slice
-// (every peer's part polled once, any missing waited for in turn, each freed
-// once read), writes the result and sends it to every peer, in the second
-// half of area [rank]. The result goes out as every rank will store it: a
+// (lamport_reduce_at), writes the result and sends it to every peer, in the
+// second half of area [rank]. The result goes out as every rank will store it: a
 // word equal to the sentinel becomes 0 here too.
 template <typename T, int W>
 DINLINE bool lamport_reduce_slice(const AllReduceParams& p, const LamportHalf& l, i64 vectors, i64 sv) {
   const i64 nbytes = p.count * (i64)sizeof(T), second = l.area / 2 / kPackBytes * kPackBytes;
   const char* src = (const char*)p.local_src;
-  const int divisor = p.op == kOpAvg ? p.world : 0;
   char* const mine = lamport_area(p, l, p.rank, 0);
   i64 begin, end;
   lamport_span(sv, begin, end);
   for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
     const i64 v = p.rank * sv + i;
     if (v >= vectors) break;
-    V16 x[W];
-#pragma unroll
-    for (int s = 0; s < W; ++s) {
-      x[s] = kLamportFreeVector;
-      if (s < p.world) {
-        x[s] = s == p.rank ? lamport_load<T>(src, nbytes, v) : ld_v16_volatile(mine + s * l.area + i * kPackBytes);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < W; ++s) {
-      if (s < p.world && s != p.rank) {
-        char* at = mine + s * l.area + i * kPackBytes;
-        if (!lamport_arrived(x[s]) && !lamport_wait(p, at, s, x[s])) return false;
-        st_v16(at, kLamportFreeVector);
-      }
-    }
-    u64 lo[kMaxRanks], hi[kMaxRanks];
-#pragma unroll
-    for (int s = 0; s < kMaxRanks; ++s) {
-      const V16 y = s < W ? x[s] : V16{0, 0, 0, 0};
-      lo[s] = ((u64)y.y << 32) | y.x;
-      hi[s] = ((u64)y.w << 32) | y.z;
-    }
-    const u64 a = ll_combine<T>(lo, p.world, divisor, OpSum{}), b = ll_combine<T>(hi, p.world, divisor, OpSum{});
+    u64 a, b;
+    if (!lamport_reduce_at<T, W>(p, mine, l.area, i * kPackBytes, lamport_load<T>(src, nbytes, v), a, b)) return false;
     const V16 r = {lamport_word((u32)a), lamport_word((u32)(a >> 32)), lamport_word((u32)b),
                    lamport_word((u32)(b >> 32))};
 #pragma unroll
@@ -240,15 +219,10 @@ __global__ void __launch_bounds__(kThreads, 1) allreduce_twoshot_lamport(const A
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "Lamport words hold 16- or 32-bit floats");
   __shared__ BlockState st;
   LLHalf h;
+  LamportHalf l;
   const i64 vectors = (p.count * (i64)sizeof(T) + kPackBytes - 1) / kPackBytes;
   const i64 sv = p.world > 0 ? lamport_slice_vectors(p, vectors) : 0;
-  if (!lamport_params_ok(p, 2 * sv)) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(p, kErrBadParams, -1, -1, -1, 0, 0);
-    return;
-  }
-  if (!ll_begin(p, 0, st, h)) return;
-  ll_announce(p, h, kRowsStart, false);
-  const LamportHalf l = lamport_half(p, st.epoch);
+  if (!lamport_begin(p, 2 * sv, st, h, l)) return;
   lamport_scatter<T>(p, l, vectors, sv, false);
   if (ll_agree(p, h, st, kRowsStart)) {
     // A failed wait leaves the rest as it is: the communicator is unusable.

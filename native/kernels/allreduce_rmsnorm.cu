@@ -405,14 +405,13 @@ __global__ void __launch_bounds__(kThreads) allreduce_rmsnorm_oneshot_lamport(co
   __shared__ BlockState st;
   __shared__ float part[kThreads / 32];
   LLHalf h;
+  LamportHalf l;
   const i64 vectors = p.count * (i64)sizeof(T) / kPackBytes;  // rows of whole packs
-  if (!rmsnorm_params_ok<T>(q) || !lamport_params_ok(p, vectors)) {
+  if (!rmsnorm_params_ok<T>(q)) {
     bad_params(p);
     return;
   }
-  if (!ll_begin(p, 0, st, h)) return;
-  ll_announce(p, h, kRowsStart, false);
-  const LamportHalf l = lamport_half(p, st.epoch);
+  if (!lamport_begin(p, vectors, st, h, l)) return;
   lamport_push<T, false>(p, l, vectors, false);
   if (ll_agree(p, h, st, kRowsStart)) {
     const int packs = q.hidden / P;

@@ -116,3 +116,18 @@ DINLINE bool lamport_params_ok(const AllReduceParams& p, i64 vectors) {
   }
   return ok;
 }
+
+// lamport_begin starts a Lamport kernel whose areas hold need vectors from
+// each rank: the checks (block 0 records kErrBadParams), the LL call
+// protocol's start (ll_begin, ll_announce) and the call's half. False: the
+// block leaves at once.
+DINLINE bool lamport_begin(const AllReduceParams& p, i64 need, BlockState& st, LLHalf& h, LamportHalf& l) {
+  if (!lamport_params_ok(p, need)) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) report_error(p, kErrBadParams, -1, -1, -1, 0, 0);
+    return false;
+  }
+  if (!ll_begin(p, 0, st, h)) return false;
+  ll_announce(p, h, kRowsStart, false);
+  l = lamport_half(p, st.epoch);
+  return true;
+}
