@@ -588,7 +588,8 @@ func TestGPUTuningOverrides(t *testing.T) {
 
 // An eager fp8 dispatch copies its rows and their scales on the caller's
 // stream (the send kernel copies rows of the ep's dtype only), and never on
-// the side stream: only a capturable call's staged flags cover such a copy.
+// the side stream: only a capturable call's staged flags cover such a copy;
+// nothing that was built in the buffer.
 func TestGPUEagerFP8DispatchCopiesInLine(t *testing.T) {
 	c := bf16Config
 	c.DispatchFP8 = true
@@ -606,6 +607,45 @@ func TestGPUEagerFP8DispatchCopiesInLine(t *testing.T) {
 			}
 			if send := decode[dispatchParams](g.params[len(g.params)-1]); send.StageSrc != 0 {
 				return fmt.Errorf("%d tokens: the send kernel stages %#x", T, send.StageSrc)
+			}
+		}
+		// Rows or scales built in the buffer are not copied; what is copied
+		// runs between the start barrier (moe_post_status) and the send kernel.
+		xs := ep.Info().Staging
+		scalesAt := xs + 4096*7168
+		rowsCopy := [3]uint64{uint64(xs), 0x9000, 256 * 7168}
+		scalesCopy := [3]uint64{uint64(scalesAt), 0x9800, 256 * 56 * 4}
+		for _, tc := range []struct {
+			x, scales uintptr
+			copies    [][3]uint64
+		}{
+			{0x9000, 0x9800, [][3]uint64{rowsCopy, scalesCopy}},
+			{xs, 0x9800, [][3]uint64{scalesCopy}},
+			{0x9000, scalesAt, [][3]uint64{rowsCopy}},
+			{xs, scalesAt, nil},
+		} {
+			g.steps, g.params, g.copies = nil, nil, nil
+			if _, err := ep.Dispatch(&DispatchArgs{X: tc.x, Scales: tc.scales, TopkIdx: 0xa000, TopkWeights: 0xb000,
+				NumTokens: 256, IdxBytes: 8, Stream: fakeStream}); err != nil {
+				return err
+			}
+			if !reflect.DeepEqual(g.copies, tc.copies) {
+				return fmt.Errorf("x %#x scales %#x: copies %#x, want %#x", tc.x, tc.scales, g.copies, tc.copies)
+			}
+			// The copies run on main between the start barrier and the send kernel.
+			send := -1
+			for i, step := range g.steps {
+				if strings.HasPrefix(step, "moe_dispatch_send") {
+					send = i
+				}
+			}
+			if len(g.steps) == 0 || !strings.HasPrefix(g.steps[0], "moe_post_status") || send != 1+len(tc.copies) {
+				return fmt.Errorf("x %#x scales %#x: steps %q", tc.x, tc.scales, g.steps)
+			}
+			for _, step := range g.steps[1:send] {
+				if !strings.HasPrefix(step, "copy ") || !strings.HasSuffix(step, " on main") {
+					return fmt.Errorf("x %#x scales %#x: steps %q", tc.x, tc.scales, g.steps)
+				}
 			}
 		}
 		return nil

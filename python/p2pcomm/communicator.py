@@ -417,7 +417,10 @@ class Communicator:
             # kernel and grid.
             numel = src.numel() if isinstance(src, torch.Tensor) else 0
             dcode = _DTYPES.get(getattr(src, "dtype", None), 0)
-            ocode = _OP_CODES.get(op, 0) if isinstance(op, (str, ReduceOp)) else 0
+            try:  # any spelling the call accepts ("MAX", torch.distributed.ReduceOp.MAX)
+                ocode = _parse_op(op).value
+            except P2PCommError:
+                ocode = 0
             acode = ALGORITHMS.index(algorithm) if algorithm in ALGORITHMS else 0
             stream = _raw_stream(self._device_index)
             rc = _lib.lib().p2p_all_reduce_reject(h, e.code, str(e).encode(), numel, dcode, ocode, acode, stream)

@@ -321,8 +321,8 @@ def test_thousand_calls_without_sync(comms):
 @pytest.mark.parametrize("sizes", [(1000, 40_000), (0, 8), (8, 0)], ids=["small-vs-medium", "empty-first", "empty-second"])
 def test_calls_of_different_sizes_fail_together(comms, sizes):
     """Under auto these pick different LL grids and kernels (oneshot_ll on 16
-    blocks against oneshot_lamport on 128 on two ranks, on 64 on four), or
-    one rank has nothing to send: every rank
+    blocks against oneshot_lamport on 64), or one rank has nothing to send:
+    every rank
     still raises MismatchError, none times out. (Calls so different that one
     rank takes an LL kernel and another a barrier kernel time out instead:
     README, Errors.)"""
@@ -338,13 +338,13 @@ def test_calls_of_different_sizes_fail_together(comms, sizes):
     assert torch.equal(out, torch.full_like(out, comm.world_size))
 
 
-@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("op", ["sum", "max", "MAX", dist.ReduceOp.MAX], ids=["sum", "max", "MAX", "dist-MAX"])
 def test_rejected_call_meets_its_peers_kernel(comms, op):
     """Rank 1 passes a strided tensor of 1.5 MiB of bf16, its peers a
     contiguous one: rank 1 raises its own error and every other rank
     MismatchError, none times out, whether auto takes the Lamport two-shot
-    there (sum, on two ranks) or the two-shot (max): the rejected call
-    carries the op, so it runs the peers' kind of kernel."""
+    there (sum, on two ranks) or the two-shot (max, however spelled): the
+    rejected call carries the op, so it runs the peers' kind of kernel."""
     comm = comms("cuda")
     n = 768 * 1024
     x = torch.ones(2 * n, dtype=torch.bfloat16, device="cuda")
@@ -667,11 +667,15 @@ def test_lamport_mismatch_leaves_the_areas_free(comms, mine, other):
         comm.check()
     torch.cuda.synchronize()
     comm.check()
-    for i, k in enumerate((n + 4096, n, n + 4096, 999, n + 4096)):
+    # Then one-shots over the whole area on both parities: a two-shot reads
+    # only part of what a peer's one-shot may have left behind.
+    calls = [(n + 4096, mine), (n, mine), (n + 4096, mine), (999, mine), (n + 4096, mine),
+             (n + 4096, "oneshot_lamport"), (n + 4096, "oneshot_lamport")]
+    for i, (k, algorithm) in enumerate(calls):
         parts = [randn_of(k, torch.float32, q, 60 + i) for q in range(w)]
-        got = comm.all_reduce(parts[r], algorithm=mine)
+        got = comm.all_reduce(parts[r], algorithm=algorithm)
         torch.cuda.synchronize()
-        check_sum(parts, got, 1e-5, f"call {i} of {k} after the mismatch")
+        check_sum(parts, got, 1e-5, f"call {i} ({algorithm}) of {k} after the mismatch")
 
 
 @pytest.mark.parametrize("k", [100_000, 9 * 2**20 // 4 + 5])
