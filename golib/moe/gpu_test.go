@@ -329,37 +329,52 @@ func TestGPUCapturableDispatchSteps(t *testing.T) {
 	})
 }
 
+// fp8Placement is one way to pass an fp8 dispatch's T rows (7168 float8
+// each) and their scales (56 float32): at 0x9000 and 0x9800, or built in
+// xs (the rows at its start, the scales at xsScales); copies are what
+// golib/moe then copies into xs, {dst, src, bytes}.
+type fp8Placement struct {
+	x, scales uintptr
+	copies    [][3]uint64
+}
+
+func fp8Placements(ep *EP, T int) []fp8Placement {
+	xs := ep.Info().Staging
+	scalesAt := xs + 4096*7168
+	rows := [3]uint64{uint64(xs), 0x9000, uint64(T) * 7168}
+	scales := [3]uint64{uint64(scalesAt), 0x9800, uint64(T) * 56 * 4}
+	return []fp8Placement{
+		{0x9000, 0x9800, [][3]uint64{rows, scales}},
+		{xs, 0x9800, [][3]uint64{scales}},
+		{0x9000, scalesAt, [][3]uint64{rows}},
+		{xs, scalesAt, nil},
+	}
+}
+
 // fp8 dispatch stages the float8 rows and their scales apart in xs, each
-// unless it was built there (the rows at the buffer's start, the scales at
-// xsScales), and tells the expand kernel where each part sits and goes.
+// unless it was built there, and tells the expand kernel where each part
+// sits and goes.
 func TestGPUFP8DispatchSteps(t *testing.T) {
 	c := bf16Config
 	c.DispatchFP8 = true
 	fakeRanks(t, 2, c, func(r int, ep *EP, g *fakeGPU) error {
 		out := Rows{X: 0xc000, Scales: 0xc800, Info: 0xd000, Counts: 0xe000, Rows: ep.maxRecvRows}
-		xs := ep.Info().Staging
-		scalesAt := xs + 4096*7168
-		// 16 rows of 7168 float8, and their 56 scales each.
-		rowsCopy := [3]uint64{uint64(xs), 0x9000, 16 * 7168}
-		scalesCopy := [3]uint64{uint64(scalesAt), 0x9800, 16 * 56 * 4}
-		for _, tc := range []struct {
-			x, scales uintptr
-			copies    [][3]uint64
-			steps     []string
-		}{
-			{0x9000, 0x9800, [][3]uint64{rowsCopy, scalesCopy},
-				capturableStagedSteps("copy 114688 bytes on side", "copy 3584 bytes on side")},
-			{xs, 0x9800, [][3]uint64{scalesCopy}, capturableStagedSteps("copy 3584 bytes on side")},
-			{0x9000, scalesAt, [][3]uint64{rowsCopy}, capturableStagedSteps("copy 114688 bytes on side")},
-			{xs, scalesAt, nil, []string{"moe_dispatch_send grid 24 block 512 shared 576 on main",
-				"moe_dispatch_expand grid 24 block 512 shared 96 on main"}},
-		} {
+		for _, tc := range fp8Placements(ep, 16) {
 			g.steps, g.params, g.copies = nil, nil, nil
 			if _, err := ep.Dispatch(&DispatchArgs{X: tc.x, Scales: tc.scales, TopkIdx: 0xa000, TopkWeights: 0xb000,
 				NumTokens: 16, IdxBytes: 4, Capturable: true, Stream: fakeStream, Out: out}); err != nil {
 				return err
 			}
-			if err := want(g.steps, tc.steps); err != nil {
+			steps := []string{"moe_dispatch_send grid 24 block 512 shared 576 on main",
+				"moe_dispatch_expand grid 24 block 512 shared 96 on main"}
+			if tc.copies != nil {
+				var copies []string
+				for _, c := range tc.copies {
+					copies = append(copies, fmt.Sprintf("copy %d bytes on side", c[2]))
+				}
+				steps = capturableStagedSteps(copies...)
+			}
+			if err := want(g.steps, steps); err != nil {
 				return err
 			}
 			ex := decode[expandParams](g.params[len(g.params)-1])
@@ -611,19 +626,7 @@ func TestGPUEagerFP8DispatchCopiesInLine(t *testing.T) {
 		}
 		// Rows or scales built in the buffer are not copied; what is copied
 		// runs between the start barrier (moe_post_status) and the send kernel.
-		xs := ep.Info().Staging
-		scalesAt := xs + 4096*7168
-		rowsCopy := [3]uint64{uint64(xs), 0x9000, 256 * 7168}
-		scalesCopy := [3]uint64{uint64(scalesAt), 0x9800, 256 * 56 * 4}
-		for _, tc := range []struct {
-			x, scales uintptr
-			copies    [][3]uint64
-		}{
-			{0x9000, 0x9800, [][3]uint64{rowsCopy, scalesCopy}},
-			{xs, 0x9800, [][3]uint64{scalesCopy}},
-			{0x9000, scalesAt, [][3]uint64{rowsCopy}},
-			{xs, scalesAt, nil},
-		} {
+		for _, tc := range fp8Placements(ep, 256) {
 			g.steps, g.params, g.copies = nil, nil, nil
 			if _, err := ep.Dispatch(&DispatchArgs{X: tc.x, Scales: tc.scales, TopkIdx: 0xa000, TopkWeights: 0xb000,
 				NumTokens: 256, IdxBytes: 8, Stream: fakeStream}); err != nil {
