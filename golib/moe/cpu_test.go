@@ -84,6 +84,9 @@ func ranksWith(t *testing.T, world, localSize int, timeout time.Duration, build 
 		}()
 	}
 	wg.Wait()
+	held.Lock()
+	held.s = nil
+	held.Unlock()
 	return errs
 }
 
@@ -120,10 +123,21 @@ func makeTokens(rng *rand.Rand, T, H, E, K int, dt reduce.DType, minusOne float6
 	return tk
 }
 
+// held keeps every slice handed out by address alive until the ranks using
+// it are done: an address does not keep memory from the collector, and a
+// stream-ordered copy runs after the call that queued it returns.
+var held struct {
+	sync.Mutex
+	s []any
+}
+
 func addr[T any](s []T) uintptr {
 	if len(s) == 0 {
 		return 0
 	}
+	held.Lock()
+	held.s = append(held.s, s)
+	held.Unlock()
 	return uintptr(unsafe.Pointer(&s[0]))
 }
 
