@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.util
 import os
 import pathlib
 import threading
@@ -109,7 +110,24 @@ def lib() -> ctypes.CDLL:
     return _lib
 
 
+def _offer_ucx_wheel() -> None:
+    """Adds this interpreter's libucx wheel to the folders the library
+    searches for UCX (P2PCOMM_UCX_DIRS), found without importing it, which
+    would load UCX."""
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return
+    if spec is None or not spec.origin:
+        return
+    lib_dir = str(pathlib.Path(spec.origin).parent / "lib")
+    dirs = os.environ.get("P2PCOMM_UCX_DIRS", "")
+    if lib_dir not in dirs.split(os.pathsep):
+        os.environ["P2PCOMM_UCX_DIRS"] = os.pathsep.join(d for d in (dirs, lib_dir) if d)
+
+
 def _load() -> ctypes.CDLL:
+    _offer_ucx_wheel()
     tried = []
     for path in _candidates():
         if not path.exists():

@@ -20,6 +20,7 @@ import "C"
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -124,7 +125,7 @@ func load(dirs []string) (*library, error) {
 	if loaded != nil {
 		return loaded, nil
 	}
-	lib, err := openLibrary(procenv.Lookup, dirs, pythonLibDir)
+	lib, err := openLibrary(procenv.Lookup, dirs, pythonLibDir, hasRDMA())
 	if err != nil {
 		return nil, err
 	}
@@ -151,11 +152,23 @@ func hooksWanted() bool {
 	return false
 }
 
+// DirsEnv names folders (colon-separated) searched for libucp.so.0 like
+// the libucx wheel's; the Python package sets it to its wheel's folder.
+const DirsEnv = "P2PCOMM_UCX_DIRS"
+
+// rdmaDevicesDir lists the host's RDMA devices where it has any.
+const rdmaDevicesDir = "/sys/class/infiniband"
+
+// hasRDMA reports whether the host has an RDMA device.
+func hasRDMA() bool {
+	entries, err := os.ReadDir(rdmaDevicesDir)
+	return err == nil && len(entries) > 0
+}
+
 // openLibrary finds libucp.so.0: the path in P2PCOMM_UCX_LIB alone when it
-// is set, else the dynamic loader's search, then each of dirs, then the lib
-// folder of the libucx wheel that python3 would import. The error is
+// is set, else the candidates in searchOrder's order. The error is
 // status.Unsupported and lists every place tried with dlerror's text.
-func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func() (string, error)) (*library, error) {
+func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func() (string, error), rdma bool) (*library, error) {
 	var tried []string
 	hooks := hooksWanted()
 	try := func(path string) *library {
@@ -184,23 +197,57 @@ func openLibrary(lookup func(string) (string, bool), dirs []string, pyDir func()
 		}
 		return nil, notFound(tried, LibraryEnv+"="+p)
 	}
-	if lib := try(libraryName); lib != nil {
-		return lib, nil
-	}
-	for _, d := range dirs {
-		if lib := try(filepath.Join(d, libraryName)); lib != nil {
-			return lib, nil
-		}
-	}
-	if pyDir != nil {
-		d, err := pyDir()
-		if err != nil {
-			tried = append(tried, "python3's libucx: "+err.Error())
-		} else if lib := try(filepath.Join(d, libraryName)); lib != nil {
+	for _, c := range searchOrder(withEnvDirs(lookup, dirs), pyDir, rdma) {
+		if path, err := c(); err != nil {
+			tried = append(tried, err.Error())
+		} else if lib := try(path); lib != nil {
 			return lib, nil
 		}
 	}
 	return nil, notFound(tried, "")
+}
+
+// withEnvDirs is dirs, then DirsEnv's folders.
+func withEnvDirs(lookup func(string) (string, bool), dirs []string) []string {
+	if v, ok := lookup(DirsEnv); ok {
+		return append(dirs[:len(dirs):len(dirs)], filepath.SplitList(v)...)
+	}
+	return dirs
+}
+
+// candidate gives a path to try, or why its place gives none.
+type candidate func() (string, error)
+
+// searchOrder lists where libucp.so.0 is looked for: the given folders and
+// python3's libucx wheel (the UCX project's build: tcp and CUDA
+// transports), and the dynamic loader's path (a system UCX). Where the
+// host has an RDMA device the system's comes first, as the one built with
+// verbs. Elsewhere UCX runs over tcp and the wheel comes first: a system
+// UCX may lack CUDA support or be old (Debian 12's 1.13 has neither weak
+// fences nor endpoint lane queries, and runs the CPU all-reduce across
+// nodes about 3x slower: docs/BENCHMARKS.md). pyDir runs only when its
+// candidate is tried.
+func searchOrder(dirs []string, pyDir func() (string, error), rdma bool) []candidate {
+	var wheels []candidate
+	for _, d := range dirs {
+		if d != "" {
+			wheels = append(wheels, func() (string, error) { return filepath.Join(d, libraryName), nil })
+		}
+	}
+	if pyDir != nil {
+		wheels = append(wheels, func() (string, error) {
+			d, err := pyDir()
+			if err != nil {
+				return "", fmt.Errorf("python3's libucx: %w", err)
+			}
+			return filepath.Join(d, libraryName), nil
+		})
+	}
+	system := func() (string, error) { return libraryName, nil }
+	if rdma {
+		return append([]candidate{system}, wheels...)
+	}
+	return append(wheels, system)
 }
 
 func notFound(tried []string, only string) error {
