@@ -19,7 +19,8 @@ def wheel_lib_dir() -> str:
 def test_wheel_folder_added_once(monkeypatch):
     lib_dir = wheel_lib_dir()
     assert (pathlib.Path(lib_dir) / "libucp.so.0").exists()
-    monkeypatch.delenv("P2PCOMM_UCX_DIRS", raising=False)
+    monkeypatch.setenv("P2PCOMM_UCX_DIRS", "")  # recorded, so the test's own value is undone after it
+    monkeypatch.delenv("P2PCOMM_UCX_DIRS")
     _lib._offer_ucx_wheel()
     _lib._offer_ucx_wheel()
     assert os.environ["P2PCOMM_UCX_DIRS"] == lib_dir
@@ -34,6 +35,16 @@ def test_users_folders_kept_first(monkeypatch):
 
 def test_no_wheel_leaves_the_setting_alone(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("P2PCOMM_UCX_DIRS", "/opt/ucx/lib")
+    _lib._offer_ucx_wheel()
+    assert os.environ["P2PCOMM_UCX_DIRS"] == "/opt/ucx/lib"
+
+
+def test_a_failing_lookup_leaves_the_setting_alone(monkeypatch):
+    def broken(name):
+        raise ValueError(f"{name}.__spec__ is None")
+
+    monkeypatch.setattr(importlib.util, "find_spec", broken)
     monkeypatch.setenv("P2PCOMM_UCX_DIRS", "/opt/ucx/lib")
     _lib._offer_ucx_wheel()
     assert os.environ["P2PCOMM_UCX_DIRS"] == "/opt/ucx/lib"

@@ -225,12 +225,14 @@ type candidate func() (string, error)
 // verbs. Elsewhere UCX runs over tcp and the wheel comes first: a system
 // UCX may lack CUDA support or be old (Debian 12's 1.13 has neither weak
 // fences nor endpoint lane queries, and runs the CPU all-reduce across
-// nodes about 3x slower: docs/BENCHMARKS.md). pyDir runs only when its
+// nodes about 2.5x slower at 64 MiB: docs/BENCHMARKS.md). pyDir runs only when its
 // candidate is tried.
 func searchOrder(dirs []string, pyDir func() (string, error), rdma bool) []candidate {
 	var wheels []candidate
+	seen := map[string]bool{}
 	for _, d := range dirs {
-		if d != "" {
+		if d != "" && !seen[filepath.Clean(d)] {
+			seen[filepath.Clean(d)] = true
 			wheels = append(wheels, func() (string, error) { return filepath.Join(d, libraryName), nil })
 		}
 	}
@@ -239,6 +241,9 @@ func searchOrder(dirs []string, pyDir func() (string, error), rdma bool) []candi
 			d, err := pyDir()
 			if err != nil {
 				return "", fmt.Errorf("python3's libucx: %w", err)
+			}
+			if seen[filepath.Clean(d)] {
+				return "", fmt.Errorf("python3's libucx: %s, tried above", d)
 			}
 			return filepath.Join(d, libraryName), nil
 		})
@@ -251,7 +256,7 @@ func searchOrder(dirs []string, pyDir func() (string, error), rdma bool) []candi
 }
 
 func notFound(tried []string, only string) error {
-	where := "the dynamic loader's path, the given directories and python3's libucx wheel"
+	where := "the dynamic loader's path, the given directories (and " + DirsEnv + "'s) and python3's libucx wheel"
 	if only != "" {
 		where = only
 	}
@@ -261,8 +266,11 @@ func notFound(tried []string, only string) error {
 }
 
 // pythonLibDir asks python3 where the libucx wheel lives without importing
-// it (find_spec loads no UCX).
-func pythonLibDir() (string, error) {
+// it (find_spec loads no UCX), once per process: a search that failed may
+// run again.
+var pythonLibDir = sync.OnceValues(askPython)
+
+func askPython() (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, "python3", "-c",

@@ -85,3 +85,18 @@ func TestDirsEnvSearched(t *testing.T) {
 		t.Errorf("folders without %s: %q, want the given one", DirsEnv, got)
 	}
 }
+
+// TestSearchOrderTriesAFolderOnce: a folder given twice, or given and also
+// python3's, is tried once.
+func TestSearchOrderTriesAFolderOnce(t *testing.T) {
+	pyDir := func() (string, error) { return "/py/libucx/lib", nil }
+	var got []string
+	for _, c := range searchOrder([]string{"/a", "/a/", "/py/libucx/lib"}, pyDir, false) {
+		if p, err := c(); err == nil {
+			got = append(got, p)
+		}
+	}
+	if want := []string{"/a/libucp.so.0", "/py/libucx/lib/libucp.so.0", "libucp.so.0"}; !slices.Equal(got, want) {
+		t.Errorf("paths tried %q, want %q", got, want)
+	}
+}
