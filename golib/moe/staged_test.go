@@ -224,6 +224,7 @@ func (d *hostDevice) MemHostAlloc(n uint64, _ uint32) (unsafe.Pointer, error) {
 }
 
 func (d *hostDevice) MemFreeHost(p unsafe.Pointer) error {
+	d.run() // as the driver's free, after the work queued before it
 	d.mu.Lock()
 	b, ok := d.pinned[p]
 	delete(d.pinned, p)
