@@ -200,6 +200,17 @@ func (c *Comm) Alloc(nbytes int64) (uintptr, error) {
 		return 0, err
 	}
 	a := &alloc{id: id, size: size, segs: segs, local: uintptr(unsafe.Pointer(&segs[c.rank].Data[0]))}
+	if c.net != nil {
+		c.net.bg.Enter()
+		err := c.registerAllocs(c.net, []*alloc{a})
+		c.net.bg.Leave()
+		if err != nil {
+			for _, s := range segs {
+				s.Close()
+			}
+			return 0, err
+		}
+	}
 	c.allocs[a.local] = a
 	return a.local, nil
 }
@@ -212,6 +223,9 @@ func (c *Comm) Free(ptr uintptr) error {
 	}
 	// Peers may still read this rank's memory until everyone stops using it.
 	err := c.bs.Barrier()
+	if c.net != nil {
+		c.net.forgetAlloc(a.id)
+	}
 	delete(c.allocs, ptr)
 	for _, s := range a.segs {
 		s.Close()

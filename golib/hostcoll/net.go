@@ -1,8 +1,10 @@
 package hostcoll
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
+	"slices"
 	"sync/atomic"
 	"time"
 	"unsafe"
@@ -59,7 +61,12 @@ type header struct {
 	Op       int32
 	Code     int32 // status code of the sender's node-level error, 0 if none
 	_        int32
-	Detail   [headerBytes - 40]byte
+	// DstAlloc is the symmetric allocation (id) holding the sender's
+	// output, where it wants its results put, at DstOffset; -1: its staging
+	// area.
+	DstAlloc  int64
+	DstOffset int64
+	Detail    [headerBytes - 56]byte
 }
 
 var _ [headerBytes - unsafe.Sizeof(header{})]byte
@@ -127,6 +134,28 @@ type network struct {
 	results   []uint64        // by node: result chunks expected from it so far
 	version   uint64          // of this rank's failure record
 	bg        *ucx.Background // progresses UCX between calls
+	allocs    map[int64]*netAlloc
+	resultR   []transport.Remote // by node: where this call's results for its group rank go
+	resultOff []uint64
+}
+
+// netAlloc is a symmetric allocation registered with the transport, on
+// this rank and its group: an all-reduce in place on it gets its results
+// there directly, with no copy out of the staging area.
+type netAlloc struct {
+	local  transport.Local
+	remote []transport.Remote // by node; nil for this rank's
+}
+
+func (a *netAlloc) close() {
+	for _, r := range a.remote {
+		if r != nil {
+			r.Close()
+		}
+	}
+	if a.local != nil {
+		a.local.Close()
+	}
 }
 
 func (n *network) base() unsafe.Pointer { return unsafe.Pointer(&n.region[0]) }
@@ -152,7 +181,8 @@ func (c *Comm) openNetwork() error {
 	}
 	nodes := len(c.topo.Nodes)
 	n := &network{t: t, node: c.topo.Node(), chunk: c.opts.NetChunkBytes, dataSent: make([]uint64, nodes),
-		dataBase: make([]uint64, nodes), results: make([]uint64, nodes)}
+		dataBase: make([]uint64, nodes), results: make([]uint64, nodes), allocs: map[int64]*netAlloc{},
+		resultR: make([]transport.Remote, nodes), resultOff: make([]uint64, nodes)}
 	n.linger = min(c.opts.Timeout/8, 500*time.Millisecond)
 	n.blameWait = collective.BlameWait(c.opts.Timeout)
 	n.lay = newNetLayout(c.size, nodes, len(c.topo.Local()), c.opts.StagingBytes)
@@ -173,9 +203,91 @@ func (c *Comm) openNetwork() error {
 		n.close()
 		return fmt.Errorf("all-reduce across nodes: %w", err)
 	}
+	allocs := make([]*alloc, 0, len(c.allocs))
+	for _, a := range c.allocs {
+		allocs = append(allocs, a)
+	}
+	slices.SortFunc(allocs, func(a, b *alloc) int { return cmp.Compare(a.id, b.id) })
+	if err := c.registerAllocs(n, allocs); err != nil {
+		n.close()
+		return fmt.Errorf("all-reduce across nodes: %w", err)
+	}
 	n.bg = ucx.StartBackground(n.t)
 	c.net = n
 	return nil
+}
+
+// registerAllocs registers symmetric allocations (the same on every rank,
+// in id order) with the transport and exchanges their keys. Collective
+// over every rank; any rank's failure is every rank's, and leaves none of
+// them registered.
+func (c *Comm) registerAllocs(n *network, allocs []*alloc) error {
+	if len(allocs) == 0 {
+		return nil
+	}
+	added := make([]*netAlloc, len(allocs))
+	undo := func() {
+		for _, na := range added {
+			if na != nil {
+				na.close()
+			}
+		}
+	}
+	var keys [][]byte
+	var err error
+	for i, a := range allocs {
+		added[i] = &netAlloc{remote: make([]transport.Remote, len(n.group))}
+		if added[i].local, err = n.t.Register(a.local, uint64(a.size), transport.HostMemory); err != nil {
+			break
+		}
+		keys = append(keys, added[i].local.Key())
+	}
+	if err = bootstrap.Agree(c.bs, err); err != nil {
+		undo()
+		return fmt.Errorf("register symmetric memory: %w", err)
+	}
+	all, err := c.bs.AllGather(transport.AppendKeys(nil, keys...))
+	if err == nil {
+		err = c.connectAllocs(n, added, all)
+	}
+	if err = bootstrap.Agree(c.bs, err); err != nil {
+		undo()
+		return fmt.Errorf("register symmetric memory: %w", err)
+	}
+	for i, a := range allocs {
+		n.allocs[a.id] = added[i]
+	}
+	return nil
+}
+
+// connectAllocs turns the group's keys of added into remote ranges.
+func (c *Comm) connectAllocs(n *network, added []*netAlloc, all [][]byte) error {
+	for m, r := range n.group {
+		if m == n.node {
+			continue
+		}
+		keys, ok := transport.SplitKeys(all[r], len(added))
+		if !ok {
+			return status.Errorf(status.Bootstrap, "rank %d sent %d bytes of keys for %d symmetric allocations", r, len(all[r]), len(added))
+		}
+		for i, na := range added {
+			var err error
+			if na.remote[m], err = n.t.Remote(r, keys[i]); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// forgetAlloc releases a symmetric allocation's registration (Free).
+func (n *network) forgetAlloc(id int64) {
+	if na := n.allocs[id]; na != nil {
+		n.bg.Enter()
+		na.close()
+		n.bg.Leave()
+		delete(n.allocs, id)
+	}
 }
 
 // registerNetwork maps the region and registers it and the staging area;

@@ -7,6 +7,7 @@ import (
 	"github.com/p2pcomm/p2pcomm/golib/collective"
 	"github.com/p2pcomm/p2pcomm/golib/reduce"
 	"github.com/p2pcomm/p2pcomm/golib/status"
+	"github.com/p2pcomm/p2pcomm/golib/transport"
 )
 
 // All-reduce across nodes (every algorithm name runs this one; see
@@ -21,18 +22,20 @@ import (
 //  1. Start: descriptors and the start barrier through shared memory, as on
 //     one node; the node's verdict.
 //  2. Each rank sends its group a header (its node's verdict, the call's
-//     shape) and, if its node agreed, its partials: for each part, chunk by
-//     chunk, the fold of its node's inputs, put into the part owner's
-//     region with a signal per chunk.
+//     shape, where its results go) and, if its node agreed, its partials:
+//     for each part, chunk by chunk, the fold of its node's inputs, put into
+//     the part owner's region with a signal per chunk.
 //  3. Each rank reads its group's headers: any node's failure or any
 //     difference fails the call on every rank of every node alike.
 //  4. The owner folds each chunk of its part as the partials arrive, writes
-//     the result into its staging area and puts it into its group's.
+//     the result where its results go and puts it where each group rank's
+//     go: the staging area, or, for a call in place on symmetric memory
+//     (registered with UCX), the output itself, with no copy after.
 //     A small shard is an exchange instead (as on GPUs): every group rank
 //     owns all of it, so each sends its node's partial of the whole shard to
 //     every other node in step 2 and folds them all itself here, in node
 //     order; no results travel, a trip less.
-//  5. Once its whole shard is in its staging area, a rank tells its group
+//  5. Once its whole shard has arrived, a rank tells its group
 //     it is done and flags the shard to its node; it copies every local
 //     shard into its output as each is flagged, waits until its whole group
 //     is done (so nothing it sent is still on its way), and meets its node
@@ -56,6 +59,9 @@ func (c *Comm) allReduceNodes(req collective.AllReduce) error {
 		Algo: int32(collective.Auto), Count: req.Count, Input: -1}
 	nbytes := req.Bytes()
 	localErr := c.prepare(req, d, nbytes)
+	if d.ResultIn == resultInput && c.net.allocs[d.Input] == nil {
+		d.ResultIn = resultStaging // not registered (it always is): results through the staging area
+	}
 	if localErr == nil && nbytes > c.opts.StagingBytes {
 		// Results land in the staging area, so symmetric inputs need it too.
 		localErr = status.Errorf(status.Capacity,
@@ -80,14 +86,23 @@ type plan struct {
 	parts    []int64 // part m is [parts[m], parts[m+1]) of the shard, relative to lo
 	es, as   int64   // bytes per element and per accumulator
 	perChunk int64   // elements per chunk of partials
-	// inStaging: this rank's partials are its input as it lies in its
-	// staging area (the only rank of its node, an input copied there, not
-	// symmetric memory, and an accumulator of the element's own type), so
-	// they go from there without a fold into the send slots, and its own
-	// part is reduced in place. Results land there too, but a chunk's
+	// Where this rank's results go: its output itself where that is its
+	// input in symmetric memory (descriptor.ResultIn; the allocation is
+	// registered with the transport, and its header tells its group to put
+	// its results there), else its staging area. base is element 0 there,
+	// outL its registration and outOff element 0's offset in it.
+	direct bool
+	base   unsafe.Pointer
+	outL   transport.Local
+	outOff uint64
+	// inPlace: this rank's partials are its input as it lies where its
+	// results go (the only rank of its node, an input copied into the
+	// staging area or the output in symmetric memory, and an accumulator
+	// of the element's own type), so they go from there without a fold into
+	// the send slots, and its own part is reduced in place. A chunk's
 	// results come back only after its owner received this rank's chunk.
 	// Never in an exchange, which sends the own part's partial as well.
-	inStaging bool
+	inPlace bool
 	// x: the call is an exchange; part node is the whole shard, the others
 	// are empty.
 	x bool
@@ -125,16 +140,24 @@ func (p plan) chunks(m int) int64 {
 func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error) error {
 	n := c.net
 	n.calls++
-	if err := c.sendHeaders(req, nodeErr); err != nil {
+	if err := c.sendHeaders(req, seq, nodeErr); err != nil {
 		return err
 	}
 	var p plan // only for calls whose arguments passed (a bad dtype has no size)
 	if nodeErr == nil {
 		p = c.plan(req)
+		d := c.ctl[c.rank].desc(seq)
+		p.direct = d.ResultIn == resultInput
+		if p.direct {
+			p.base = unsafe.Add(c.allocByID(d.Input, c.rank), d.InOffset)
+			p.outL, p.outOff = n.allocs[d.Input].local, uint64(d.InOffset)
+		} else {
+			p.base, p.outL = unsafe.Pointer(&c.staging[c.rank][0]), n.stagingL
+		}
 		// Not in an exchange: the own part's partial goes out too there,
 		// and the fold in place could overwrite it under a put still
 		// reading it.
-		p.inStaging = len(c.topo.Local()) == 1 && p.as == p.es && c.ctl[c.rank].desc(seq).Input < 0 && !p.x
+		p.inPlace = len(c.topo.Local()) == 1 && p.as == p.es && (d.Input < 0 || p.direct) && !p.x
 		if err := c.sendPartials(req, seq, p); err != nil {
 			return err
 		}
@@ -203,7 +226,7 @@ func (c *Comm) awaitDone(seq uint64) error {
 
 // sendHeaders tells every rank of the group this node's verdict and where
 // this call's data signals start.
-func (c *Comm) sendHeaders(req collective.AllReduce, nodeErr error) error {
+func (c *Comm) sendHeaders(req collective.AllReduce, seq uint64, nodeErr error) error {
 	n := c.net
 	for m, r := range n.group {
 		if m == n.node {
@@ -214,7 +237,11 @@ func (c *Comm) sendHeaders(req collective.AllReduce, nodeErr error) error {
 		// call s+1, left r after r had read all of call s's.
 		out := n.lay.outbox(n.calls, c.size, r)
 		h := (*header)(n.at(out))
-		*h = header{Call: n.calls, Count: req.Count, DataBase: n.dataSent[m], DType: int32(req.DType), Op: int32(req.Op)}
+		*h = header{Call: n.calls, Count: req.Count, DataBase: n.dataSent[m], DType: int32(req.DType), Op: int32(req.Op),
+			DstAlloc: -1}
+		if d := c.ctl[c.rank].desc(seq); nodeErr == nil && d.ResultIn == resultInput {
+			h.DstAlloc, h.DstOffset = d.Input, d.InOffset
+		}
 		if nodeErr != nil {
 			h.Code = int32(status.CodeOf(nodeErr))
 			copy(h.Detail[:len(h.Detail)-1], nodeErr.Error())
@@ -239,15 +266,15 @@ func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error 
 	nodes := len(n.group)
 	for step := 1; step <= nodes; step++ {
 		m := (n.node + step) % nodes
-		if p.inStaging && m == n.node {
+		if p.inPlace && m == n.node {
 			continue
 		}
 		a, b := p.parts[m], p.parts[m+1]
 		for lo := a; lo < b; lo += p.perChunk {
 			cnt := min(p.perChunk, b-lo)
 			src, off := n.regionL, n.lay.send+uint64(m)*n.lay.slot+uint64((lo-a)*p.as)
-			if p.inStaging {
-				src, off = n.stagingL, uint64((p.lo+lo)*p.es)
+			if p.inPlace {
+				src, off = p.outL, p.outOff+uint64((p.lo+lo)*p.es)
 			} else {
 				for i, q := range local {
 					srcs[i] = unsafe.Add(in[q], (p.lo+lo)*p.es)
@@ -293,6 +320,15 @@ func (c *Comm) readHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 			return nil, c.fail(status.Errorf(status.Internal, "rank %d sent the header of its inter-node call %d during call %d", r, h.Call, n.calls))
 		}
 		n.dataBase[m] = h.DataBase
+		n.resultR[m], n.resultOff[m] = n.stagingR[m], 0
+		if h.DstAlloc >= 0 {
+			na := n.allocs[h.DstAlloc]
+			if na == nil || h.DstOffset < 0 {
+				return nil, c.fail(status.Errorf(status.Internal, "rank %d asked for its results in symmetric allocation %d at %d, which this rank has not registered",
+					r, h.DstAlloc, h.DstOffset))
+			}
+			n.resultR[m], n.resultOff[m] = na.remote[m], uint64(h.DstOffset)
+		}
 		if verdict != nil {
 			continue
 		}
@@ -322,14 +358,13 @@ func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error
 	n := c.net
 	a, b := p.parts[n.node], p.parts[n.node+1]
 	srcs := make([]unsafe.Pointer, len(n.group))
-	staging := unsafe.Pointer(&c.staging[c.rank][0])
 	what := fmt.Sprintf("results of call #%d", seq)
 	for k, lo := uint64(0), a; lo < b; k, lo = k+1, lo+p.perChunk {
 		cnt := min(p.perChunk, b-lo)
 		slotOff := uint64((lo - a) * p.as)
 		for m, r := range n.group {
-			if m == n.node && p.inStaging {
-				srcs[m] = unsafe.Add(staging, (p.lo+lo)*p.es) // what the fold below overwrites in place
+			if m == n.node && p.inPlace {
+				srcs[m] = unsafe.Add(p.base, (p.lo+lo)*p.es) // what the fold below overwrites in place
 				continue
 			}
 			if m == n.node {
@@ -345,12 +380,12 @@ func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error
 			srcs[m] = n.at(n.lay.recv + uint64(m)*n.lay.slot + slotOff)
 		}
 		out := uint64((p.lo + lo) * p.es)
-		reduce.HostFinish(unsafe.Add(staging, out), srcs, int(cnt), req.DType, req.Op, c.size)
+		reduce.HostFinish(unsafe.Add(p.base, out), srcs, int(cnt), req.DType, req.Op, c.size)
 		for m := range n.group {
 			if m == n.node || p.x {
 				continue
 			}
-			if err := c.put(m, n.stagingR[m], out, n.stagingL, out, uint64(cnt*p.es), wordResult, what); err != nil {
+			if err := c.put(m, n.resultR[m], n.resultOff[m]+out, p.outL, p.outOff+out, uint64(cnt*p.es), wordResult, what); err != nil {
 				return err
 			}
 		}
@@ -378,10 +413,12 @@ func (c *Comm) awaitResults(seq uint64, p plan) error {
 	return nil
 }
 
-// gatherShards copies each local rank's finished shard from its staging
-// area into this rank's output, as each is flagged.
+// gatherShards copies each local rank's finished shard from where it left
+// it (its staging area, or its output in symmetric memory) into this rank's
+// output, as each is flagged.
 func (c *Comm) gatherShards(req collective.AllReduce, seq uint64) error {
 	local := c.topo.Local()
+	in := c.inputs(seq)
 	es := int64(req.DType.Size())
 	for i, q := range local {
 		if q != c.rank {
@@ -393,8 +430,8 @@ func (c *Comm) gatherShards(req collective.AllReduce, seq uint64) error {
 			}
 		}
 		lo, hi := slice(req.Count, len(local), i)
-		if hi > lo {
-			copy(unsafe.Slice((*byte)(unsafe.Add(hostPtr(req.Dst), lo*es)), (hi-lo)*es), c.staging[q][lo*es:hi*es])
+		if from, to := c.resultAt(seq, q, in, lo*es), unsafe.Add(hostPtr(req.Dst), lo*es); hi > lo && from != to {
+			copy(unsafe.Slice((*byte)(to), (hi-lo)*es), unsafe.Slice((*byte)(from), (hi-lo)*es))
 		}
 	}
 	return nil

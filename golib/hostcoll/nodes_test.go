@@ -162,6 +162,72 @@ func checkAcrossNodes(t *testing.T, nc nodesCase, sizes []int) {
 	}
 }
 
+// Ranks whose buffers differ in one call (results into one rank's
+// symmetric output, another's staging area), and symmetric allocations
+// made after the network opened, freed, and made again: every byte is the
+// documented expression's, on every rank.
+func TestResultsLandWhereEachRankWantsThem(t *testing.T) {
+	ucxtest.Need(t)
+	for _, nc := range []nodesCase{{2, 1}, {4, 2}, {3, 1}} {
+		t.Run(nc.String(), func(t *testing.T) {
+			if raceEnabled && nc.world > 2 {
+				t.Skip("covered without the race detector")
+			}
+			modes := []string{"staged", "symmetric-inplace", "symmetric-outofplace", "plain-inplace"}
+			sizes := []int{7, 4097, 30011}
+			rng := rand.New(rand.NewSource(int64(nc.world)))
+			const rounds = 6
+			inputs := make([][][]byte, rounds*len(sizes))
+			wants := make([][]byte, len(inputs))
+			for i := range inputs {
+				n := sizes[i%len(sizes)]
+				for range nc.world {
+					b := make([]byte, n*4)
+					fill(rng, b, reduce.Float32)
+					inputs[i] = append(inputs[i], b)
+				}
+				wants[i] = expectedAcrossNodes(inputs[i], nc.localSize, n, reduce.Float32, reduce.Sum)
+			}
+			opts := Options{Timeout: 20 * time.Second, StagingBytes: 1 << 20, NetChunkBytes: 8 << 10}
+			errs := runNodes(t, nc.world, nc.localSize, opts, func(c *Comm) error {
+				var sym uintptr
+				for i := range inputs {
+					if i%len(sizes) == 0 { // a fresh allocation every round, the network open from the first
+						if sym != 0 {
+							if err := c.Free(sym); err != nil {
+								return err
+							}
+						}
+						var err error
+						if sym, err = c.Alloc(int64(sizes[len(sizes)-1]) * 4); err != nil {
+							return err
+						}
+					}
+					mode := modes[(i+c.rank)%len(modes)] // each rank its own placement
+					n := sizes[i%len(sizes)]
+					got, err := allReduceIn(c, mode, sym, inputs[i][c.rank], n, reduce.Float32, reduce.Sum)
+					if err != nil {
+						return fmt.Errorf("call %d, %d floats (%s): %w", i, n, mode, err)
+					}
+					if !bytes.Equal(got, wants[i]) {
+						at := 0
+						for at < len(got) && got[at] == wants[i][at] {
+							at++
+						}
+						return fmt.Errorf("call %d, %d floats (%s): byte %d = %#x, want %#x", i, n, mode, at, got[at], wants[i][at])
+					}
+				}
+				return c.Free(sym)
+			})
+			for r, err := range errs {
+				if err != nil {
+					t.Errorf("rank %d: %v", r, err)
+				}
+			}
+		})
+	}
+}
+
 // allReduceIn runs one all-reduce of in with its buffers placed as mode
 // says, the output poisoned first, and returns the output.
 func allReduceIn(c *Comm, mode string, sym uintptr, in []byte, n int, d reduce.DType, op reduce.Op) ([]byte, error) {
