@@ -126,6 +126,16 @@ func (c *Comm) netFailure(peer int, why string, sure bool) error {
 	return c.fail(status.Errorf(status.Timeout, "all-reduce across nodes: %s", rec.text()))
 }
 
+// protocolFailure ends the communicator over something peer sent that this
+// rank cannot follow (a bug, or a peer of another build): a final record
+// tells every rank at once, instead of their waits running out.
+func (c *Comm) protocolFailure(peer int, why string) error {
+	rec := record{Culprit: int32(peer), Reporter: int32(c.rank), Final: 1}
+	copy(rec.Text[:len(rec.Text)-1], fmt.Sprintf("rank %d (node %d) %s; seen by rank %d", peer, c.topo.NodeOf[peer], why, c.rank))
+	c.publish(rec)
+	return c.fail(status.Errorf(status.Internal, "all-reduce across nodes: %s", rec.text()))
+}
+
 // resolve publishes rec as tentative and follows the chain of blame from
 // peer for up to collective.BlameWait.
 func (c *Comm) resolve(peer int, rec record) record {

@@ -201,10 +201,7 @@ func (c *Comm) Alloc(nbytes int64) (uintptr, error) {
 	}
 	a := &alloc{id: id, size: size, segs: segs, local: uintptr(unsafe.Pointer(&segs[c.rank].Data[0]))}
 	if c.net != nil {
-		c.net.bg.Enter()
-		err := c.registerAllocs(c.net, []*alloc{a})
-		c.net.bg.Leave()
-		if err != nil {
+		if err := c.registerAllocs(c.net, []*alloc{a}); err != nil {
 			for _, s := range segs {
 				s.Close()
 			}

@@ -221,12 +221,24 @@ func (c *Comm) openNetwork() error {
 // in id order) with the transport and exchanges their keys. Collective
 // over every rank; any rank's failure is every rank's, and leaves none of
 // them registered.
+//
+// The background progress (when running) pauses only around the transport
+// calls, not while this rank waits for its peers in the bootstrap: they may
+// need its progress to finish what they sent it.
 func (c *Comm) registerAllocs(n *network, allocs []*alloc) error {
-	if len(allocs) == 0 {
-		return nil
-	}
 	added := make([]*netAlloc, len(allocs))
+	enter, leave := func() {
+		if n.bg != nil {
+			n.bg.Enter()
+		}
+	}, func() {
+		if n.bg != nil {
+			n.bg.Leave()
+		}
+	}
 	undo := func() {
+		enter()
+		defer leave()
 		for _, na := range added {
 			if na != nil {
 				na.close()
@@ -235,6 +247,7 @@ func (c *Comm) registerAllocs(n *network, allocs []*alloc) error {
 	}
 	var keys [][]byte
 	var err error
+	enter()
 	for i, a := range allocs {
 		added[i] = &netAlloc{remote: make([]transport.Remote, len(n.group))}
 		if added[i].local, err = n.t.Register(a.local, uint64(a.size), transport.HostMemory); err != nil {
@@ -242,13 +255,16 @@ func (c *Comm) registerAllocs(n *network, allocs []*alloc) error {
 		}
 		keys = append(keys, added[i].local.Key())
 	}
+	leave()
 	if err = bootstrap.Agree(c.bs, err); err != nil {
 		undo()
 		return fmt.Errorf("register symmetric memory: %w", err)
 	}
 	all, err := c.bs.AllGather(transport.AppendKeys(nil, keys...))
 	if err == nil {
+		enter()
 		err = c.connectAllocs(n, added, all)
+		leave()
 	}
 	if err = bootstrap.Agree(c.bs, err); err != nil {
 		undo()

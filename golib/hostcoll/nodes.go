@@ -59,11 +59,12 @@ func (c *Comm) allReduceNodes(req collective.AllReduce) error {
 		Algo: int32(collective.Auto), Count: req.Count, Input: -1}
 	nbytes := req.Bytes()
 	localErr := c.prepare(req, d, nbytes)
-	if d.ResultIn == resultInput && c.net.allocs[d.Input] == nil {
-		d.ResultIn = resultStaging // not registered (it always is): results through the staging area
+	if localErr == nil && d.ResultIn == resultInput && c.net.allocs[d.Input] == nil {
+		localErr = status.Errorf(status.Internal, "symmetric allocation %d is not registered with the transport", d.Input)
 	}
 	if localErr == nil && nbytes > c.opts.StagingBytes {
-		// Results land in the staging area, so symmetric inputs need it too.
+		// The slots for partials are sized by the staging capacity, and
+		// results of calls not in place on symmetric memory land there.
 		localErr = status.Errorf(status.Capacity,
 			"tensor of %d bytes exceeds the staging capacity of %d bytes, which an all-reduce across nodes needs for any input: raise P2PCOMM_STAGING_BYTES",
 			nbytes, c.opts.StagingBytes)
@@ -317,15 +318,15 @@ func (c *Comm) readHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 		}
 		h := *(*header)(n.at(n.lay.header(n.calls, c.size, r)))
 		if h.Call != n.calls {
-			return nil, c.fail(status.Errorf(status.Internal, "rank %d sent the header of its inter-node call %d during call %d", r, h.Call, n.calls))
+			return nil, c.protocolFailure(r, fmt.Sprintf("sent the header of its inter-node call %d during call %d", h.Call, n.calls))
 		}
 		n.dataBase[m] = h.DataBase
 		n.resultR[m], n.resultOff[m] = n.stagingR[m], 0
 		if h.DstAlloc >= 0 {
 			na := n.allocs[h.DstAlloc]
 			if na == nil || h.DstOffset < 0 {
-				return nil, c.fail(status.Errorf(status.Internal, "rank %d asked for its results in symmetric allocation %d at %d, which this rank has not registered",
-					r, h.DstAlloc, h.DstOffset))
+				return nil, c.protocolFailure(r, fmt.Sprintf("asked for its results in symmetric allocation %d at %d, which this rank has not registered",
+					h.DstAlloc, h.DstOffset))
 			}
 			n.resultR[m], n.resultOff[m] = na.remote[m], uint64(h.DstOffset)
 		}
