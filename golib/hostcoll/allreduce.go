@@ -29,7 +29,7 @@ func (c *Comm) AllReduce(req collective.AllReduce) error {
 	*d = descriptor{Seq: seq, Kind: kindAllReduce, DType: int32(req.DType), Op: int32(req.Op),
 		Algo: int32(c.pickAlgo(req)), Count: req.Count, Input: -1}
 	nbytes := req.Bytes()
-	localErr := c.prepare(req, d, nbytes)
+	localErr := c.prepare(req, d, nbytes, true)
 	if localErr != nil {
 		d.LocalErr = int32(status.CodeOf(localErr))
 		copy(d.ErrDetail[:], localErr.Error())
@@ -88,9 +88,10 @@ func (c *Comm) pickAlgo(req collective.AllReduce) collective.Algorithm {
 	return collective.TwoShot
 }
 
-// prepare validates the call locally and stages the input. It fills where
+// prepare validates the call locally and stages the input (unless
+// copyIn is false: no peer reads it from the staging area). It fills where
 // the input is and where the reduced slice will be left.
-func (c *Comm) prepare(req collective.AllReduce, d *descriptor, nbytes int64) error {
+func (c *Comm) prepare(req collective.AllReduce, d *descriptor, nbytes int64, copyIn bool) error {
 	if req.Reject != nil {
 		return req.Reject
 	}
@@ -123,7 +124,7 @@ func (c *Comm) prepare(req collective.AllReduce, d *descriptor, nbytes int64) er
 			"tensor of %d bytes exceeds the staging capacity of %d bytes: allocate it with comm.empty() or raise P2PCOMM_STAGING_BYTES",
 			nbytes, c.opts.StagingBytes)
 	}
-	if a == nil && nbytes > 0 {
+	if a == nil && nbytes > 0 && copyIn {
 		copy(c.staging[c.rank][:nbytes], unsafe.Slice((*byte)(hostPtr(req.Src)), nbytes))
 	}
 	return nil

@@ -60,13 +60,14 @@ type header struct {
 	DType    int32
 	Op       int32
 	Code     int32 // status code of the sender's node-level error, 0 if none
-	_        int32
+	KeyLen   int32 // bytes of Detail that hold its output's key (DstAlloc userAlloc)
 	// DstAlloc is the symmetric allocation (id) holding the sender's
-	// output, where it wants its results put, at DstOffset; -1: its staging
+	// output, where it wants its results put, at DstOffset; userAlloc: its
+	// output, registered for the call (the key in Detail); -1: its staging
 	// area.
 	DstAlloc  int64
 	DstOffset int64
-	Detail    [headerBytes - 56]byte
+	Detail    [headerBytes - 56]byte // the node's error, or the output's key
 }
 
 var _ [headerBytes - unsafe.Sizeof(header{})]byte
@@ -116,27 +117,37 @@ func (l netLayout) record(version uint64, world, sender int) uint64 {
 // network is this rank's UCX side: the transport, the region, and what its
 // group has sent so far.
 type network struct {
-	t         *ucx.Transport
-	lay       netLayout
-	region    []byte
-	regionL   transport.Local
-	stagingL  transport.Local
-	regionR   []transport.Remote // by node; nil for this rank's
-	stagingR  []transport.Remote
-	group     []int // group[m]: the rank of node m with this rank's local index
-	node      int
-	chunk     int64 // bytes of partials per put
-	linger    time.Duration
-	blameWait time.Duration   // collective.BlameWait of the timeout
-	calls     uint64          // all-reduces across nodes so far
-	dataSent  []uint64        // by node: data chunks signalled to that node's group rank
-	dataBase  []uint64        // by node: data chunks its group rank had signalled before this call
-	results   []uint64        // by node: result chunks expected from it so far
-	version   uint64          // of this rank's failure record
-	bg        *ucx.Background // progresses UCX between calls
-	allocs    map[int64]*netAlloc
-	resultR   []transport.Remote // by node: where this call's results for its group rank go
-	resultOff []uint64
+	t           *ucx.Transport
+	lay         netLayout
+	region      []byte
+	regionL     transport.Local
+	stagingL    transport.Local
+	regionR     []transport.Remote // by node; nil for this rank's
+	stagingR    []transport.Remote
+	group       []int // group[m]: the rank of node m with this rank's local index
+	node        int
+	chunk       int64 // bytes of partials per put
+	linger      time.Duration
+	blameWait   time.Duration   // collective.BlameWait of the timeout
+	calls       uint64          // all-reduces across nodes so far
+	dataSent    []uint64        // by node: data chunks signalled to that node's group rank
+	dataBase    []uint64        // by node: data chunks its group rank had signalled before this call
+	results     []uint64        // by node: result chunks expected from it so far
+	version     uint64          // of this rank's failure record
+	bg          *ucx.Background // progresses UCX between calls
+	allocs      map[int64]*netAlloc
+	resultR     []transport.Remote // by node: where this call's results for its group rank go
+	resultOff   []uint64
+	callRemotes []transport.Remote // group ranks' outputs registered for this call
+}
+
+// releaseCallRemotes drops the keys of outputs registered for the call
+// that ended (each Close flushes its peer first if anything is pending).
+func (n *network) releaseCallRemotes() {
+	for _, r := range n.callRemotes {
+		r.Close()
+	}
+	n.callRemotes = n.callRemotes[:0]
 }
 
 // netAlloc is a symmetric allocation registered with the transport, on

@@ -58,7 +58,12 @@ func (c *Comm) allReduceNodes(req collective.AllReduce) error {
 	*d = descriptor{Seq: seq, Kind: kindAllReduce, DType: int32(req.DType), Op: int32(req.Op),
 		Algo: int32(collective.Auto), Count: req.Count, Input: -1}
 	nbytes := req.Bytes()
-	localErr := c.prepare(req, d, nbytes)
+	// The only rank of its node reads its own input where it lies (no local
+	// peer reads it from the staging area); from userMinBytes it registers
+	// its plain buffers for the call (userBuffers).
+	alone := len(c.topo.Local()) == 1
+	own := alone && nbytes >= userMinBytes
+	localErr := c.prepare(req, d, nbytes, !own)
 	if localErr == nil && d.ResultIn == resultInput && c.net.allocs[d.Input] == nil {
 		localErr = status.Errorf(status.Internal, "symmetric allocation %d is not registered with the transport", d.Input)
 	}
@@ -73,11 +78,76 @@ func (c *Comm) allReduceNodes(req collective.AllReduce) error {
 		d.LocalErr = int32(status.CodeOf(localErr))
 		copy(d.ErrDetail[:], localErr.Error())
 	}
+	var user userBuffers
+	if localErr == nil && own {
+		user = c.registerUser(req, d, nbytes)
+	}
 	me.store(offArrive, seq)
 	if err := c.waitPeers(offArrive, seq, "start"); err != nil {
 		return err
 	}
-	return c.hierarchical(req, seq, c.agree(seq, localErr))
+	return c.hierarchical(req, seq, c.agree(seq, localErr), user, own)
+}
+
+// userMinBytes is the smallest call whose plain buffers the only rank of
+// its node registers with the transport for the call: its partials go from
+// its input and its results land in its output, instead of through the
+// staging area (two copies of the vector). Below it the copies cost less
+// than registering, sending a key and flushing before deregistering. A
+// variable for tests.
+var userMinBytes int64 = 1 << 20
+
+// userAlloc in a header's DstAlloc: the sender's results go to its output
+// registered for this call, whose key follows in the header.
+const userAlloc = -2
+
+// userBuffers are a call's plain buffers registered with the transport for
+// that call; either may be nil (symmetric memory, the same buffer, or a
+// registration that failed: then the staging area serves).
+type userBuffers struct {
+	src, dst transport.Local
+}
+
+// registerUser registers the output where results would land in the
+// staging area (and its key fits a header), and a plain input.
+func (c *Comm) registerUser(req collective.AllReduce, d *descriptor, nbytes int64) userBuffers {
+	n := c.net
+	var u userBuffers
+	if d.ResultIn == resultStaging {
+		if l, err := n.t.Register(req.Dst, uint64(nbytes), transport.HostMemory); err == nil {
+			if len(l.Key()) <= len(header{}.Detail) {
+				u.dst = l
+			} else {
+				l.Close()
+			}
+		}
+	}
+	if d.Input < 0 && (req.Src != req.Dst || u.dst == nil) {
+		if l, err := n.t.Register(req.Src, uint64(nbytes), transport.HostMemory); err == nil {
+			u.src = l
+		}
+	}
+	return u
+}
+
+// release deregisters the call's buffers once every put from or into them
+// has completed: peers' into them landed before their signals, and this
+// rank's are flushed here.
+func (u userBuffers) release(c *Comm) {
+	if u.src == nil && u.dst == nil {
+		return
+	}
+	n := c.net
+	for m, r := range n.group {
+		if m != n.node {
+			n.t.Flush(r) // a failure shows in the next call
+		}
+	}
+	for _, l := range []transport.Local{u.src, u.dst} {
+		if l != nil {
+			l.Close()
+		}
+	}
 }
 
 // plan is how one call's elements divide: this rank's shard, its parts,
@@ -87,23 +157,30 @@ type plan struct {
 	parts    []int64 // part m is [parts[m], parts[m+1]) of the shard, relative to lo
 	es, as   int64   // bytes per element and per accumulator
 	perChunk int64   // elements per chunk of partials
+	// in: the node's inputs by rank, this rank's where it lies. inL is this
+	// rank's input's registration with the transport (nil: none), inOff
+	// element 0's offset in it.
+	in    []unsafe.Pointer
+	inL   transport.Local
+	inOff uint64
 	// Where this rank's results go: its output itself where that is its
 	// input in symmetric memory (descriptor.ResultIn; the allocation is
-	// registered with the transport, and its header tells its group to put
-	// its results there), else its staging area. base is element 0 there,
-	// outL its registration and outOff element 0's offset in it.
-	direct bool
+	// registered with the transport) or a plain output registered for the
+	// call (userBuffers), and its header tells its group to put them there
+	// (landed); else its staging area. base is element 0 there, outL its
+	// registration and outOff element 0's offset in it.
+	landed bool
 	base   unsafe.Pointer
 	outL   transport.Local
 	outOff uint64
-	// inPlace: this rank's partials are its input as it lies where its
-	// results go (the only rank of its node, an input copied into the
-	// staging area or the output in symmetric memory, and an accumulator
-	// of the element's own type), so they go from there without a fold into
-	// the send slots, and its own part is reduced in place. A chunk's
-	// results come back only after its owner received this rank's chunk.
-	// Never in an exchange, which sends the own part's partial as well.
-	inPlace bool
+	// fromInput: this rank's partials are its input as it lies, registered
+	// (the only rank of its node, and an accumulator of the element's own
+	// type), so they go from there without a fold into the send slots, and
+	// its own part is reduced from there. Where the input is the output, a
+	// chunk's results come back only after its owner received this rank's
+	// chunk. Never in an exchange, which sends the own part's partial as
+	// well, while the own fold may overwrite the input in place.
+	fromInput bool
 	// x: the call is an exchange; part node is the whole shard, the others
 	// are empty.
 	x bool
@@ -138,27 +215,20 @@ func (p plan) chunks(m int) int64 {
 }
 
 // hierarchical runs steps 2-5; nodeErr is the node's verdict from step 1.
-func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error) error {
+func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error, user userBuffers, own bool) error {
 	n := c.net
 	n.calls++
-	if err := c.sendHeaders(req, seq, nodeErr); err != nil {
+	if nodeErr != nil {
+		user.release(c)
+		user = userBuffers{}
+	}
+	if err := c.sendHeaders(req, seq, nodeErr, user); err != nil {
 		return err
 	}
 	var p plan // only for calls whose arguments passed (a bad dtype has no size)
 	if nodeErr == nil {
 		p = c.plan(req)
-		d := c.ctl[c.rank].desc(seq)
-		p.direct = d.ResultIn == resultInput
-		if p.direct {
-			p.base = unsafe.Add(c.allocByID(d.Input, c.rank), d.InOffset)
-			p.outL, p.outOff = n.allocs[d.Input].local, uint64(d.InOffset)
-		} else {
-			p.base, p.outL = unsafe.Pointer(&c.staging[c.rank][0]), n.stagingL
-		}
-		// Not in an exchange: the own part's partial goes out too there,
-		// and the fold in place could overwrite it under a put still
-		// reading it.
-		p.inPlace = len(c.topo.Local()) == 1 && p.as == p.es && (d.Input < 0 || p.direct) && !p.x
+		c.placeCall(&p, req, seq, user, own)
 		if err := c.sendPartials(req, seq, p); err != nil {
 			return err
 		}
@@ -182,14 +252,48 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error)
 	}
 	if verdict == nil {
 		c.ctl[c.rank].store(offReduced, seq)
-		if err := c.gatherShards(req, seq); err != nil {
+		if err := c.gatherShards(req, seq, p.landed); err != nil {
 			return err
 		}
 	}
 	if err := c.awaitDone(seq); err != nil {
 		return err
 	}
+	n.releaseCallRemotes()
+	user.release(c)
 	return c.finish(seq, verdict)
+}
+
+// placeCall fills where p's input lies and where its results go. own: the
+// input was not copied into the staging area (prepare).
+func (c *Comm) placeCall(p *plan, req collective.AllReduce, seq uint64, user userBuffers, own bool) {
+	n := c.net
+	d := c.ctl[c.rank].desc(seq)
+	p.in = c.inputs(seq)
+	switch {
+	case d.ResultIn == resultInput:
+		na := n.allocs[d.Input]
+		p.landed, p.base, p.outL, p.outOff = true, p.in[c.rank], na.local, uint64(d.InOffset)
+	case user.dst != nil:
+		p.landed, p.base, p.outL = true, hostPtr(req.Dst), user.dst
+	default:
+		p.base, p.outL = unsafe.Pointer(&c.staging[c.rank][0]), n.stagingL
+	}
+	switch {
+	case d.Input >= 0:
+		if na := n.allocs[d.Input]; na != nil {
+			p.inL, p.inOff = na.local, uint64(d.InOffset)
+		}
+	case own:
+		p.in[c.rank] = hostPtr(req.Src)
+		p.inL = user.src
+		if p.inL == nil && req.Src == req.Dst {
+			p.inL = user.dst
+		}
+	default:
+		p.inL = n.stagingL // the input copied there
+	}
+	p.fromInput = len(c.topo.Local()) == 1 && p.as == p.es && p.inL != nil && !p.x
 }
 
 // sendDone tells the group that this rank holds everything it needs of
@@ -227,7 +331,7 @@ func (c *Comm) awaitDone(seq uint64) error {
 
 // sendHeaders tells every rank of the group this node's verdict and where
 // this call's data signals start.
-func (c *Comm) sendHeaders(req collective.AllReduce, seq uint64, nodeErr error) error {
+func (c *Comm) sendHeaders(req collective.AllReduce, seq uint64, nodeErr error, user userBuffers) error {
 	n := c.net
 	for m, r := range n.group {
 		if m == n.node {
@@ -242,6 +346,8 @@ func (c *Comm) sendHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 			DstAlloc: -1}
 		if d := c.ctl[c.rank].desc(seq); nodeErr == nil && d.ResultIn == resultInput {
 			h.DstAlloc, h.DstOffset = d.Input, d.InOffset
+		} else if user.dst != nil {
+			h.DstAlloc, h.KeyLen = userAlloc, int32(copy(h.Detail[:], user.dst.Key()))
 		}
 		if nodeErr != nil {
 			h.Code = int32(status.CodeOf(nodeErr))
@@ -261,24 +367,23 @@ func (c *Comm) sendHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 // last, so the owner's step starts right after.
 func (c *Comm) sendPartials(req collective.AllReduce, seq uint64, p plan) error {
 	n := c.net
-	in := c.inputs(seq)
 	local := c.topo.Local()
 	srcs := make([]unsafe.Pointer, len(local))
 	nodes := len(n.group)
 	for step := 1; step <= nodes; step++ {
 		m := (n.node + step) % nodes
-		if p.inPlace && m == n.node {
+		if p.fromInput && m == n.node {
 			continue
 		}
 		a, b := p.parts[m], p.parts[m+1]
 		for lo := a; lo < b; lo += p.perChunk {
 			cnt := min(p.perChunk, b-lo)
 			src, off := n.regionL, n.lay.send+uint64(m)*n.lay.slot+uint64((lo-a)*p.as)
-			if p.inPlace {
-				src, off = p.outL, p.outOff+uint64((p.lo+lo)*p.es)
+			if p.fromInput {
+				src, off = p.inL, p.inOff+uint64((p.lo+lo)*p.es)
 			} else {
 				for i, q := range local {
-					srcs[i] = unsafe.Add(in[q], (p.lo+lo)*p.es)
+					srcs[i] = unsafe.Add(p.in[q], (p.lo+lo)*p.es)
 				}
 				reduce.HostPartial(n.at(off), srcs, int(cnt), req.DType, req.Op)
 			}
@@ -322,7 +427,17 @@ func (c *Comm) readHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 		}
 		n.dataBase[m] = h.DataBase
 		n.resultR[m], n.resultOff[m] = n.stagingR[m], 0
-		if h.DstAlloc >= 0 {
+		if h.DstAlloc == userAlloc && h.Code == 0 {
+			if h.KeyLen < 0 || int(h.KeyLen) > len(h.Detail) {
+				return nil, c.protocolFailure(r, fmt.Sprintf("sent a key of %d bytes for its output", h.KeyLen))
+			}
+			rem, err := n.t.Remote(r, h.Detail[:h.KeyLen])
+			if err != nil {
+				return nil, c.protocolFailure(r, fmt.Sprintf("sent a key for its output that this rank cannot use: %v", err))
+			}
+			n.callRemotes = append(n.callRemotes, rem)
+			n.resultR[m] = rem
+		} else if h.DstAlloc >= 0 {
 			na := n.allocs[h.DstAlloc]
 			if na == nil || h.DstOffset < 0 {
 				return nil, c.protocolFailure(r, fmt.Sprintf("asked for its results in symmetric allocation %d at %d, which this rank has not registered",
@@ -364,8 +479,8 @@ func (c *Comm) reduceOwnPart(req collective.AllReduce, seq uint64, p plan) error
 		cnt := min(p.perChunk, b-lo)
 		slotOff := uint64((lo - a) * p.as)
 		for m, r := range n.group {
-			if m == n.node && p.inPlace {
-				srcs[m] = unsafe.Add(p.base, (p.lo+lo)*p.es) // what the fold below overwrites in place
+			if m == n.node && p.fromInput {
+				srcs[m] = unsafe.Add(p.in[c.rank], (p.lo+lo)*p.es) // where the output is the input, overwritten in place below
 				continue
 			}
 			if m == n.node {
@@ -417,11 +532,14 @@ func (c *Comm) awaitResults(seq uint64, p plan) error {
 // gatherShards copies each local rank's finished shard from where it left
 // it (its staging area, or its output in symmetric memory) into this rank's
 // output, as each is flagged.
-func (c *Comm) gatherShards(req collective.AllReduce, seq uint64) error {
+func (c *Comm) gatherShards(req collective.AllReduce, seq uint64, landed bool) error {
 	local := c.topo.Local()
 	in := c.inputs(seq)
 	es := int64(req.DType.Size())
 	for i, q := range local {
+		if q == c.rank && landed {
+			continue // its results landed in its output
+		}
 		if q != c.rank {
 			v := c.ctl[q]
 			if err := c.await(q, fmt.Sprintf("its shard of all-reduce call #%d", seq), func() bool {

@@ -105,6 +105,22 @@ func TestAllReduceAcrossNodesIsTheDocumentedExpression(t *testing.T) {
 	}
 }
 
+// The same matrix with every call's plain buffers registered for the call
+// (one rank per node): partials from the input, results into the output.
+func TestPlainBuffersRegisteredPerCall(t *testing.T) {
+	ucxtest.Need(t)
+	defer func(v int64) { userMinBytes = v }(userMinBytes)
+	userMinBytes = 1
+	for _, nc := range []nodesCase{{2, 1}, {3, 1}} {
+		t.Run(nc.String(), func(t *testing.T) {
+			if raceEnabled && nc.world > 2 {
+				t.Skip("covered without the race detector")
+			}
+			checkAcrossNodes(t, nc, []int{1, 7, 4097, 30011})
+		})
+	}
+}
+
 func checkAcrossNodes(t *testing.T, nc nodesCase, sizes []int) {
 	modes := []string{"staged", "symmetric-inplace", "symmetric-outofplace", "plain-inplace"}
 	rng := rand.New(rand.NewSource(int64(nc.world*10 + nc.localSize)))
@@ -168,11 +184,17 @@ func checkAcrossNodes(t *testing.T, nc nodesCase, sizes []int) {
 // documented expression's, on every rank.
 func TestResultsLandWhereEachRankWantsThem(t *testing.T) {
 	ucxtest.Need(t)
-	for _, nc := range []nodesCase{{2, 1}, {4, 2}, {3, 1}} {
-		t.Run(nc.String(), func(t *testing.T) {
+	defer func(v int64) { userMinBytes = v }(userMinBytes)
+	for _, tc := range []struct {
+		nc      nodesCase
+		userMin int64 // plain buffers registered per call from this size
+	}{{nodesCase{2, 1}, userMinBytes}, {nodesCase{2, 1}, 1}, {nodesCase{4, 2}, 1}, {nodesCase{3, 1}, 1}, {nodesCase{3, 1}, 1 << 62}} {
+		nc := tc.nc
+		t.Run(fmt.Sprintf("%v/user-from-%d", nc, tc.userMin), func(t *testing.T) {
 			if raceEnabled && nc.world > 2 {
 				t.Skip("covered without the race detector")
 			}
+			userMinBytes = tc.userMin
 			modes := []string{"staged", "symmetric-inplace", "symmetric-outofplace", "plain-inplace"}
 			// 70001 elements leave shards of more than 64 KiB of partials on
 			// 2 x 2 too: results travel. bfloat16 avg: partials folded
