@@ -122,12 +122,37 @@ func (c *Comm) registerUser(req collective.AllReduce, d *descriptor, nbytes int6
 			}
 		}
 	}
-	if d.Input < 0 && (req.Src != req.Dst || u.dst == nil) {
+	// A 16-bit input travels as float32 partials folded into the send
+	// slots, never from where it lies.
+	if d.Input < 0 && reduce.AccType(req.DType).Size() == req.DType.Size() && (req.Src != req.Dst || u.dst == nil) {
 		if l, err := n.t.Register(req.Src, uint64(nbytes), transport.HostMemory); err == nil {
 			u.src = l
 		}
 	}
 	return u
+}
+
+// abandon deregisters the call's buffers after a failure that broke the
+// communicator, once this rank's puts from them are flushed or linger has
+// passed for each peer: a peer still in the call may put results there
+// until then, and this rank's puts may still read them. The keys of peers'
+// outputs stay with the transport until Close (destroying one flushes its
+// peer, which may have stopped).
+func (u userBuffers) abandon(c *Comm) {
+	if u.src == nil && u.dst == nil {
+		return
+	}
+	n := c.net
+	for m, r := range n.group {
+		if m != n.node {
+			n.t.FlushWithin(r, n.linger)
+		}
+	}
+	for _, l := range []transport.Local{u.src, u.dst} {
+		if l != nil {
+			l.Close()
+		}
+	}
 }
 
 // release deregisters the call's buffers once every put from or into them
@@ -215,13 +240,18 @@ func (p plan) chunks(m int) int64 {
 }
 
 // hierarchical runs steps 2-5; nodeErr is the node's verdict from step 1.
-func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error, user userBuffers, own bool) error {
+func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error, user userBuffers, own bool) (err error) {
 	n := c.net
 	n.calls++
 	if nodeErr != nil {
 		user.release(c)
 		user = userBuffers{}
 	}
+	defer func() {
+		if err != nil {
+			user.abandon(c)
+		}
+	}()
 	if err := c.sendHeaders(req, seq, nodeErr, user); err != nil {
 		return err
 	}
@@ -261,6 +291,7 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error,
 	}
 	n.releaseCallRemotes()
 	user.release(c)
+	user = userBuffers{} // released: nothing left for the deferred abandon
 	return c.finish(seq, verdict)
 }
 
@@ -428,10 +459,12 @@ func (c *Comm) readHeaders(req collective.AllReduce, seq uint64, nodeErr error) 
 		n.dataBase[m] = h.DataBase
 		n.resultR[m], n.resultOff[m] = n.stagingR[m], 0
 		if h.DstAlloc == userAlloc && h.Code == 0 {
-			if h.KeyLen < 0 || int(h.KeyLen) > len(h.Detail) {
+			if h.KeyLen <= 0 || int(h.KeyLen) > len(h.Detail) {
 				return nil, c.protocolFailure(r, fmt.Sprintf("sent a key of %d bytes for its output", h.KeyLen))
 			}
-			rem, err := n.t.Remote(r, h.Detail[:h.KeyLen])
+			// All of Detail, zeros past the key: UCX reads as much of it as
+			// its own format says, never past the copy.
+			rem, err := n.t.Remote(r, h.Detail[:])
 			if err != nil {
 				return nil, c.protocolFailure(r, fmt.Sprintf("sent a key for its output that this rank cannot use: %v", err))
 			}

@@ -188,7 +188,7 @@ func TestResultsLandWhereEachRankWantsThem(t *testing.T) {
 	for _, tc := range []struct {
 		nc      nodesCase
 		userMin int64 // plain buffers registered per call from this size
-	}{{nodesCase{2, 1}, userMinBytes}, {nodesCase{2, 1}, 1}, {nodesCase{4, 2}, 1}, {nodesCase{3, 1}, 1}, {nodesCase{3, 1}, 1 << 62}} {
+	}{{nodesCase{2, 1}, 1}, {nodesCase{2, 1}, 1 << 62}, {nodesCase{4, 2}, 1 << 62}, {nodesCase{3, 1}, 1}} {
 		nc := tc.nc
 		t.Run(fmt.Sprintf("%v/user-from-%d", nc, tc.userMin), func(t *testing.T) {
 			if raceEnabled && nc.world > 2 {
@@ -302,8 +302,18 @@ func allReduceIn(c *Comm, mode string, sym uintptr, in []byte, n int, d reduce.D
 // rank is usable after.
 func TestBadCallsAcrossNodesFailEveryRank(t *testing.T) {
 	ucxtest.Need(t)
+	t.Run("2x2", func(t *testing.T) { checkBadCalls(t, nodesCase{4, 2}) })
+	// Ranks alone on their nodes, with plain buffers registered for every
+	// call: a failed call leaves them registered nowhere.
+	defer func(v int64) { userMinBytes = v }(userMinBytes)
+	userMinBytes = 1
+	t.Run("2x1/user", func(t *testing.T) { checkBadCalls(t, nodesCase{2, 1}) })
+}
+
+func checkBadCalls(t *testing.T, nc nodesCase) {
 	opts := Options{Timeout: 10 * time.Second, StagingBytes: 1 << 16}
-	errs := runNodes(t, 4, 2, opts, func(c *Comm) error {
+	last := nc.world - 1 // the rank that rejects its call
+	errs := runNodes(t, nc.world, nc.localSize, opts, func(c *Comm) error {
 		buf := make([]float32, 1<<15)
 		defer runtime.KeepAlive(buf)
 		p := uintptr(unsafe.Pointer(&buf[0]))
@@ -321,14 +331,14 @@ func TestBadCallsAcrossNodesFailEveryRank(t *testing.T) {
 			return nil
 		}
 		var reject error
-		if c.rank == 3 {
+		if c.rank == last {
 			reject = status.Errorf(status.InvalidArgument, "tensor is not contiguous")
 		}
 		err := call(collective.AllReduce{Count: 4, Reject: reject})
-		if c.rank == 3 {
+		if c.rank == last {
 			err = expect("rejecting rank", err, status.InvalidArgument, "contiguous")
 		} else {
-			err = expect("rank 3 rejected", err, status.Mismatch, "rank 3")
+			err = expect("the last rank rejected", err, status.Mismatch, fmt.Sprintf("rank %d", last))
 		}
 		if err != nil {
 			return err
@@ -358,7 +368,7 @@ func TestBadCallsAcrossNodesFailEveryRank(t *testing.T) {
 			return fmt.Errorf("call after errors: %w", err)
 		}
 		for i := range 16 {
-			if want := float32(6 + 4*i); buf[i] != want {
+			if want := float32(nc.world*(nc.world-1)/2 + nc.world*i); buf[i] != want {
 				return fmt.Errorf("after errors: [%d] = %g, want %g", i, buf[i], want)
 			}
 		}
@@ -402,6 +412,13 @@ func TestAbsentRankAcrossNodesIsNamedByEveryRank(t *testing.T) {
 		for _, how := range []string{"stopped", "gone"} {
 			t.Run(nc.String()+"/"+how, func(t *testing.T) { checkAbsentRank(t, nc, how, timeout) })
 		}
+	}
+	// With the survivors' plain buffers registered for the call, which a
+	// failed call gives back before it returns.
+	defer func(v int64) { userMinBytes = v }(userMinBytes)
+	userMinBytes = 1
+	for _, how := range []string{"stopped", "gone"} {
+		t.Run("3x1/user/"+how, func(t *testing.T) { checkAbsentRank(t, nodesCase{3, 1}, how, timeout) })
 	}
 }
 
