@@ -2,6 +2,7 @@ package hostcoll
 
 import (
 	"fmt"
+	"time"
 	"unsafe"
 
 	"github.com/p2pcomm/p2pcomm/golib/collective"
@@ -132,40 +133,21 @@ func (c *Comm) registerUser(req collective.AllReduce, d *descriptor, nbytes int6
 	return u
 }
 
-// abandon deregisters the call's buffers after a failure that broke the
-// communicator, once this rank's puts from them are flushed or linger has
-// passed for each peer: a peer still in the call may put results there
-// until then, and this rank's puts may still read them. The keys of peers'
-// outputs stay with the transport until Close (destroying one flushes its
-// peer, which may have stopped).
-func (u userBuffers) abandon(c *Comm) {
-	if u.src == nil && u.dst == nil {
-		return
-	}
-	n := c.net
-	for m, r := range n.group {
-		if m != n.node {
-			n.t.FlushWithin(r, n.linger)
-		}
-	}
-	for _, l := range []transport.Local{u.src, u.dst} {
-		if l != nil {
-			l.Close()
-		}
-	}
-}
-
 // release deregisters the call's buffers once every put from or into them
 // has completed: peers' into them landed before their signals, and this
-// rank's are flushed here.
-func (u userBuffers) release(c *Comm) {
+// rank's are flushed here, for up to within per peer. After a failure that
+// broke the communicator within is the linger: a peer still in the call may
+// put results there until then, and this rank's puts may still read them
+// (the keys of peers' outputs then stay with the transport until Close:
+// destroying one flushes its peer, which may have stopped).
+func (u userBuffers) release(c *Comm, within time.Duration) {
 	if u.src == nil && u.dst == nil {
 		return
 	}
 	n := c.net
 	for m, r := range n.group {
 		if m != n.node {
-			n.t.Flush(r) // a failure shows in the next call
+			n.t.FlushWithin(r, within) // a failure shows in the next call
 		}
 	}
 	for _, l := range []transport.Local{u.src, u.dst} {
@@ -244,12 +226,12 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error,
 	n := c.net
 	n.calls++
 	if nodeErr != nil {
-		user.release(c)
+		user.release(c, c.opts.Timeout)
 		user = userBuffers{}
 	}
 	defer func() {
 		if err != nil {
-			user.abandon(c)
+			user.release(c, n.linger)
 		}
 	}()
 	if err := c.sendHeaders(req, seq, nodeErr, user); err != nil {
@@ -290,8 +272,8 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error,
 		return err
 	}
 	n.releaseCallRemotes()
-	user.release(c)
-	user = userBuffers{} // released: nothing left for the deferred abandon
+	user.release(c, c.opts.Timeout)
+	user = userBuffers{} // released: nothing left for the deferred release
 	return c.finish(seq, verdict)
 }
 
