@@ -264,7 +264,7 @@ func (c *Comm) hierarchical(req collective.AllReduce, seq uint64, nodeErr error,
 	}
 	if verdict == nil {
 		c.ctl[c.rank].store(offReduced, seq)
-		if err := c.gatherShards(req, seq, p.landed); err != nil {
+		if err := c.gatherShards(req, seq, p); err != nil {
 			return err
 		}
 	}
@@ -547,12 +547,11 @@ func (c *Comm) awaitResults(seq uint64, p plan) error {
 // gatherShards copies each local rank's finished shard from where it left
 // it (its staging area, or its output in symmetric memory) into this rank's
 // output, as each is flagged.
-func (c *Comm) gatherShards(req collective.AllReduce, seq uint64, landed bool) error {
+func (c *Comm) gatherShards(req collective.AllReduce, seq uint64, p plan) error {
 	local := c.topo.Local()
-	in := c.inputs(seq)
 	es := int64(req.DType.Size())
 	for i, q := range local {
-		if q == c.rank && landed {
+		if q == c.rank && p.landed {
 			continue // its results landed in its output
 		}
 		if q != c.rank {
@@ -564,7 +563,7 @@ func (c *Comm) gatherShards(req collective.AllReduce, seq uint64, landed bool) e
 			}
 		}
 		lo, hi := slice(req.Count, len(local), i)
-		if from, to := c.resultAt(seq, q, in, lo*es), unsafe.Add(hostPtr(req.Dst), lo*es); hi > lo && from != to {
+		if from, to := c.resultAt(seq, q, p.in, lo*es), unsafe.Add(hostPtr(req.Dst), lo*es); hi > lo && from != to {
 			copy(unsafe.Slice((*byte)(to), (hi-lo)*es), unsafe.Slice((*byte)(from), (hi-lo)*es))
 		}
 	}
