@@ -7,7 +7,8 @@ same sizes (first column). Prints one table on rank 0.
     torchrun --nproc_per_node=N tools/gpu_micro.py [--sizes 512K,2M] [--algos twoshot,twoshot_ll] [--no-torch]
         [--rounds R] [variant...]
 
-A variant is a name of VARIANTS or an environment of its own, NAME=VALUE[+NAME=VALUE...]."""
+A variant is a name of VARIANTS or an environment of its own, NAME=VALUE[+NAME=VALUE...]; without any,
+only "default" runs."""
 
 import argparse
 import os
@@ -105,7 +106,7 @@ def main():
         sizes = args.sizes or sorted({n for n, _ in CASES})
         algos = args.algos or ["twoshot"]
         cases = [(n, a) for n in sizes for a in algos]
-    names = args.variants or list(VARIANTS)
+    names = args.variants or ["default"]
     for name in names:  # NAME=VALUE[+NAME=VALUE...]: the environment of an ad-hoc variant
         if name not in VARIANTS:
             pairs = [kv.split("=", 1) for kv in name.split("+")]
