@@ -11,7 +11,11 @@
 // pinned by static_assert here and by a Go test that reads this file), the
 // trigger encoding, the FIFO push, then the two channels. Handles are plain
 // structs passed to kernels by value; the host objects that filled them own
-// the memory they point to and must outlive every kernel that uses them.
+// the memory they point to and must outlive every kernel that uses them. A
+// loop over calls on a handle held in an array in global memory should copy
+// it into a local first (`const PortChannel c = chans[peer];`): the acquire
+// that ends each wait and flush sends later reads of global memory past L1,
+// so the array's handle would be read from L2 again at every call.
 // Every wait is bounded by the handle's timeout_ns (0: kDefaultTimeoutNs)
 // through spin_until, and a timeout records the peer and the phase below in
 // the communicator's ErrorWord.
