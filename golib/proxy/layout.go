@@ -1,6 +1,9 @@
 package proxy
 
-import "fmt"
+import (
+	"fmt"
+	"math/bits"
+)
 
 // Trigger types, as the kTrigger* bits of native/kernels/channel.cuh.
 const (
@@ -95,8 +98,9 @@ func Decode(t Trigger) Op {
 }
 
 // lap is the lap bit an entry at position pos carries: set on even laps, so
-// zeroed memory never looks fresh.
-func lap(pos, slots uint64) uint64 { return pos/slots&1 ^ 1 }
+// zeroed memory never looks fresh. slots is a power of two: a shift, not a
+// division, on the proxy's polling path.
+func lap(pos, slots uint64) uint64 { return pos>>bits.TrailingZeros64(slots)&1 ^ 1 }
 
 // deviceWords mirrors FifoDeviceWords (device memory: pushers' atomics).
 type deviceWords struct {

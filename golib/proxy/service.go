@@ -239,6 +239,9 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 	bound <- nil
 	defer s.drain(f)
 	last := time.Now()
+	// busy: a trigger ran or progress moved since the clock was last read;
+	// napping: the proxy was idle past IdleSpin at that read.
+	busy, napping := false, false
 	for idle := 0; !s.stop.Load(); {
 		t, pos, ok := f.pop()
 		if !ok {
@@ -251,15 +254,30 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 				continue
 			}
 			if s.progress() {
-				last = time.Now()
-			} else if idleFor := time.Since(last); idleFor > s.opts.IdleNap {
+				busy, napping = true, false
+			}
+			// While spinning, the clock only every 1024th look: the nap
+			// decision needs no finer grain, and every read of it is a
+			// look at the ring that comes later.
+			if !napping && idle&1023 != 0 {
+				continue
+			}
+			now := time.Now()
+			if busy {
+				last, busy = now, false
+				continue
+			}
+			switch idleFor := now.Sub(last); {
+			case idleFor > s.opts.IdleNap:
+				napping = true
 				sleep(time.Millisecond)
-			} else if idleFor > s.opts.IdleSpin {
+			case idleFor > s.opts.IdleSpin:
+				napping = true
 				Nap()
 			}
 			continue
 		}
-		idle = 0
+		idle, busy, napping = 0, true, false
 		if s.Err() == nil {
 			op := Decode(t)
 			traceOp('p', f, pos, op)
@@ -270,7 +288,6 @@ func (s *Service) serve(f *FIFO, bound chan<- error) {
 			atomic.StoreUint64(&f.hw.Done, pos+1)
 			traceOp('d', f, pos, op)
 		}
-		last = time.Now()
 	}
 }
 
