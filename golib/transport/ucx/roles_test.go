@@ -257,6 +257,23 @@ func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, vic
 		if err := j.await(ackWord(p), 1, fmt.Sprintf("survivor rank %d's ack", p)); err != nil {
 			return err
 		}
+		// And until its flush of that ack is through: a survivor that
+		// closed as soon as it held the other's ack would reset the
+		// connection under that flush. This last signal (on the signal
+		// word, which the peer has done waiting for) is not flushed; the
+		// close below flushes it where the peer is still there.
+		if err := tr.Signal(j.rword[p], signalWord(j.rank), 1); err != nil {
+			return err
+		}
+		if err := j.await(signalWord(p), 2, fmt.Sprintf("survivor rank %d's last signal", p)); err != nil {
+			return err
+		}
 	}
-	return nil
+	survivors := []int{}
+	for p := range j.size {
+		if p != victim {
+			survivors = append(survivors, p)
+		}
+	}
+	return tr.CloseAfterFlush(survivors, timeout)
 }
