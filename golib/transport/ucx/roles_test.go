@@ -225,8 +225,14 @@ func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, vic
 	// that saw the failure at once (its endpoint reset) waits for one that
 	// saw it only at the timeout.
 	j.timeout = 2*timeout + 2*time.Second
+	var survivors []int
 	for p := range j.size {
-		if p == j.rank || p == victim {
+		if p != victim {
+			survivors = append(survivors, p)
+		}
+	}
+	for _, p := range survivors {
+		if p == j.rank {
 			continue
 		}
 		fillSource(j.src, j.rank, 99)
@@ -267,12 +273,6 @@ func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, vic
 		}
 		if err := j.await(signalWord(p), 2, fmt.Sprintf("survivor rank %d's last signal", p)); err != nil {
 			return err
-		}
-	}
-	survivors := []int{}
-	for p := range j.size {
-		if p != victim {
-			survivors = append(survivors, p)
 		}
 	}
 	return tr.CloseAfterFlush(survivors, timeout)

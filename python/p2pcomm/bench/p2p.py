@@ -46,8 +46,7 @@ extern "C" __global__ void mc_put(const MemoryChannel* ch, int peer, unsigned lo
 extern "C" __global__ void pc_put(const PortChannel* ch, int peer, unsigned long long bytes) {
   if (threadIdx.x == 0 && blockIdx.x == 0) { const PortChannel c = ch[peer]; c.put(0, 0, bytes); c.flush(); }
 }
-// The loops below copy their handle into registers first: a wait's or flush's acquire drops L1, and a handle
-// read from global memory after it would cost an L2 trip per call.
+// The loops below copy their handle out of the array first (channel.cuh says why).
 extern "C" __global__ void pc_send(const PortChannel* ch, int peer, unsigned long long bytes, int reps) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const PortChannel c = ch[peer];
