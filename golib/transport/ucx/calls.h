@@ -52,13 +52,18 @@ static inline int p2p_ucx_status_pp(void* f, void* a, void* b) { return ((int (*
 static inline unsigned p2p_ucx_progress(void* f, void* worker) { return ((unsigned (*)(void*))f)(worker); }
 
 // p2p_ucx_init creates a context for RMA. api_minor is the
-// UCP API version this code is written against.
+// UCP API version this code is written against. shared: workers of the
+// context run on several threads at once.
 static inline int p2p_ucx_init(void* f, unsigned api_major, unsigned api_minor, void* config,
-		size_t num_eps, const char* name, void** context) {
+		size_t num_eps, const char* name, int shared, void** context) {
 	p2p_ucp_params p;
 	memset(&p, 0, sizeof p);
 	p.field_mask = P2P_UCP_PARAM_FIELD_FEATURES | P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | P2P_UCP_PARAM_FIELD_NAME;
 	p.features = P2P_UCP_FEATURE_RMA | P2P_UCP_FEATURE_AM;
+	if (shared) {
+		p.field_mask |= P2P_UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+		p.mt_workers_shared = 1;
+	}
 	p.estimated_num_eps = num_eps;
 	p.name = name;
 	return ((int (*)(unsigned, unsigned, const p2p_ucp_params*, const void*, void**))f)(

@@ -142,6 +142,7 @@ type chunk struct {
 	ticket  uint64 // the copy into the send slot
 	claimed bool   // holds send slot sendSlot
 	slot    int
+	shares  *shares // the stripes carry the data (nil: the entry does)
 }
 
 // ring reports whether c travels as a landing ring entry.
@@ -159,9 +160,12 @@ type landed struct {
 
 // stager is this rank's staging state toward and from one peer.
 type stager struct {
-	on     bool    // device puts to the peer are staged
-	ring   *remote // the peer's landing ring for this rank
-	credit *remote // the peer's credit words; this rank's at rank*8
+	on      bool    // device puts to the peer are staged
+	ring    *remote // the peer's landing ring for this rank
+	ringKey []byte  // its key as packed, for the stripes' endpoints
+	// striping: every stripe reaches the peer's ring (see stripeReady)
+	striping bool
+	credit   *remote // the peer's credit words; this rank's at rank*8
 
 	send    uintptr             // send slots toward the peer, pinned
 	sendReg *local              // their registration
@@ -186,6 +190,7 @@ type stager struct {
 	// larger of the two, and neither goes back.
 	carried    uint64
 	creditPuts uint64 // credits sent as puts of their own
+	striped    uint64 // chunks whose data the stripes carried
 }
 
 // staging is the transport's staging state; nil when off.
@@ -458,6 +463,7 @@ func (t *Transport) stagePeer(r int, blob []byte) error {
 	}
 	st := &t.stage.peers[r]
 	st.ring, st.credit, st.am = ring.(*remote), credit.(*remote), am
+	st.ringKey = append([]byte(nil), blob[4:4+n]...)
 	if st.ring.size != uint64(len(t.peers))*t.stage.ringBytes() {
 		return status.Errorf(status.Mismatch, "UCX staging: rank %d's rings are %d bytes, want %d (same chunk size and count on every rank)",
 			r, st.ring.size, uint64(len(t.peers))*t.stage.ringBytes())
@@ -559,6 +565,9 @@ func (t *Transport) pump(r int) error {
 	if err != nil {
 		return t.stageFail(r, "staging copy to host", err)
 	}
+	if len(t.stripes) > 0 {
+		t.startStriped(r, done)
+	}
 	n := 0
 	for ; n < len(st.queue); n++ {
 		c := &st.queue[n]
@@ -567,6 +576,19 @@ func (t *Transport) pump(r int) error {
 		}
 		if c.ring() && st.entries-t.creditOf(r) >= uint64(s.slots) {
 			break
+		}
+		if c.shares != nil {
+			if c.shares.left.Load() > 0 {
+				break
+			}
+			if f := c.shares.failed.Load(); f != 0 {
+				st.queue = st.queue[n+1:]
+				err := t.peerError(r, "staged put (a stripe's share)", C.int(f))
+				t.fail(r, err)
+				return err
+			}
+		} else if t.striped(r, c) {
+			break // its landing slot is not free yet
 		}
 		if err := t.issue(r, c); err != nil {
 			if len(st.queue) > n { // a failure toward r already dropped the queue
@@ -577,6 +599,36 @@ func (t *Transport) pump(r int) error {
 	}
 	st.queue = st.queue[n:]
 	return nil
+}
+
+// startStriped hands the stripes the data of the queued chunks they carry
+// whose copies completed (done) and whose landing slots are free, ahead of
+// the entries queued in front of them: their headers still go in order.
+func (t *Transport) startStriped(r int, done uint64) {
+	s := t.stage
+	st := &s.peers[r]
+	credit := t.creditOf(r)
+	entry := st.entries // the entry number of the next ring chunk
+	for i := range st.queue {
+		c := &st.queue[i]
+		if !c.claimed || (c.device && c.ticket > done) || (c.ring() && entry-credit >= uint64(s.slots)) {
+			return
+		}
+		if !c.ring() {
+			continue
+		}
+		if c.shares == nil && t.striped(r, c) {
+			t.startShares(r, c, t.landingSlot(st, entry))
+		}
+		entry++
+	}
+}
+
+// landingSlot is the address, at st's peer, of the landing slot of this
+// rank's ring entry e.
+func (t *Transport) landingSlot(st *stager, e uint64) uint64 {
+	s := t.stage
+	return st.ring.base + uint64(t.rank)*s.ringBytes() + (e%uint64(s.slots))*s.stride()
 }
 
 // putDirect notes a put to rank r outside the ring: the ring entries behind
@@ -649,7 +701,7 @@ func (t *Transport) issue(r int, c *chunk) error {
 		t.putDirect(r)
 		return t.putSlot(r, "staged put", src, c.size, c.dst, c.rkey, memh, &reqs[0])
 	}
-	landing := st.ring.base + uint64(t.rank)*s.ringBytes() + (st.entries%uint64(s.slots))*s.stride()
+	landing := t.landingSlot(st, st.entries)
 	h := unsafe.Slice((*uint64)(addrPtr(send)), headerSize/8)
 	h[0], h[1], h[2], h[3], h[4], h[5] = st.entries+1, c.dst, c.size, 0, c.word, c.total
 	h[creditWord] = st.consumed
@@ -660,12 +712,18 @@ func (t *Transport) issue(r int, c *chunk) error {
 	if c.signal {
 		h[3] |= entrySignal
 	}
-	if st.am && !st.direct && (c.size == 0 || c.inSlot()) && headerSize+c.size <= amMaxBytes {
+	// The data travels in the entry unless the stripes put it in the
+	// landing slot already.
+	data := c.size
+	if c.shares != nil {
+		data = 0
+	}
+	if st.am && !st.direct && (data == 0 || c.inSlot()) && headerSize+data <= amMaxBytes {
 		// The message's header, the landing address, lives in the slot too.
 		h[amHeaderWord] = landing
 		var s C.int
 		reqs[0] = C.p2p_ucx_am_land_send(t.lib.fn.amSendNbx, t.peers[r].ep, C.uint64_t(send+8*amHeaderWord),
-			C.uint64_t(send), C.size_t(headerSize+c.size), t.sendMemh(st), &s)
+			C.uint64_t(send), C.size_t(headerSize+data), t.sendMemh(st), &s)
 		if s != C.P2P_UCS_OK && s != C.P2P_UCS_INPROGRESS {
 			err := t.peerError(r, "staged entry", s)
 			t.fail(r, err)
@@ -677,9 +735,9 @@ func (t *Transport) issue(r int, c *chunk) error {
 	}
 	st.direct = false
 	body := uint64(headerSize - 8)
-	if c.size > 0 && c.inSlot() {
-		body += c.size
-	} else if c.size > 0 {
+	if data > 0 && c.inSlot() {
+		body += data
+	} else if data > 0 {
 		var status C.int
 		req := C.p2p_ucx_put(t.lib.fn.putNbx, t.peers[r].ep, C.uint64_t(c.src), C.size_t(c.size), C.uint64_t(landing+headerSize),
 			st.ring.rkey, c.srcMemh, C.P2P_UCS_MEMORY_TYPE_HOST, &status)

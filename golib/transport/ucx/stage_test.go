@@ -109,6 +109,49 @@ func TestStagedPutsVerified(t *testing.T) {
 	}
 }
 
+// TestStagedPutsStriped: the same with every chunk's data carried by
+// stripes, which the ranks settle on.
+func TestStagedPutsStriped(t *testing.T) {
+	needUCX(t)
+	for _, c := range []struct {
+		role    string
+		size    int
+		stripes string
+	}{{"staged", 2, "2"}, {"staged", 3, "3"}, {"stagedstripes", 2, ""}} {
+		t.Run(fmt.Sprintf("%s-ranks%d-stripes%s", c.role, c.size, c.stripes), func(t *testing.T) {
+			env := []string{}
+			if c.stripes != "" {
+				env = append(env, StripesEnv+"="+c.stripes)
+			}
+			expectOK(t, runJob(t, c.role, c.size, 60*time.Second, env...))
+		})
+	}
+}
+
+// wantStripes is how many stripes a test rank in role should have opened.
+func wantStripes(role string) int {
+	if role == "stagedstripes" {
+		return 2
+	}
+	n, _ := strconv.Atoi(os.Getenv(StripesEnv))
+	if n < 2 || !strings.HasPrefix(role, "staged") || role == "stagednever" || role == "stagedbadkeys" {
+		return 0
+	}
+	return n
+}
+
+// everyPeerStriped checks that the stripes carried chunks to every peer.
+func everyPeerStriped(tr *Transport) error {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	for r := range tr.stage.peers {
+		if r != tr.rank && tr.stage.peers[r].striped == 0 {
+			return fmt.Errorf("no chunk to rank %d went through the stripes", r)
+		}
+	}
+	return nil
+}
+
 // TestStagedHostStores: signals a copier cannot store (words it does not
 // reach) are stored by the receiver once the copies before them completed.
 func TestStagedHostStores(t *testing.T) {
@@ -154,10 +197,13 @@ func TestStagedPeerKilled(t *testing.T) {
 		modes = append(modes, "peer")
 	}
 	for _, mode := range modes {
-		t.Run(mode, func(t *testing.T) {
-			results := runJob(t, "stagedkill", size, 40*time.Second, victimEnv+"="+strconv.Itoa(victim), ErrorsEnv+"="+mode)
-			bootstraptest.ExpectDone(t, results, victim)
-		})
+		for _, stripes := range []string{"1", "2"} {
+			t.Run(mode+"-stripes"+stripes, func(t *testing.T) {
+				results := runJob(t, "stagedkill", size, 40*time.Second, victimEnv+"="+strconv.Itoa(victim),
+					ErrorsEnv+"="+mode, StripesEnv+"="+stripes)
+				bootstraptest.ExpectDone(t, results, victim)
+			})
+		}
 	}
 }
 
@@ -192,7 +238,11 @@ func TestParseStageMode(t *testing.T) {
 // is checked when its signal arrives.
 func TestStagedPutWithSignal(t *testing.T) {
 	needUCX(t)
-	expectOK(t, runJob(t, "stagedpingpong", 2, 60*time.Second))
+	for _, stripes := range []string{"1", "2"} {
+		t.Run("stripes"+stripes, func(t *testing.T) {
+			expectOK(t, runJob(t, "stagedpingpong", 2, 60*time.Second, StripesEnv+"="+stripes))
+		})
+	}
 }
 
 // TestStagedPutWithSignalWideRing: the same on a ring of 16 slots, where a
@@ -253,6 +303,7 @@ func TestStagingFailsOnOneRank(t *testing.T) {
 	for _, tt := range []struct{ role, own, peers string }{
 		{"stagednohost", "no pinned memory left", "rank 1 could not build its landing rings"},
 		{"stagedbadkeys", "fake: a ring key that does not unpack", "rank 1 could not open its transport"},
+		{"stagedbadstripes", `rank 1: P2PCOMM_UCX_STRIPES="9": want 1 to 8`, `rank 1: P2PCOMM_UCX_STRIPES="9": want 1 to 8`},
 	} {
 		t.Run(tt.role, func(t *testing.T) {
 			for _, r := range runJob(t, tt.role, 3, 60*time.Second) {
@@ -319,7 +370,11 @@ func childCarriedCredits(tr *Transport, bs bootstrap.Bootstrap, timeout time.Dur
 // otherwise warns at exit that requests were not returned).
 func TestStagedCloseWithoutFlush(t *testing.T) {
 	needUCX(t)
-	expectOK(t, runJob(t, "stagedclose", 2, 60*time.Second))
+	for _, stripes := range []string{"1", "2"} {
+		t.Run("stripes"+stripes, func(t *testing.T) {
+			expectOK(t, runJob(t, "stagedclose", 2, 60*time.Second, StripesEnv+"="+stripes))
+		})
+	}
 }
 
 // heldRequests counts the UCP requests t still holds: operations pending

@@ -132,6 +132,7 @@ typedef struct {
 // Bits and values used, from ucp.h, ucp_def.h and ucs/.
 enum {
 	P2P_UCP_PARAM_FIELD_FEATURES = 1 << 0,
+	P2P_UCP_PARAM_FIELD_MT_WORKERS_SHARED = 1 << 5,
 	P2P_UCP_PARAM_FIELD_ESTIMATED_NUM_EPS = 1 << 6,
 	P2P_UCP_PARAM_FIELD_NAME = 1 << 8,
 	P2P_UCP_FEATURE_RMA = 1 << 1,

@@ -59,6 +59,11 @@ type Options struct {
 	// endpoints then have a single lane, which lets a put with a signal
 	// travel as one message (PutWithSignal).
 	OneHost bool
+	// Stripes is how many workers, each on a thread of its own, carry the
+	// data of a large staged chunk (see StripesEnv); 0 reads StripesEnv,
+	// else 1: the transport's own endpoint alone. Ranks settle on the
+	// fewest any asks for.
+	Stripes int
 	// HostOnly: every buffer is host memory, and calls may run where CUDA
 	// calls are refused (a host function on a stream, see golib/moe): UCX
 	// keeps off its CUDA transports, whatever UCX_TLS says, so that no CUDA
@@ -155,6 +160,8 @@ type Transport struct {
 	stage    *staging             // nil unless some peer's device puts are staged
 	landing  unsafe.Pointer       // the staging handler's bounds, freed after the worker
 	putsig   *C.p2p_putsig_target // the put-with-signal handler's bounds (nil: not landed here), freed after the worker
+	stripes  []*stripe            // workers on threads of their own that carry large staged chunks
+	errMode  C.int                // endpoints' failure handling (UCP_ERR_HANDLING_MODE_*)
 	closed   bool
 }
 
@@ -270,6 +277,23 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	if errMode == ErrorsPeer {
 		cErrMode = C.P2P_UCP_ERR_HANDLING_MODE_PEER
 	}
+	t.errMode = cErrMode
+	// A bad StripesEnv is every rank's error, found in the stripes'
+	// exchange below.
+	stripes, badStripes := min(opts.Stripes, MaxStripes), ""
+	if stripes <= 0 {
+		stripes = 1
+		if v, ok := procenv.Lookup(StripesEnv); ok && v != "" {
+			if n, err := ParseStripes(v); err != nil {
+				badStripes = v
+			} else {
+				stripes = n
+			}
+		}
+	}
+	if opts.Copier == nil {
+		stripes = 1 // nothing is staged
+	}
 	var config unsafe.Pointer
 	if s := C.p2p_ucx_config_read(f.configRead, &config); s != C.P2P_UCS_OK {
 		return t.ucsError(s, "read UCX configuration")
@@ -297,7 +321,8 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	}
 	name := C.CString(fmt.Sprintf("p2pcomm-rank%d", t.rank))
 	defer C.free(unsafe.Pointer(name))
-	s := C.p2p_ucx_init(f.init, C.uint(minMajor), C.uint(minMinor), config, C.size_t(len(t.peers)), name, &t.context)
+	s := C.p2p_ucx_init(f.init, C.uint(minMajor), C.uint(minMinor), config, C.size_t(len(t.peers)), name,
+		C.int(b2byte(stripes > 1)), &t.context)
 	C.p2p_ucx_call_p(f.configRelease, config)
 	if s != C.P2P_UCS_OK {
 		t.context = nil
@@ -350,9 +375,13 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	// barrier too): one that failed after the exchanges above, taking a
 	// peer's ring keys say, must not leave the others waiting for it.
 	stageErr := t.openStaging(bs, opts)
-	failed, err := t.allGather(bs, []byte{b2byte(stageErr != nil)})
-	if stageErr != nil || err != nil {
-		return cmp.Or(stageErr, err)
+	if stageErr != nil {
+		stripes = 0 // every rank still takes part in the stripes' exchange
+	}
+	stripeErr := t.openStripes(bs, stripes, badStripes)
+	failed, err := t.allGather(bs, []byte{b2byte(stageErr != nil || stripeErr != nil)})
+	if stageErr != nil || stripeErr != nil || err != nil {
+		return cmp.Or(stageErr, stripeErr, err)
 	}
 	for r := range failed {
 		if len(failed[r]) == 1 && failed[r][0] != 0 {
@@ -504,6 +533,7 @@ func (t *Transport) fail(r int, err error) {
 	}
 	t.cancelPending(r)
 	t.dropStaged(r)
+	t.dropStripes(r)
 	t.dropFlushed(r)
 	t.closeEndpoint(r)
 	for _, o := range p.pending {
@@ -792,6 +822,7 @@ func (t *Transport) Close() error {
 	t.closed = true
 	f := &t.lib.fn
 	t.settle()
+	t.closeStripes() // before the memory their shares read and write goes
 	for r := range t.peers {
 		p := &t.peers[r]
 		t.cancelPending(r)

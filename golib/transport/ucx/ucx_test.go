@@ -167,6 +167,16 @@ func child(role string) int {
 		before = listeningPorts()
 	}
 	opts := Options{Timeout: cfg.Timeout}
+	if os.Getenv(StripesEnv) != "" || role == "stagedstripes" {
+		stripeMinBytes = 1        // the tests' chunks and pieces are small
+		opts.SeparateHosts = true // as between nodes, where stripes pay
+	}
+	if role == "stagedbadstripes" && cfg.Rank == 1 {
+		os.Setenv(StripesEnv, "9")
+	}
+	if role == "stagedstripes" {
+		opts.Stripes = 2 + cfg.Rank // the ranks settle on 2
+	}
 	if strings.HasPrefix(role, "staged") {
 		opts.Copier, opts.Stage = newFakeCopier(), StageAlways
 		opts.ChunkBytes, opts.RingChunks = stageChunk, stageSlots
@@ -213,13 +223,20 @@ func child(role string) int {
 	}
 	defer tr.Close()
 	fmt.Println("using", tr.Library())
+	if want := wantStripes(role); tr.Stripes() != want {
+		fmt.Fprintf(os.Stderr, "rank %d: %d stripes, want %d\n", cfg.Rank, tr.Stripes(), want)
+		return 1
+	}
 	switch role {
 	case "exchange":
 		err = newJob(tr, bs, cfg.Timeout).exchange(6)
-	case "staged", "stagednostore":
+	case "staged", "stagednostore", "stagedstripes":
 		j := newJob(tr, bs, cfg.Timeout)
 		j.mem = transport.DeviceMemory
 		err = j.exchange(6)
+		if err == nil && wantStripes(role) > 0 {
+			err = everyPeerStriped(tr)
+		}
 	case "hier":
 		err = childHier(tr, bs, cfg.Timeout, transport.HostMemory)
 	case "stagedhier":
