@@ -13,6 +13,7 @@ import (
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/cuda"
+	"github.com/p2pcomm/p2pcomm/golib/procenv"
 	"github.com/p2pcomm/p2pcomm/golib/proxy"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 	"github.com/p2pcomm/p2pcomm/golib/symm"
@@ -40,6 +41,10 @@ type Config struct {
 	// ChunkBytes, RingChunks); 0 takes its defaults.
 	UCXStageChunk uint64
 	UCXStageSlots int
+	// UCXStripes is how many workers carry a large staged chunk
+	// (ucx.Options.Stripes); 0: ucx.StripesEnv, else the topology's
+	// default (topo.Topology.Stripes).
+	UCXStripes int
 	// InlineBytes caps the puts a kernel's port channel to a UCX peer
 	// copies into the FIFO itself (PortChannel.InlineMax; at most
 	// proxy.InlineBytes): device memory staged for UCX then needs no copy
@@ -255,9 +260,14 @@ func (c *Channels) onGPU() bool { return c.cfg.GPU != nil }
 
 // ucxOptions are the UCX transport's options for this communicator.
 func (c *Channels) ucxOptions() ucx.Options {
+	stripes := c.cfg.UCXStripes
+	if _, set := procenv.Lookup(ucx.StripesEnv); stripes == 0 && !set && c.cfg.Topology != nil {
+		stripes = c.cfg.Topology.Stripes()
+	}
 	return ucx.Options{Timeout: c.cfg.Timeout, LibraryDirs: c.cfg.UCXDirs, ChunkBytes: c.cfg.UCXStageChunk,
-		RingChunks: c.cfg.UCXStageSlots, SeparateHosts: c.cfg.Topology != nil && c.cfg.Topology.SharedHosts,
-		OneHost: c.cfg.Topology != nil && c.cfg.Topology.OneHost()}
+		RingChunks: c.cfg.UCXStageSlots, Stripes: stripes,
+		SeparateHosts: c.cfg.Topology != nil && c.cfg.Topology.SharedHosts,
+		OneHost:       c.cfg.Topology != nil && c.cfg.Topology.OneHost()}
 }
 
 // newIPC creates the copy-engine transport on this rank's GPU.

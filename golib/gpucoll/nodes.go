@@ -232,7 +232,8 @@ func (b *Backend) buildNodes(n *nodes, results, total uint64) error {
 	table := make([]proxy.PortChannel, hierBlocks*nodeCount)
 	per := hierBlocks / rails
 	for rail := range rails {
-		ch := channel.New(channel.Config{Bootstrap: b.bs, Topology: b.topo, Timeout: b.opts.Timeout,
+		// A rail is a stripe of its own already.
+		ch := channel.New(channel.Config{Bootstrap: b.bs, Topology: b.topo, Timeout: b.opts.Timeout, UCXStripes: 1,
 			GPU: &channel.GPU{Driver: b.drv, Space: b.space, Device: b.device, ErrWord: b.errDev}})
 		n.rails = append(n.rails, ch)
 		_, lanes, err := ch.HostPortChannels(n.net, per)

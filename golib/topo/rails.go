@@ -40,6 +40,18 @@ func (t *Topology) NetRails(asked int) (int, error) {
 	return 0, status.Errorf(status.InvalidArgument, "%s=%d: want 1, 2, 4 or 8", NetRailsEnv, asked)
 }
 
+// Stripes is how many stripes a rank's UCX transport opens by default for
+// staged chunks (ucx.Options.Stripes): one thread each, so up to 4 while
+// the rank has two cores per stripe, else 1 (none).
+func (t *Topology) Stripes() int {
+	cores := coresPerRank(runtime.NumCPU(), onlineCPUs(), t.HostRanks)
+	n := 4
+	for n > 1 && 2*n > cores {
+		n /= 2
+	}
+	return n
+}
+
 // AgreeRails settles every rank on the fewest rails any rank asks for (rail
 // k connects rail k of every rank); collective. A bad count on any rank is
 // every rank's error.

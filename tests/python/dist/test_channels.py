@@ -213,6 +213,53 @@ def test_readme_all_gather_replays_in_a_cuda_graph(comms, kind):
 
 @GPU_ONLY
 @NEEDS_UCX
+@pytest.mark.parametrize("stripes", ["1", "3"])
+def test_striped_puts_land_before_their_signal(node_comm, monkeypatch, stripes):
+    """P2PCOMM_UCX_STRIPES: a large staged chunk's data travels split over that many UCX workers and still lands
+    whole, before the signal behind it."""
+    monkeypatch.setenv("P2PCOMM_UCX_STRIPES", stripes)
+    comm = node_comm("cuda")
+    w, r = comm.world_size, comm.rank
+    kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)
+    for chunk in ((256 << 10) + 3, (3 << 20) + 1):  # a share's rounding, a chunk's tail
+        out = comm.empty(w * chunk, dtype=torch.uint8)
+        with comm.port_channels(out) as chans:
+            for seed in range(3):
+                out.fill_(POISON)
+                out[r * chunk:(r + 1) * chunk] = slice_data(r, chunk, seed, "cuda")
+                comm.barrier()
+                kernel(1, 32, chans, r, w, chunk)
+                torch.cuda.synchronize()
+                comm.check()
+                check_gathered(out, w, chunk, seed, "cuda")
+                comm.barrier()
+
+
+@GPU_ONLY
+@NEEDS_UCX
+def test_bad_stripe_count_raises_on_every_rank(node_comm, monkeypatch):
+    """A P2PCOMM_UCX_STRIPES out of range on one rank: every rank raises naming it, and may try again."""
+    r = dist.get_rank()
+    monkeypatch.setenv("P2PCOMM_UCX_STRIPES", "9" if r == 0 else "2")
+    comm = node_comm("cuda")
+    buf = comm.empty(1 << 20, dtype=torch.uint8)
+    with pytest.raises(p2pcomm.InvalidArgumentError, match='rank 0: P2PCOMM_UCX_STRIPES="9": want 1 to 8'):
+        comm.port_channels(buf)
+    monkeypatch.setenv("P2PCOMM_UCX_STRIPES", "2")
+    kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)
+    chunk = buf.numel() // comm.world_size
+    with comm.port_channels(buf) as chans:
+        buf.fill_(POISON)
+        buf[r * chunk:(r + 1) * chunk] = slice_data(r, chunk, 7, "cuda")
+        comm.barrier()
+        kernel(1, 32, chans, r, comm.world_size, chunk)
+        torch.cuda.synchronize()
+        comm.check()
+        check_gathered(buf[:comm.world_size * chunk], comm.world_size, chunk, 7, "cuda")
+
+
+@GPU_ONLY
+@NEEDS_UCX
 def test_readme_all_gather_across_simulated_nodes(node_comm):
     """Every rank a node of its own: port channels reach the others only through UCX."""
     comm = node_comm("cuda")
