@@ -181,8 +181,6 @@ func childStagedMix(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration
 	return nil
 }
 
-// TestStagedPeerKilled: a rank killed while staged puts stream to it is a
-// timeout naming it, within the timeout, and the others go on.
 // TestStagedPeerKilled: survivors of a rank killed mid-transfer report it
 // (a reset connection, or a timeout naming it).
 func TestStagedPeerKilled(t *testing.T) {

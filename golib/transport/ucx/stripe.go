@@ -7,6 +7,7 @@ package ucx
 import "C"
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
 	"runtime"
@@ -15,6 +16,8 @@ import (
 	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/status"
@@ -105,6 +108,7 @@ type stripe struct {
 	done    chan struct{}
 	started bool
 	flying  []share
+	closing []unsafe.Pointer // endpoint closes under way
 }
 
 // openStripes opens want stripes (fewer if a peer wants fewer; none below
@@ -187,6 +191,10 @@ func (t *Transport) openStripes(bs bootstrap.Bootstrap, want int, bad string) er
 	}
 	destroy(workers[agreed:])
 	workers = workers[:agreed]
+	// Every stripe is in t.stripes before anything can fail, so that Close
+	// destroys every worker; a failure to connect is this rank's error
+	// once the stripes have wired up, since its peers' stripes wait for
+	// this rank's to answer.
 	for k, w := range workers {
 		s := &stripe{lib: t.lib, index: k, timeout: t.timeout, worker: w, eps: make([]unsafe.Pointer, len(t.peers)),
 			keys: make([][]byte, len(t.peers)), rkeys: make([]unsafe.Pointer, len(t.peers)), stop: make(chan struct{}), done: make(chan struct{})}
@@ -194,20 +202,24 @@ func (t *Transport) openStripes(bs bootstrap.Bootstrap, want int, bad string) er
 		// and a wire-up flush take a message each.
 		s.work = make(chan stripeWork, (t.stage.slots+1)*len(t.peers)+1)
 		t.stripes = append(t.stripes, s)
+	}
+	for k, s := range t.stripes {
 		for r := range t.peers {
 			st := &t.stage.peers[r]
 			if r == t.rank || !st.on {
 				continue
 			}
 			if len(addrs[r]) <= k {
-				return status.Errorf(status.Mismatch, "rank %d sent %d stripe addresses, want %d", r, len(addrs[r]), agreed)
+				err = cmp.Or(err, status.Errorf(status.Mismatch, "rank %d sent %d stripe addresses, want %d", r, len(addrs[r]), agreed))
+				continue
 			}
 			caddr := C.CBytes(addrs[r][k])
-			s2 := C.p2p_ucx_ep_create(t.lib.fn.epCreate, w, caddr, t.errMode, t.slot(r), &s.eps[r])
+			s2 := C.p2p_ucx_ep_create(t.lib.fn.epCreate, s.worker, caddr, t.errMode, t.slot(r), &s.eps[r])
 			C.free(caddr)
 			if s2 != C.P2P_UCS_OK {
 				s.eps[r] = nil
-				return t.ucsError(s2, fmt.Sprintf("connect stripe %d to rank %d", k, r))
+				err = cmp.Or(err, t.ucsError(s2, fmt.Sprintf("connect stripe %d to rank %d", k, r)))
+				continue
 			}
 			s.keys[r] = st.ringKey
 		}
@@ -245,11 +257,12 @@ func (t *Transport) openStripes(bs bootstrap.Bootstrap, want int, bad string) er
 func (s *stripe) run() {
 	runtime.LockOSThread() // UCP's worker is used from this thread alone
 	defer close(s.done)
-	var idle idler
+	var idle stripeIdle
 	for {
 		select {
 		case w := <-s.work:
 			s.take(w)
+			idle.busy()
 		case <-s.stop:
 			s.shutdown()
 			return
@@ -260,7 +273,48 @@ func (s *stripe) run() {
 			s.reap()
 			events++ // a share in flight: keep spinning
 		}
+		if len(s.closing) > 0 {
+			s.reapClosing()
+		}
 		idle.after(events)
+	}
+}
+
+// stripeIdle paces an idle stripe as a proxy is paced: it spins for
+// idleSpin after its last event, since a peer's shares move only while it
+// progresses, then naps about 20 µs per look, and after stripeDoze sleeps
+// a millisecond per look. Every rank runs a thread per stripe: spinning
+// between transfers would take a core each.
+type stripeIdle struct {
+	empty int
+	since time.Time // when the current idle stretch began
+}
+
+// stripeDoze is how long a stripe naps before it sleeps longer.
+const stripeDoze = time.Second
+
+func (i *stripeIdle) busy() { i.empty = 0 }
+
+func (i *stripeIdle) after(events C.uint) {
+	if events != 0 {
+		i.empty = 0
+		return
+	}
+	i.empty++
+	if i.empty < 64 {
+		return
+	}
+	now := time.Now()
+	if i.empty == 64 {
+		i.since = now
+		return
+	}
+	switch idle := now.Sub(i.since); {
+	case idle >= stripeDoze:
+		ts := unix.Timespec{Nsec: int64(time.Millisecond)}
+		_ = unix.Nanosleep(&ts, nil)
+	case idle >= idleSpin:
+		nap()
 	}
 }
 
@@ -301,8 +355,13 @@ func (s *stripe) start(w stripeWork) {
 		return
 	}
 	if flush == nil { // the put completed at once, and with it the flush
+		if put != nil {
+			if ps := C.p2p_ucx_status_p(s.lib.fn.requestCheckStatus, put); ps < 0 {
+				st = ps
+			}
+		}
 		s.release(put)
-		s.finish(w, C.P2P_UCS_OK)
+		s.finish(w, st)
 		return
 	}
 	s.flying = append(s.flying, share{work: w, put: put, flush: flush})
@@ -425,8 +484,9 @@ func (s *stripe) dropPeer(r int) {
 	s.closePeer(r)
 }
 
-// closePeer destroys rank r's key and force-closes its endpoint, waiting a
-// bounded time for UCP to let it go.
+// closePeer destroys rank r's key and force-closes its endpoint; the close
+// completes in the background (reapClosing), so that a dead peer's
+// endpoint does not hold up the shares to the others.
 func (s *stripe) closePeer(r int) {
 	if s.rkeys[r] != nil {
 		C.p2p_ucx_call_p(s.lib.fn.rkeyDestroy, s.rkeys[r])
@@ -438,15 +498,23 @@ func (s *stripe) closePeer(r int) {
 	var st C.int
 	req := C.p2p_ucx_ep_close(s.lib.fn.epCloseNbx, s.eps[r], &st)
 	s.eps[r] = nil
-	if req == nil {
-		return
+	if req != nil {
+		s.closing = append(s.closing, req)
 	}
-	deadline := time.Now().Add(min(s.timeout, 5*time.Second))
-	var idle idler
-	for C.p2p_ucx_status_p(s.lib.fn.requestCheckStatus, req) == C.P2P_UCS_INPROGRESS && time.Now().Before(deadline) {
-		idle.after(C.p2p_ucx_progress(s.lib.fn.workerProgress, s.worker))
+}
+
+// reapClosing frees the endpoint closes that completed.
+func (s *stripe) reapClosing() {
+	kept := s.closing[:0]
+	for _, req := range s.closing {
+		if C.p2p_ucx_status_p(s.lib.fn.requestCheckStatus, req) == C.P2P_UCS_INPROGRESS {
+			kept = append(kept, req)
+			continue
+		}
+		C.p2p_ucx_call_p(s.lib.fn.requestFree, req)
 	}
-	C.p2p_ucx_call_p(s.lib.fn.requestFree, req)
+	clear(s.closing[len(kept):])
+	s.closing = kept
 }
 
 // shutdown ends the stripe on its thread: shares in flight are given up,
@@ -461,6 +529,17 @@ func (s *stripe) shutdown() {
 	for r := range s.eps {
 		s.closePeer(r)
 	}
+	// UCP lets a closed endpoint go within a bounded time, dead peer or not.
+	deadline := time.Now().Add(min(s.timeout, 5*time.Second))
+	var idle idler
+	for len(s.closing) > 0 && time.Now().Before(deadline) {
+		idle.after(C.p2p_ucx_progress(s.lib.fn.workerProgress, s.worker))
+		s.reapClosing()
+	}
+	for _, req := range s.closing {
+		C.p2p_ucx_call_p(s.lib.fn.requestFree, req) // UCP frees it once done
+	}
+	s.closing = nil
 	C.p2p_ucx_call_p(s.lib.fn.workerDestroy, s.worker)
 	s.worker = nil
 }
@@ -502,8 +581,9 @@ func (t *Transport) dropStripes(r int) {
 }
 
 // closeStripes stops the stripes' threads and waits for them, a bounded
-// time: a stripe stuck in UCP is left to the process's end.
-func (t *Transport) closeStripes() {
+// time, and reports whether all stopped: a stripe stuck in UCP is left to
+// the process's end, with the memory and context it may still use.
+func (t *Transport) closeStripes() bool {
 	for _, s := range t.stripes {
 		if s.started {
 			close(s.stop)
@@ -511,7 +591,9 @@ func (t *Transport) closeStripes() {
 			s.shutdown() // Open failed before its thread ran
 		}
 	}
-	deadline := time.After(min(t.timeout, 10*time.Second))
+	// A stripe's shutdown waits for its endpoints' closes, within 5 s.
+	deadline := time.After(min(t.timeout, 5*time.Second) + time.Second)
+	stopped := true
 	for _, s := range t.stripes {
 		if !s.started {
 			continue
@@ -519,9 +601,11 @@ func (t *Transport) closeStripes() {
 		select {
 		case <-s.done:
 		case <-deadline:
+			stopped = false
 		}
 	}
 	t.stripes = nil
+	return stopped
 }
 
 // Stripes is how many stripes carry large staged chunks (0: none).

@@ -281,7 +281,9 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	// A bad StripesEnv is every rank's error, found in the stripes'
 	// exchange below.
 	stripes, badStripes := min(opts.Stripes, MaxStripes), ""
-	if stripes <= 0 {
+	if opts.Copier == nil || opts.Stage == StageNever {
+		stripes = 1 // nothing is staged: StripesEnv is not this transport's
+	} else if stripes <= 0 {
 		stripes = 1
 		if v, ok := procenv.Lookup(StripesEnv); ok && v != "" {
 			if n, err := ParseStripes(v); err != nil {
@@ -290,9 +292,6 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 				stripes = n
 			}
 		}
-	}
-	if opts.Copier == nil {
-		stripes = 1 // nothing is staged
 	}
 	var config unsafe.Pointer
 	if s := C.p2p_ucx_config_read(f.configRead, &config); s != C.P2P_UCS_OK {
@@ -822,7 +821,11 @@ func (t *Transport) Close() error {
 	t.closed = true
 	f := &t.lib.fn
 	t.settle()
-	t.closeStripes() // before the memory their shares read and write goes
+	// The stripes stop before the memory their shares read and write goes.
+	if !t.closeStripes() {
+		return status.Errorf(status.Timeout, "UCX close: a stripe's thread did not stop within the timeout; "+
+			"its worker, the context and the staging memory are left to the process's end")
+	}
 	for r := range t.peers {
 		p := &t.peers[r]
 		t.cancelPending(r)
