@@ -155,6 +155,12 @@ class _TorchBootstrap:
             self.error = e
             return 1
 
+    def release(self) -> None:
+        """Drops the group and the callbacks once Go can no longer call them. The callbacks hold bound
+        methods of this object, a cycle that only the garbage collector would break, maybe as the
+        interpreter exits: a process group released that late can abort the process."""
+        self.allgather = self.barrier = self.group = None
+
 
 _OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
@@ -288,7 +294,11 @@ class Communicator:
             self._allocations.clear()
             self._finalizer.detach()
             h, self._handle = self._handle, 0
-            _lib.check(_lib.lib().p2p_finalize(h))
+            try:
+                _lib.check(_lib.lib().p2p_finalize(h))
+            finally:
+                if self._bootstrap is not None:
+                    self._bootstrap.release()
 
     def __enter__(self) -> "Communicator":
         return self
