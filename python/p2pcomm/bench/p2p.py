@@ -227,7 +227,9 @@ class Bench:
         tls = os.environ["UCX_TLS"]
         host_lat = perf.get("lat_host")
         vs_host = f" ({lat / float(host_lat):.1f}x host)" if host_lat and float(host_lat) > 0 else ""
-        self.say(f"\nPortChannel over UCX between two simulated nodes of {local} (UCX_TLS={tls}; GPU buffers),"
+        stripes = os.environ.get("P2PCOMM_UCX_STRIPES", "unset, the default")
+        self.say(f"\nPortChannel over UCX between two simulated nodes of {local} (UCX_TLS={tls}; GPU buffers;"
+                 f" P2PCOMM_UCX_STRIPES {stripes}),"
                  f" rank r -> r + {local}, every pair at once: 8-byte putWithSignal one way {lat:.1f} us{vs_host}"
                  f" (rank 0, median of half ping-pongs); ucx_perftest ucp_put_lat 8 B: host"
                  f" {perf.get('lat_host', 'n/a')} us, GPU {perf.get('lat_cuda', 'n/a')} us")
