@@ -239,6 +239,13 @@ class Bench:
             # The same pairs at once, as the PortChannel rows run: they share the host's transport.
             head += ["ucx_perftest host, every pair at once, GB/s per pair", "PortChannel / that"]
         self.say(md_table(head, rows, numeric=range(1, len(head))))
+        if self.args.out and self.rank == 0:
+            sizes = self.args.sizes
+            series = {"PortChannel (GPU buffers, staged)": [r[1] for r in rows],
+                      "ucx_perftest ucp_put_bw, host memory": [perf.get(fmt_bytes(z), ["n/a"])[0] for z in sizes],
+                      "ucx_perftest ucp_put_bw, GPU memory": [perf.get(fmt_bytes(z), ["n/a", "n/a"])[1] for z in sizes]}
+            title = f"PortChannel over UCX ({tls}, P2PCOMM_UCX_STRIPES {stripes}), {torch.cuda.get_device_name()}"
+            plot_bandwidth(os.path.join(self.args.out, "p2p_ucx.png"), title, sizes, series)
         torch.cuda.synchronize()
         dist.barrier()
         chans.close()
@@ -342,6 +349,35 @@ class Bench:
         return None if parsed[0] < 0 else (parsed[0].item(), parsed[1].item())
 
 
+def plot_bandwidth(path: str, title: str, sizes: list[int], series: dict[str, list[str]]) -> Optional[str]:
+    """GB/s against size, one line per series (values as the tables print them; "n/a" skipped); the path, or
+    None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"no plot: matplotlib unavailable ({e})")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in series.items():
+        points = [(z, float(v)) for z, v in zip(sizes, values) if v != "n/a"]
+        if points:
+            ax.plot(*zip(*points), "-o", markersize=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("put size (bytes)")
+    ax.set_ylabel("GB/s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m p2pcomm.bench p2p", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,7 +389,7 @@ def parser() -> argparse.ArgumentParser:
                    help="ucx: ranks per simulated node; the job is two nodes (default half the ranks)")
     p.add_argument("--perftest", action=argparse.BooleanOptionalAction, default=True,
                    help="run ucx_perftest beside the UCX rows (default on)")
-    p.add_argument("--out", default=None, help="directory for p2p.md (default: print only)")
+    p.add_argument("--out", default=None, help="directory for p2p.md and p2p_ucx.png (default: print only)")
     return p
 
 
