@@ -211,6 +211,23 @@ def test_readme_all_gather_replays_in_a_cuda_graph(comms, kind):
     chans.close()
 
 
+def gather_with_port_kernel(comm, kernel, chunk, seeds):
+    """The README's port-channel all-gather of chunk random bytes per rank into a fresh comm.empty, once per
+    seed, every byte checked."""
+    w, r = comm.world_size, comm.rank
+    out = comm.empty(w * chunk, dtype=torch.uint8)
+    with comm.port_channels(out) as chans:
+        for seed in seeds:
+            out.fill_(POISON)
+            out[r * chunk:(r + 1) * chunk] = slice_data(r, chunk, seed, "cuda")
+            comm.barrier()
+            kernel(1, 32, chans, r, w, chunk)
+            torch.cuda.synchronize()
+            comm.check()
+            check_gathered(out, w, chunk, seed, "cuda")
+            comm.barrier()
+
+
 @GPU_ONLY
 @NEEDS_UCX
 @pytest.mark.parametrize("stripes", ["1", "3"])
@@ -219,20 +236,9 @@ def test_striped_puts_land_before_their_signal(node_comm, monkeypatch, stripes):
     whole, before the signal behind it."""
     monkeypatch.setenv("P2PCOMM_UCX_STRIPES", stripes)
     comm = node_comm("cuda")
-    w, r = comm.world_size, comm.rank
     kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)
     for chunk in ((256 << 10) + 3, (3 << 20) + 1):  # a share's rounding, a chunk's tail
-        out = comm.empty(w * chunk, dtype=torch.uint8)
-        with comm.port_channels(out) as chans:
-            for seed in range(3):
-                out.fill_(POISON)
-                out[r * chunk:(r + 1) * chunk] = slice_data(r, chunk, seed, "cuda")
-                comm.barrier()
-                kernel(1, 32, chans, r, w, chunk)
-                torch.cuda.synchronize()
-                comm.check()
-                check_gathered(out, w, chunk, seed, "cuda")
-                comm.barrier()
+        gather_with_port_kernel(comm, kernel, chunk, range(3))
 
 
 @GPU_ONLY
@@ -247,15 +253,7 @@ def test_bad_stripe_count_raises_on_every_rank(node_comm, monkeypatch):
         comm.port_channels(buf)
     monkeypatch.setenv("P2PCOMM_UCX_STRIPES", "2")
     kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)
-    chunk = buf.numel() // comm.world_size
-    with comm.port_channels(buf) as chans:
-        buf.fill_(POISON)
-        buf[r * chunk:(r + 1) * chunk] = slice_data(r, chunk, 7, "cuda")
-        comm.barrier()
-        kernel(1, 32, chans, r, comm.world_size, chunk)
-        torch.cuda.synchronize()
-        comm.check()
-        check_gathered(buf[:comm.world_size * chunk], comm.world_size, chunk, 7, "cuda")
+    gather_with_port_kernel(comm, kernel, 512 << 10, [7])
 
 
 @GPU_ONLY
@@ -271,14 +269,4 @@ def test_readme_all_gather_across_simulated_nodes(node_comm):
     kernel = p2pcomm.Kernel(ALL_GATHER, "all_gather_port", comm=comm)  # another communicator shares the GPU
     # Up to 64 bytes the kernel copies a put into the FIFO (inline), at any alignment; beyond, the proxy stages it.
     for chunk in (1, 8, 61, 64, 65, 64 << 10, 5 << 20):
-        out = comm.empty(w * chunk, dtype=torch.uint8)
-        with comm.port_channels(out) as chans:
-            for seed in range(2):
-                out.fill_(POISON)
-                out[r * chunk:(r + 1) * chunk] = slice_data(r, chunk, seed, "cuda")
-                comm.barrier()
-                kernel(1, 32, chans, r, w, chunk)
-                torch.cuda.synchronize()
-                comm.check()
-                check_gathered(out, w, chunk, seed, "cuda")
-                comm.barrier()
+        gather_with_port_kernel(comm, kernel, chunk, range(2))
