@@ -217,6 +217,9 @@ func childKill(tr *Transport, bs bootstrap.Bootstrap, timeout time.Duration, vic
 		return fmt.Errorf("failure took %v, want within the %v timeout", took, timeout)
 	}
 	fmt.Printf("rank %d saw after %v: %v\n", j.rank, took.Round(time.Millisecond), err)
+	if tr.Stripes() > 0 && tr.stage.peers[victim].striped == 0 {
+		return fmt.Errorf("no chunk to the killed rank %d went through the stripes", victim)
+	}
 	// Every later call toward the victim fails at once with the same error.
 	if err2 := tr.Flush(victim); status.CodeOf(err2) != status.Timeout {
 		return fmt.Errorf("flush after the failure: %v, want code %v", err2, status.Timeout)

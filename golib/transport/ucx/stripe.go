@@ -486,7 +486,9 @@ func (s *stripe) dropPeer(r int) {
 
 // closePeer destroys rank r's key and force-closes its endpoint; the close
 // completes in the background (reapClosing), so that a dead peer's
-// endpoint does not hold up the shares to the others.
+// endpoint does not hold up the shares to the others. Without peer failure
+// handling UCP refuses a forced close: the endpoint then goes with the
+// worker.
 func (s *stripe) closePeer(r int) {
 	if s.rkeys[r] != nil {
 		C.p2p_ucx_call_p(s.lib.fn.rkeyDestroy, s.rkeys[r])

@@ -281,7 +281,11 @@ func (t *Transport) open(bs bootstrap.Bootstrap, opts Options) error {
 	// A bad StripesEnv is every rank's error, found in the stripes'
 	// exchange below.
 	stripes, badStripes := min(opts.Stripes, MaxStripes), ""
-	if opts.Copier == nil || opts.Stage == StageNever {
+	stage := opts.Stage
+	if stage == StageDefault {
+		stage, _ = ParseStageMode(procenv.Get(StageEnv)) // a bad value is openStaging's error
+	}
+	if opts.Copier == nil || stage == StageNever {
 		stripes = 1 // nothing is staged: StripesEnv is not this transport's
 	} else if stripes <= 0 {
 		stripes = 1

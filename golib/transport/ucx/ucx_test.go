@@ -169,11 +169,12 @@ func child(role string) int {
 	opts := Options{Timeout: cfg.Timeout}
 	if os.Getenv(StripesEnv) != "" || role == "stagedstripes" {
 		stripeMinBytes = 1 // the tests' chunks and pieces are small
-		// As between nodes, where stripes pay; but a survivor of a killed
+		// As between nodes, where stripes pay. But a survivor of a killed
 		// rank can abort in UCX 1.13's tcp put emulation ("Fatal:
-		// unexpected error: Endpoint timeout"), so that test keeps to
-		// shared memory (where the stripes of UCX 1.22 reach no peer).
-		opts.SeparateHosts = role != "stagedkill"
+		// unexpected error: Endpoint timeout"), so with an older UCX that
+		// test keeps to shared memory, where its stripes reach the peers
+		// (those of UCX 1.22 do not: cma keys).
+		opts.SeparateHosts = role != "stagedkill" || libraryMinor() >= 22
 	}
 	if role == "stagedbadstripes" && cfg.Rank == 1 {
 		os.Setenv(StripesEnv, "9")
@@ -303,6 +304,15 @@ func child(role string) int {
 	}
 	fmt.Println("DONE")
 	return 0
+}
+
+// libraryMinor is the minor version of the UCX the tests load, 0 if none.
+func libraryMinor() int {
+	lib, err := load(nil)
+	if err != nil {
+		return 0
+	}
+	return int(lib.minor)
 }
 
 // mmapBytes returns size bytes of zeroed memory outside the Go heap.
