@@ -47,8 +47,8 @@ class Channels:
         raw = (ctypes.c_uint8 * (world * self.entry_bytes))()
         set_id = ctypes.c_uint64()
         make = _lib.lib().p2p_memory_channels if self.kind == "memory" else _lib.lib().p2p_port_channels
-        _lib.check(make(comm._h(), tensor.data_ptr(), tensor.numel() * tensor.element_size(), raw,
-                        ctypes.sizeof(raw), ctypes.byref(set_id)))
+        comm._check(make(comm._h(), tensor.data_ptr(), tensor.numel() * tensor.element_size(), raw,
+                         ctypes.sizeof(raw), ctypes.byref(set_id)))
         self._set: Optional[int] = set_id.value
         self._raw = bytes(raw)
         host = torch.frombuffer(bytearray(self._raw), dtype=torch.uint8)

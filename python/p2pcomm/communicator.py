@@ -158,8 +158,9 @@ class _TorchBootstrap:
     def release(self) -> None:
         """Drops the group and the callbacks once Go can no longer call them. The callbacks hold bound
         methods of this object, a cycle that only the garbage collector would break, maybe as the
-        interpreter exits: a process group released that late can abort the process."""
-        self.allgather = self.barrier = self.group = None
+        interpreter exits: a process group released that late can abort the process. A kept error goes
+        too: its traceback holds this object and the group."""
+        self.allgather = self.barrier = self.group = self.error = None
 
 
 _OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
@@ -234,7 +235,7 @@ class Communicator:
         config = {"bootstrap": bootstrap, "device": self.device.index if self.device.type == "cuda" else -1, "env": env}
         self._handle = self._native_init(config, torch_bs)
         lib = _lib.lib()
-        self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid)
+        self._finalizer = weakref.finalize(self, _finalize, self._handle, self._pid, torch_bs)
         self._bootstrap = torch_bs  # the callbacks must outlive the handle
         self._allocations: dict[int, object] = {}
         r, w = ctypes.c_int32(), ctypes.c_int32()
@@ -260,12 +261,16 @@ class Communicator:
             torch_bs.barrier if torch_bs else _lib.BARRIER_FN(),
             None, ctypes.byref(handle),
         )
-        try:
-            _lib.check(rc)
-        except BootstrapError as e:
-            if torch_bs is not None and torch_bs.error is not None:
-                raise e from torch_bs.error
-            raise
+        if rc != 0 and torch_bs is not None:
+            cause = torch_bs.error
+            torch_bs.release()  # no handle: Go holds the callbacks no more
+            try:
+                _lib.check(rc)
+            except BootstrapError as e:
+                if cause is not None:
+                    raise e from cause
+                raise
+        _lib.check(rc)
         return handle.value
 
     def _check(self, rc: int) -> None:
@@ -615,7 +620,9 @@ class _CudaArray:
         }
 
 
-def _finalize(handle: int, pid: int) -> None:
+def _finalize(handle: int, pid: int, torch_bs=None) -> None:
     # Best effort at garbage collection or exit: not collective, never raises.
     if os.getpid() == pid and _lib._lib is not None:
         _lib._lib.p2p_finalize(handle)
+    if torch_bs is not None:
+        torch_bs.release()

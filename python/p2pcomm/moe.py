@@ -195,7 +195,7 @@ class ExpertParallel:
                                        len(info))
         if problem is not None:
             raise problem
-        _lib.check(rc)
+        comm._check(rc)
         info = json.loads(info.value)
         self._handle, self._closed = handle.value, False
         self._finalizer = weakref.finalize(self, _destroy, self._handle, os.getpid())

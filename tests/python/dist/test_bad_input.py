@@ -106,6 +106,30 @@ def test_use_after_close(group):
         comm.barrier()
 
 
+@pytest.mark.parametrize("ending", ["close", "dropped"])
+def test_an_ended_communicator_lets_go_of_its_group(group, ending):
+    """Closed, or dropped unclosed, a communicator keeps no reference to the torch group: a group the garbage
+    collector frees only as the interpreter exits can abort the process there."""
+    import gc
+
+    from p2pcomm.communicator import _TorchBootstrap
+
+    sub = dist.new_group(backend="gloo")
+    gc.collect()
+    gc.disable()  # what refcounting alone frees
+    try:
+        comm = p2pcomm.Communicator(sub, device="cpu")
+        comm.barrier()
+        if ending == "close":
+            comm.close()
+        del comm
+        held = [o for o in gc.get_objects() if isinstance(o, _TorchBootstrap) and o.group is sub]
+        assert not held, f"{len(held)} bootstrap(s) still hold the group"
+    finally:
+        gc.enable()
+    dist.destroy_process_group(sub)
+
+
 def test_barrier_and_context_manager(group):
     with p2pcomm.Communicator(group, device="cpu") as comm:
         for _ in range(50):
