@@ -106,7 +106,6 @@ type stripe struct {
 	work    chan stripeWork
 	stop    chan struct{}
 	done    chan struct{}
-	started bool
 	flying  []share
 	closing []unsafe.Pointer // endpoint closes under way
 }
@@ -225,7 +224,6 @@ func (t *Transport) openStripes(bs bootstrap.Bootstrap, want int, bad string) er
 		}
 	}
 	for _, s := range t.stripes {
-		s.started = true
 		go s.run()
 	}
 	// Endpoints wire up lazily: a flush of each finds an unreachable peer
@@ -572,9 +570,6 @@ func (t *Transport) striped(r int, c *chunk) bool {
 // dropStripes tells the stripes that rank r failed.
 func (t *Transport) dropStripes(r int) {
 	for _, s := range t.stripes {
-		if !s.started {
-			continue
-		}
 		select {
 		case <-s.done:
 		case s.work <- stripeWork{peer: r, drop: true}:
@@ -587,19 +582,12 @@ func (t *Transport) dropStripes(r int) {
 // the process's end, with the memory and context it may still use.
 func (t *Transport) closeStripes() bool {
 	for _, s := range t.stripes {
-		if s.started {
-			close(s.stop)
-		} else {
-			s.shutdown() // Open failed before its thread ran
-		}
+		close(s.stop)
 	}
 	// A stripe's shutdown waits for its endpoints' closes, within 5 s.
 	deadline := time.After(min(t.timeout, 5*time.Second) + time.Second)
 	stopped := true
 	for _, s := range t.stripes {
-		if !s.started {
-			continue
-		}
 		select {
 		case <-s.done:
 		case <-deadline:
