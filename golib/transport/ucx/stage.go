@@ -584,9 +584,6 @@ func (t *Transport) pump(r int) error {
 			if f := c.shares.failed.Load(); f != 0 {
 				st.queue = st.queue[n+1:]
 				err := t.peerError(r, "staged put (a stripe's share)", C.int(f))
-				if f == C.P2P_UCS_ERR_LAST {
-					err = status.Errorf(status.Timeout, "UCX staged put to rank %d: a stripe gave its share up (its endpoint to the rank failed)", r)
-				}
 				t.fail(r, err)
 				return err
 			}

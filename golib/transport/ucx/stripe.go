@@ -17,8 +17,6 @@ import (
 	"time"
 	"unsafe"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/p2pcomm/p2pcomm/golib/bootstrap"
 	"github.com/p2pcomm/p2pcomm/golib/status"
 )
@@ -255,12 +253,14 @@ func (t *Transport) openStripes(bs bootstrap.Bootstrap, want int, bad string) er
 func (s *stripe) run() {
 	runtime.LockOSThread() // UCP's worker is used from this thread alone
 	defer close(s.done)
-	var idle stripeIdle
+	// Paced as an idle proxy is: every rank runs a thread per stripe, and
+	// spinning between transfers would take a core each.
+	idle := idler{doze: time.Second}
 	for {
 		select {
 		case w := <-s.work:
 			s.take(w)
-			idle.busy()
+			idle.after(1)
 		case <-s.stop:
 			s.shutdown()
 			return
@@ -275,44 +275,6 @@ func (s *stripe) run() {
 			s.reapClosing()
 		}
 		idle.after(events)
-	}
-}
-
-// stripeIdle paces an idle stripe as a proxy is paced: it spins for
-// idleSpin after its last event, since a peer's shares move only while it
-// progresses, then naps about 20 µs per look, and after stripeDoze sleeps
-// a millisecond per look. Every rank runs a thread per stripe: spinning
-// between transfers would take a core each.
-type stripeIdle struct {
-	empty int
-	since time.Time // when the current idle stretch began
-}
-
-// stripeDoze is how long a stripe naps before it sleeps longer.
-const stripeDoze = time.Second
-
-func (i *stripeIdle) busy() { i.empty = 0 }
-
-func (i *stripeIdle) after(events C.uint) {
-	if events != 0 {
-		i.empty = 0
-		return
-	}
-	i.empty++
-	if i.empty < 64 {
-		return
-	}
-	now := time.Now()
-	if i.empty == 64 {
-		i.since = now
-		return
-	}
-	switch idle := now.Sub(i.since); {
-	case idle >= stripeDoze:
-		ts := unix.Timespec{Nsec: int64(time.Millisecond)}
-		_ = unix.Nanosleep(&ts, nil)
-	case idle >= idleSpin:
-		nap()
 	}
 }
 

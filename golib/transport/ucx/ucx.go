@@ -460,10 +460,13 @@ func (t *Transport) progressWhile(fn func() error) error {
 // idler spins while progress finds work and sleeps only after idleSpin
 // without any: a proxy's flush round trip is microseconds, which a sleep
 // would multiply, while a rank waiting long for a slow peer should leave
-// the cores to it.
+// the cores to it. A wait naps at every 64th empty look; a thread that
+// lives idle between transfers (doze set: a stripe) naps at every one, and
+// past doze sleeps a millisecond per look, as an idle proxy does.
 type idler struct {
 	empty int
-	since time.Time // when the current idle stretch began
+	since time.Time     // when the current idle stretch began
+	doze  time.Duration // 0: a wait's pacing
 }
 
 // idleSpin is how long a wait busy-polls before it starts to sleep.
@@ -475,16 +478,21 @@ func (i *idler) after(events C.uint) {
 		return
 	}
 	i.empty++
-	if i.empty%64 != 0 {
+	if i.empty < 64 || (i.doze == 0 && i.empty%64 != 0) {
 		return
 	}
 	// No runtime.Gosched: waits run on the proxy's locked thread, where it
 	// costs a thread handoff through futexes, tens of microseconds.
 	now := time.Now()
-	switch {
-	case i.empty == 64:
+	if i.empty == 64 {
 		i.since = now
-	case now.Sub(i.since) >= idleSpin:
+		return
+	}
+	switch idle := now.Sub(i.since); {
+	case i.doze > 0 && idle >= i.doze:
+		ts := unix.Timespec{Nsec: int64(time.Millisecond)}
+		_ = unix.Nanosleep(&ts, nil)
+	case idle >= idleSpin:
 		nap()
 	}
 }
